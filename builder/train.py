@@ -1,0 +1,184 @@
+"""Train the tokenizer, the token-level baseline, and the dual-end model converted from it.
+
+    python -m builder.train tokenizer --out runs/tokenizer.json
+    python -m builder.train baseline --tokenizer runs/tokenizer.json --run runs/baseline --steps 6000
+    python -m builder.train dualend --baseline checkpoints/baseline --run runs/dualend --steps 6000
+
+A run folder holds `state.pt` (resumable: model, optimizer, step, RNG), `log.jsonl`, and `best/`,
+the checkpoint with the best held-out greedy accuracy so far. Re-running the same command resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dualend.checkpoint import Checkpoint, load_checkpoint
+from dualend.data import FAMILIES, examples, stdlib_chunks
+from dualend.evaluation import evaluate_pass1
+from dualend.model import LanguageModel, ModelConfig, count_parameters, default_ffn_hidden
+from dualend.tokenizer import TextTokenizer, train_tokenizer
+from dualend.training import (baseline_batch, baseline_loss, dualend_batch, dualend_loss,
+                              sample_stream)
+
+DEFAULTS = dict(
+    vocab_size=1024, d_model=256, n_layers=4, n_heads=4, batch_size=32, max_tokens=192,
+    lr=2e-3, warmup=200, text_fraction=0.1, eval_every=500, eval_examples=40, patience=4,
+    distill_weight=0.5, seed=0, threads=2,
+)
+
+
+def tokenizer_corpus(seed: int, per_family: int = 4000, text_chunks: int = 3000):
+    for family in FAMILIES:
+        for example in itertools.islice(examples(family, "train", seed), per_family):
+            yield example.prompt + example.completion
+    yield from itertools.islice(stdlib_chunks("train", 2000, seed), text_chunks)
+
+
+def cmd_tokenizer(args) -> None:
+    tokenizer = train_tokenizer(tokenizer_corpus(args.seed), args.vocab_size)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(tokenizer.to_str())
+    print(f"tokenizer: {tokenizer.get_vocab_size()} tokens -> {args.out}")
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dict, loss_fn,
+               make_batch, trainable) -> None:
+    run = Path(args.run)
+    run.mkdir(parents=True, exist_ok=True)
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    state_path, log_path = run / "state.pt", run / "log.jsonl"
+    step, best, stale, elapsed = 0, -1.0, 0, 0.0
+    data_rng = random.Random(args.seed)
+    stream = sample_stream(tokenizer, args.seed, args.text_fraction, args.max_tokens)
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, best, stale, elapsed = state["step"], state["best"], state["stale"], state["elapsed"]
+        data_rng.setstate(state["data_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        stream = sample_stream(tokenizer, args.seed + step, args.text_fraction, args.max_tokens)
+        print(f"resumed at step {step} (best held-out accuracy {best:.3f})")
+    bar = tqdm(total=args.steps, initial=step, desc=recipe["kind"], file=sys.stdout, mininterval=30)
+    started = time.time() - elapsed
+    while step < args.steps and stale < args.patience:
+        model.train()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        batch = make_batch([next(stream) for _ in range(args.batch_size)], data_rng)
+        loss, parts = loss_fn(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        step += 1
+        bar.update(1)
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            model.eval()
+            accuracy = evaluate_pass1(model, tokenizer, args.eval_examples, seed=1)
+            mean = sum(accuracy.values()) / len(accuracy)
+            improved = mean > best
+            best, stale = (mean, 0) if improved else (best, stale + 1)
+            record = {"step": step, "minutes": round((time.time() - started) / 60, 2),
+                      "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in parts.items()},
+                      "heldout_pass1": accuracy, "mean": round(mean, 4)}
+            with log_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(json.dumps(record), flush=True)
+            if improved:
+                recipe.update(steps=step, minutes=record["minutes"], heldout_pass1=accuracy)
+                Checkpoint(model, tokenizer, dict(recipe)).save(run / "best")
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step, "best": best, "stale": stale,
+                        "elapsed": time.time() - started, "data_rng": data_rng.getstate(),
+                        "torch_rng": torch.get_rng_state()}, state_path)
+    bar.close()
+    print(f"done at step {step}; best held-out mean pass@1 {best:.3f} -> {run / 'best'}")
+
+
+def _recipe(args, kind: str) -> dict:
+    keys = ("batch_size", "max_tokens", "lr", "warmup", "text_fraction", "seed", "steps", "distill_weight")
+    return {"kind": kind, "python": sys.version.split()[0], "torch": torch.__version__,
+            **{k: getattr(args, k) for k in keys if hasattr(args, k)}}
+
+
+def cmd_baseline(args) -> None:
+    tokenizer = TextTokenizer.from_json(Path(args.tokenizer).read_text())
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+                      bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pair_size=1,
+                      d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                      ffn_hidden=default_ffn_hidden(args.d_model))
+    torch.manual_seed(args.seed)
+    model = LanguageModel(cfg)
+    print(f"baseline: {count_parameters(model) / 1e6:.2f}M parameters")
+    train_loop(args, model, tokenizer, _recipe(args, "baseline"), baseline_loss,
+               lambda samples, rng: baseline_batch(samples, cfg.pad_id), list(model.parameters()))
+
+
+def convert_baseline(baseline: LanguageModel, compressor_init: str) -> LanguageModel:
+    """A dual-end model whose embedding and backbone start as the baseline's."""
+    cfg = ModelConfig(**{**baseline.cfg.to_dict(), "pair_size": 2, "compressor_init": compressor_init})
+    model = LanguageModel(cfg)
+    model.embedding.load_state_dict(baseline.embedding.state_dict())
+    model.backbone.load_state_dict(baseline.backbone.state_dict())
+    # The MTP layer starts as a copy of the backbone's last layer.
+    model.mtp.layer.load_state_dict(baseline.backbone.layers[-1].state_dict())
+    return model
+
+
+def cmd_dualend(args) -> None:
+    teacher_ckpt = load_checkpoint(args.baseline)
+    teacher, tokenizer = teacher_ckpt.model, teacher_ckpt.tokenizer
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(args.seed)
+    model = convert_baseline(teacher, args.compressor_init)
+    recipe = _recipe(args, "dualend") | {"converted_from": teacher_ckpt.id,
+                                         "compressor_init": args.compressor_init,
+                                         "baseline_recipe": teacher_ckpt.recipe}
+    pad = model.cfg.pad_id
+    teacher_or_none = teacher if args.distill_weight > 0 else None
+    train_loop(args, model, tokenizer, recipe,
+               lambda m, b: dualend_loss(m, b, teacher_or_none, args.distill_weight),
+               lambda samples, rng: dualend_batch(samples, pad, rng), list(model.parameters()))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("tokenizer", "baseline", "dualend"):
+        p = sub.add_parser(name)
+        for key, value in DEFAULTS.items():
+            p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    sub.choices["tokenizer"].add_argument("--out", required=True)
+    for name in ("baseline", "dualend"):
+        sub.choices[name].add_argument("--run", required=True)
+        sub.choices[name].add_argument("--steps", type=int, default=6000)
+    sub.choices["baseline"].add_argument("--tokenizer", required=True)
+    sub.choices["dualend"].add_argument("--baseline", required=True)
+    sub.choices["dualend"].add_argument("--compressor-init", choices=("sum", "random"), default="sum")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

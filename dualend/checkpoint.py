@@ -1,0 +1,73 @@
+"""Self-describing checkpoints: safetensors weights, model config, tokenizer, training recipe.
+
+The checkpoint id is a hash of the weights and the model config, so any change to either
+gives a new id; every exported component carries it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .model import LanguageModel, ModelConfig
+from .tokenizer import TextTokenizer
+
+WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"
+
+
+def checkpoint_id(state: dict[str, torch.Tensor], config: ModelConfig) -> str:
+    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode())
+    for name in sorted(state):
+        tensor = state[name].detach().contiguous().cpu()
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _weights(model: LanguageModel) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+
+@dataclass
+class Checkpoint:
+    model: LanguageModel
+    tokenizer: TextTokenizer
+    recipe: dict = field(default_factory=dict)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def id(self) -> str:
+        return checkpoint_id(_weights(self.model), self.model.cfg)
+
+    def save(self, directory: str | Path) -> str:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        weights = _weights(self.model)
+        ckpt_id = checkpoint_id(weights, self.model.cfg)
+        save_file(weights, str(directory / WEIGHTS))
+        meta = {"checkpoint_id": ckpt_id, "model": self.model.cfg.to_dict(), "recipe": self.recipe}
+        (directory / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        (directory / TOKENIZER).write_text(self.tokenizer.to_json())
+        return ckpt_id
+
+
+def load_checkpoint(directory: str | Path) -> Checkpoint:
+    directory = Path(directory)
+    meta = json.loads((directory / CONFIG).read_text())
+    model = LanguageModel(ModelConfig(**meta["model"]))
+    model.load_state_dict(load_file(str(directory / WEIGHTS)))
+    model.eval()
+    tokenizer = TextTokenizer.from_json((directory / TOKENIZER).read_text())
+    checkpoint = Checkpoint(model, tokenizer, meta.get("recipe", {}))
+    if checkpoint.id != meta["checkpoint_id"]:
+        raise ValueError(f"{directory}: weights do not match checkpoint id {meta['checkpoint_id']} "
+                         f"(recomputed {checkpoint.id})")
+    return checkpoint

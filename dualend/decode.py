@@ -1,0 +1,243 @@
+"""The one decode loop: prefill, then backbone step -> t1 -> MTP draft t2 -> confidence gate.
+
+It talks to the model through `Components` (compressor, a backbone session, an MTP session), so
+the same loop runs on the torch reference, the ONNX Runtime engine, the Triton backbone over BLS
+and a scripted fake in unit tests.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+
+from .tokenizer import IncrementalDecoder, TextTokenizer
+
+
+class InvalidRequest(ValueError):
+    """A request the caller got wrong; the message says what and how to fix it."""
+
+
+class CapacityError(RuntimeError):
+    """The server cannot take the request now (KV pool full); the caller may retry."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    acceptance_threshold: float | None = None
+    stop_words: tuple[str, ...] = ()
+
+    def validate(self, max_tokens_limit: int) -> None:
+        if not 1 <= self.max_tokens <= max_tokens_limit:
+            raise InvalidRequest(f"max_tokens must be between 1 and {max_tokens_limit}, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.acceptance_threshold is not None and not math.isfinite(self.acceptance_threshold):
+            raise InvalidRequest(f"acceptance_threshold must be a finite number, got {self.acceptance_threshold}")
+        if any(not w for w in self.stop_words):
+            raise InvalidRequest("stop_words must not contain an empty string")
+
+
+class Sampler:
+    """Greedy at temperature 0; otherwise temperature, top-k, top-p from a seeded generator."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        # logits: [V]
+        p = self.params
+        if p.temperature == 0:
+            return int(np.argmax(logits))
+        scaled = logits.astype(np.float64) / p.temperature
+        if 0 < p.top_k < scaled.size:
+            kth = np.partition(scaled, -p.top_k)[-p.top_k]
+            scaled = np.where(scaled < kth, -np.inf, scaled)
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        if p.top_p < 1:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            keep = order[: int(np.searchsorted(cumulative, p.top_p)) + 1]
+            kept = np.zeros_like(probs)
+            kept[keep] = probs[keep]
+            probs = kept / kept.sum()
+        return int(self.rng.choice(probs.size, p=probs))
+
+
+@dataclass
+class BackboneOutput:
+    logits: np.ndarray  # [V] at the last position
+    hidden: np.ndarray  # [D] final-normed hidden state at the last position
+
+
+class BackboneSession(Protocol):
+    def prefill(self, latents: np.ndarray) -> BackboneOutput: ...   # latents: [n, D]
+    def step(self, latent: np.ndarray) -> BackboneOutput: ...       # latent: [D]
+    def close(self) -> None: ...
+
+
+class MTPSession(Protocol):
+    def step(self, t1: int, hidden: np.ndarray, position: int) -> tuple[np.ndarray, float]: ...
+    def close(self) -> None: ...
+
+
+class Components(Protocol):
+    pair_size: int
+    pad_id: int
+    eos_id: int
+    bos_id: int
+
+    def compress(self, tokens: np.ndarray) -> np.ndarray: ...  # [n, pair_size] -> [n, D]
+    def open_backbone(self) -> BackboneSession: ...
+    def open_mtp(self) -> MTPSession: ...
+
+
+@dataclass
+class Step:
+    tokens: list[int]              # emitted this step: 0, 1 or 2 real tokens, never PAD
+    drafted: bool = False          # the MTP head proposed a second token
+    accepted: bool = False         # ... and the gate let it through
+    finish_reason: str | None = None  # "eos" | "length" | None while running
+
+
+def pad_prompt(prompt: Sequence[int], pair_size: int, pad_id: int) -> list[int]:
+    """Odd prompts get exactly one PAD so pair boundaries meet the prompt/answer boundary."""
+    return list(prompt) + [pad_id] * (-len(prompt) % pair_size)
+
+
+def gate(confidence: float, threshold: float) -> bool:
+    """Accept the draft when its estimated chance of being right reaches the threshold."""
+    return threshold < 0 or confidence >= threshold
+
+
+def drafting_enabled(threshold: float) -> bool:
+    return threshold < 1
+
+
+def generate(components: Components, prompt_ids: Sequence[int], params: SamplingParams,
+             threshold: float) -> Iterator[Step]:
+    """Yields one Step per backbone step; closing the iterator releases every cache."""
+    pair_size, pad = components.pair_size, components.pad_id
+    prompt = pad_prompt(prompt_ids, pair_size, pad)
+    prompt_latents = components.compress(np.asarray(prompt, dtype=np.int64).reshape(-1, pair_size))
+    sampler = Sampler(params)
+    use_mtp = pair_size == 2 and drafting_enabled(threshold)
+    never = [pad, components.bos_id]
+    backbone = components.open_backbone()
+    mtp = components.open_mtp() if use_mtp else None
+    try:
+        out = backbone.prefill(prompt_latents)
+        position, produced = len(prompt_latents) - 1, 0
+        while True:
+            t1 = sampler(_masked(out.logits, never))
+            if t1 == components.eos_id:
+                yield Step([], finish_reason="eos")
+                return
+            step = Step([t1])
+            draft = pad
+            if mtp is not None and produced + 1 < params.max_tokens:
+                draft_logits, confidence = mtp.step(t1, out.hidden, position)
+                draft = sampler(_masked(draft_logits, never))
+                step.drafted = True
+                step.accepted = gate(confidence, threshold)
+                if not step.accepted:
+                    draft = pad
+                elif draft == components.eos_id:
+                    step.finish_reason = "eos"
+                    draft = pad
+                else:
+                    step.tokens.append(draft)
+            produced += len(step.tokens)
+            if step.finish_reason is None and produced >= params.max_tokens:
+                step.finish_reason = "length"
+            yield step
+            if step.finish_reason is not None:
+                return
+            pair = [t1, draft] if pair_size == 2 else [t1]
+            out = backbone.step(components.compress(np.asarray([pair], dtype=np.int64))[0])
+            position += 1
+    finally:
+        backbone.close()
+        if mtp is not None:
+            mtp.close()
+
+
+def _masked(logits: np.ndarray, banned: list[int]) -> np.ndarray:
+    logits = np.array(logits, dtype=np.float32, copy=True)
+    logits[banned] = -np.inf
+    return logits
+
+
+class TextStream:
+    """Incremental text with stop words: text is held back while it may still become one."""
+
+    def __init__(self, tokenizer: TextTokenizer, stop_words: Sequence[str] = ()):
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stop_words = list(stop_words)
+        self.holdback = max((len(w) for w in self.stop_words), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, tokens: Sequence[int]) -> str:
+        self.pending += self.decoder.push(tokens)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.pending += self.decoder.flush()
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        hits = [i for i in (self.pending.find(w) for w in self.stop_words) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        cut = len(self.pending) if final else max(0, len(self.pending) - self.holdback)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    steps: int = 0
+    drafts: int = 0
+    accepted: int = 0
+    finish_reason: str = ""
+
+
+def generate_text(components: Components, tokenizer: TextTokenizer, prompt: str,
+                  params: SamplingParams, threshold: float) -> Generation:
+    """Whole generation as text, for evaluation, tests and offline checks."""
+    stream = TextStream(tokenizer, params.stop_words)
+    result = Generation(text="")
+    steps = generate(components, tokenizer.encode_prompt(prompt), params, threshold)
+    for step in steps:
+        result.steps += 1
+        result.drafts += step.drafted
+        result.accepted += step.accepted
+        result.tokens += step.tokens
+        result.text += stream.push(step.tokens)
+        if stream.stopped:
+            steps.close()
+            result.finish_reason = "stop"
+            break
+        result.finish_reason = step.finish_reason or ""
+    result.text += stream.finish()
+    return result

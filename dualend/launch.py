@@ -1,0 +1,466 @@
+"""Start a real Triton Inference Server (tritonserver 2.51.0, shipped in the nvidia-pytriton wheel).
+
+The wheel's server tree is copied once into a writable cache (default
+`~/.cache/dualend/tritonserver-2.51.0`, or `$DUALEND_TRITON_HOME`) together with the Python backend
+stub for the running Python, and started with this virtualenv's packages visible to the stub.
+
+Example:
+    python -m dualend.launch --model-repository model_repository \
+        --model-control-mode explicit --load-model ensemble --load-model baseline_ensemble
+
+The server binds to 127.0.0.1 unless --host says otherwise; Ctrl-C or SIGTERM stops it.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import filecmp
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Sequence
+
+PYTRITON_VERSION = "0.7.0"  # the nvidia-pytriton release that ships tritonserver 2.51.0
+TRITON_VERSION = "2.51.0"
+TRITON_HOME_ENV = "DUALEND_TRITON_HOME"
+DEFAULT_TRITON_HOME = Path.home() / ".cache" / "dualend" / f"tritonserver-{TRITON_VERSION}"
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 8001
+DEFAULT_METRICS_PORT = 8002
+MODEL_CONTROL_MODES = ("none", "explicit", "poll")
+DEFAULT_MODEL_CONTROL_MODE = "none"
+DEFAULT_STARTUP_TIMEOUT_S = 120.0
+# tritonserver waits this long for in-flight requests on SIGTERM; stop() waits a little longer,
+# then kills the whole process group (server and Python backend stubs).
+EXIT_TIMEOUT_S = 10
+DEFAULT_STOP_TIMEOUT_S = EXIT_TIMEOUT_S + 5.0
+LOG_TAIL_LINES = 40
+BUILD_COMMAND = "python -m builder.assemble"
+
+log = logging.getLogger(__name__)
+
+
+class RepositoryMissingError(RuntimeError):
+    """The model repository does not exist and could not be built."""
+
+
+class ServerStartError(RuntimeError):
+    """tritonserver exited or did not become ready; the message carries the tail of its log."""
+
+
+def pytriton_site_packages() -> Path:
+    """The site-packages folder that holds the installed `pytriton` package (not imported)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"nvidia-pytriton is not installed; pip install nvidia-pytriton=={PYTRITON_VERSION}"
+        )
+    installed = importlib.metadata.version("nvidia-pytriton")
+    if installed != PYTRITON_VERSION:
+        raise RuntimeError(
+            f"nvidia-pytriton {installed} is installed, but {PYTRITON_VERSION} (tritonserver "
+            f"{TRITON_VERSION}) is required; pip install -r requirements-serving.txt"
+        )
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def prepare_triton_home(home: Path | str | None = None) -> Path:
+    """Copy the wheel's server tree into a writable cache once; install the stub for this Python.
+
+    Idempotent and safe for concurrent callers: the tree is copied to a temporary folder and
+    renamed into place, and the stub is replaced atomically only when it differs.
+    """
+    home = Path(home or os.environ.get(TRITON_HOME_ENV) or DEFAULT_TRITON_HOME).expanduser()
+    source = pytriton_site_packages() / "pytriton" / "tritonserver"
+    if not (home / "bin" / "tritonserver").is_file():
+        home.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=home.parent))
+        try:
+            shutil.copytree(
+                source,
+                staging / "tree",
+                ignore=shutil.ignore_patterns("__pycache__", "python_backend_stubs"),
+            )
+            os.replace(staging / "tree", home)
+        except OSError:
+            if not (home / "bin" / "tritonserver").is_file():  # not a concurrent winner
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        log.info("prepared tritonserver %s in %s", TRITON_VERSION, home)
+
+    python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub_source = source / "python_backend_stubs" / python_version / "triton_python_backend_stub"
+    if not stub_source.is_file():
+        raise RuntimeError(f"nvidia-pytriton {PYTRITON_VERSION} has no Python {python_version} stub")
+    stub = home / "backends" / "python" / "triton_python_backend_stub"
+    if not stub.is_file() or not filecmp.cmp(stub_source, stub, shallow=False):
+        staged_stub = stub.with_name(f".{stub.name}.{os.getpid()}")
+        shutil.copy2(stub_source, staged_stub)
+        os.replace(staged_stub, stub)
+        log.info("installed the Python %s backend stub in %s", python_version, stub.parent)
+    return home
+
+
+def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver and its Python stubs.
+
+    The bundled shared libraries go on LD_LIBRARY_PATH; this virtualenv's bin goes first on PATH,
+    so the stub (which embeds libpython) picks up the virtualenv's packages; no bytecode is
+    written, because a `__pycache__` appearing in a model folder makes POLL mode reload it.
+    """
+    env = dict(os.environ if base is None else base)
+    libs = pytriton_site_packages() / "nvidia_pytriton.libs"
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p
+    )
+    venv_bin = str(Path(sys.prefix) / "bin")
+    env["PATH"] = os.pathsep.join(p for p in (venv_bin, env.get("PATH", "")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def build_repository_if_missing(model_repository: Path | str) -> Path:
+    """Hook: build the model repository with `builder.assemble` when the path does not exist."""
+    model_repository = Path(model_repository)
+    if model_repository.exists():
+        return model_repository
+    try:
+        assemble = importlib.import_module("builder.assemble")
+    except ImportError as err:
+        raise RepositoryMissingError(
+            f"model repository {model_repository} does not exist and the builder cannot be "
+            f"imported ({err}); build it first with `{BUILD_COMMAND}` from the project root"
+        ) from err
+    log.info("model repository %s is missing; building it with builder.assemble", model_repository)
+    assemble.main([])
+    if not model_repository.exists():
+        raise RepositoryMissingError(
+            f"builder.assemble finished but {model_repository} still does not exist; "
+            f"build it with `{BUILD_COMMAND}` and pass its output to --model-repository"
+        )
+    return model_repository
+
+
+def _free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct ports that are free on `host` now (held open together while choosing)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as err:
+        return f"(no log: {err})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class TritonServer:
+    """A tritonserver process: `with TritonServer(repo) as server: ...` starts it and stops it.
+
+    Ports given as 0 or None are picked free at start. `http_url` and `grpc_url` are `host:port`,
+    the form that tritonclient.http / tritonclient.grpc, perf_analyzer -u and genai-perf -u take;
+    `metrics_url` is the full Prometheus URL.
+    """
+
+    def __init__(
+        self,
+        model_repository: Path | str,
+        *,
+        host: str = DEFAULT_HOST,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        model_control_mode: str = DEFAULT_MODEL_CONTROL_MODE,
+        load_models: Sequence[str] = (),
+        extra_args: Sequence[str] = (),
+        log_file: Path | str | None = None,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
+        stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
+        triton_home: Path | str | None = None,
+    ):
+        if model_control_mode not in MODEL_CONTROL_MODES:
+            raise ValueError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {model_control_mode!r}")
+        if load_models and model_control_mode != "explicit":
+            raise ValueError("load_models needs model_control_mode='explicit'")
+        self.model_repository = Path(model_repository).resolve()
+        self.host = host
+        self.http_port = http_port or None
+        self.grpc_port = grpc_port or None
+        self.metrics_port = metrics_port or None
+        self.model_control_mode = model_control_mode
+        self.load_models = list(load_models)
+        self.extra_args = list(extra_args)
+        self.log_file = Path(log_file) if log_file else None
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.triton_home = triton_home
+        self._process: subprocess.Popen | None = None
+        self._owns_log_file = False
+
+    # endpoints
+
+    @property
+    def client_host(self) -> str:
+        """Where a client on this machine connects (wildcard binds are reached via loopback)."""
+        if self.host in ("", "0.0.0.0"):
+            return "127.0.0.1"
+        if self.host == "::":
+            return "[::1]"
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def poll(self) -> int | None:
+        """The server's exit code once it has exited by itself, None while it runs (or before start)."""
+        return self._process.poll() if self._process is not None else None
+
+    def command(self, home: Path) -> list[str]:
+        args = [
+            str(home / "bin" / "tritonserver"),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={home / 'backends'}",
+            f"--cache-directory={home / 'caches'}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
+            f"--model-control-mode={self.model_control_mode}",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+        ]
+        args += [f"--load-model={name}" for name in self.load_models]
+        return args + self.extra_args
+
+    # lifecycle
+
+    def start(self) -> "TritonServer":
+        if self._process is not None:
+            raise RuntimeError(f"tritonserver already running (pid {self._process.pid})")
+        if not self.model_repository.is_dir():
+            raise RepositoryMissingError(
+                f"model repository {self.model_repository} is not a directory; "
+                f"build it with `{BUILD_COMMAND}`"
+            )
+        home = prepare_triton_home(self.triton_home)
+        missing = [n for n in ("http_port", "grpc_port", "metrics_port") if not getattr(self, n)]
+        for name, port in zip(missing, _free_ports(self.host or "0.0.0.0", len(missing))):
+            setattr(self, name, port)
+        if self.log_file is None:
+            fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+            os.close(fd)
+            self.log_file, self._owns_log_file = Path(name), True
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+
+        command = self.command(home)
+        log.info("starting %s", " ".join(command))
+        with open(self.log_file, "ab") as log_handle:
+            # Own session: a terminal's Ctrl-C reaches only us, and stop() can kill the whole
+            # group (server and Python stubs) if the server does not exit by itself.
+            self._process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_handle,
+                stderr=subprocess.STDOUT,
+                env=server_environment(),
+                start_new_session=True,
+            )
+        atexit.register(self.stop)
+        try:
+            self._wait_until_ready()
+        except BaseException:
+            self.stop(keep_log=True)
+            raise
+        log.info(
+            "tritonserver ready (pid %d): http %s, grpc %s, metrics %s",
+            self._process.pid, self.http_url, self.grpc_url, self.metrics_url,
+        )
+        return self
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise ServerStartError(
+                    f"tritonserver exited with code {self._process.returncode} before it was "
+                    f"ready; last lines of {self.log_file}:\n{_tail(self.log_file)}"
+                )
+            if self.is_ready():
+                return
+            time.sleep(0.1)
+        raise ServerStartError(
+            f"tritonserver not ready after {self.startup_timeout:.0f} s; last lines of "
+            f"{self.log_file}:\n{_tail(self.log_file)}"
+        )
+
+    def is_ready(self) -> bool:
+        """True when GET /v2/health/ready answers 200 (server and every loaded model ready)."""
+        if self._process is None or self._process.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1.0) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, keep_log: bool = False) -> None:
+        """SIGTERM, wait up to `stop_timeout`, then SIGKILL the server's whole process group."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        atexit.unregister(self.stop)
+        try:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(self.stop_timeout)
+                except subprocess.TimeoutExpired:
+                    log.warning(
+                        "tritonserver (pid %d) still running %.0f s after SIGTERM; killing it",
+                        process.pid, self.stop_timeout,
+                    )
+        finally:
+            # The group id is the server's pid (own session); it outlives the server while any
+            # stub is left, so this also catches orphaned stubs after a clean exit.
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            process.wait()
+        log.info("tritonserver (pid %d) stopped with code %s", process.pid, process.returncode)
+        if self._owns_log_file and not keep_log:
+            self.log_file.unlink(missing_ok=True)
+            self.log_file, self._owns_log_file = None, False
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m dualend.launch", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--model-repository", required=True, type=Path)
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default %(default)s)")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="0 = any free port")
+    parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="0 = any free port")
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="0 = any free port")
+    parser.add_argument("--model-control-mode", choices=MODEL_CONTROL_MODES, default=DEFAULT_MODEL_CONTROL_MODE)
+    parser.add_argument(
+        "--load-model", action="append", default=[], metavar="NAME",
+        help="model to load at start (explicit mode; repeat for several)",
+    )
+    parser.add_argument("--log-file", type=Path, help="server log (default: a temporary file)")
+    parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+    parser.add_argument(
+        "--no-build", action="store_true",
+        help=f"fail instead of running `{BUILD_COMMAND}` when the repository is missing",
+    )
+    parser.add_argument(
+        "extra_args", nargs="*", metavar="-- TRITON_ARG",
+        help="further tritonserver flags after `--`, e.g. -- --log-verbose=1",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        if not args.no_build:
+            build_repository_if_missing(args.model_repository)
+        server = TritonServer(
+            args.model_repository,
+            host=args.host,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            model_control_mode=args.model_control_mode,
+            load_models=args.load_model,
+            extra_args=args.extra_args,
+            log_file=args.log_file,
+            startup_timeout=args.startup_timeout,
+        )
+    except (RepositoryMissingError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        server.start()
+        print(f"tritonserver {TRITON_VERSION} ready (pid {server.pid})")
+        print(f"  HTTP     {server.http_url}")
+        print(f"  gRPC     {server.grpc_url}")
+        print(f"  metrics  {server.metrics_url}")
+        print(f"  log      {server.log_file}")
+        print("Ctrl-C or SIGTERM stops it.", flush=True)
+        while server.poll() is None:
+            time.sleep(0.5)
+        print(
+            f"error: tritonserver exited with code {server.poll()}; last lines of "
+            f"{server.log_file}:\n{_tail(server.log_file)}",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        print("stopping tritonserver", flush=True)
+    except RepositoryMissingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ServerStartError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not orphan it
+            signal.signal(signum, signal.SIG_IGN)
+        server.stop(keep_log=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

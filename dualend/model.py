@@ -1,0 +1,255 @@
+"""The one implementation of the backbone, compressor, MTP head and confidence head.
+
+A baseline is a `LanguageModel` with pair_size 1 (latent = embedding of one token); a dual-end
+model has pair_size 2, a compressor, an MTP head and a confidence head. Every attention layer
+takes its past keys/values as tensors and returns the keys/values of the new positions only, so
+the same code serves training (no past), the reference generator and the ONNX export.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    pair_size: int = 2
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_hidden: int = 688
+    rope_theta: float = 10000.0
+    compressor_init: str = "sum"  # "sum": starts as emb(a) + emb(b); "random"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def is_dualend(self) -> bool:
+        return self.pair_size == 2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    # x: [B, heads, S, Dh], positions: [B, S]
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # [B, 1, S, half]
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def attention_mask(past_valid: torch.Tensor | None, new_valid: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [B, 1, S, T+S]: query s sees valid past slots and valid new slots <= s."""
+    batch, new_len = new_valid.shape
+    causal = torch.ones(new_len, new_len, dtype=torch.bool, device=new_valid.device).tril()
+    new_part = causal[None] & new_valid[:, None, :]  # [B, S, S]
+    if past_valid is None:
+        mask = new_part
+    else:
+        past_part = past_valid[:, None, :].expand(batch, new_len, past_valid.shape[1])
+        mask = torch.cat([past_part, new_part], dim=-1)
+    # A padded query row sees nothing; let it see itself so softmax stays finite.
+    eye = torch.eye(new_len, dtype=torch.bool, device=new_valid.device)[None]
+    own = torch.zeros_like(mask)
+    own[..., mask.shape[-1] - new_len:] = eye
+    return (mask | own)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x, positions, mask, past_k=None, past_v=None, last_only=False):
+        # x: [B, S, D]; past_k/v: [B, heads, T, Dh]; mask: [B, 1, S, T+S]
+        batch, seq, _ = x.shape
+        heads, head_dim = self.cfg.n_heads, self.cfg.head_dim
+        q, k, v = self.qkv(x).view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        q, k = rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        if last_only:
+            q, mask = q[:, :, -1:], mask[:, :, -1:]
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        y = y.transpose(1, 2).reshape(batch, q.shape[2], heads * head_dim)
+        return self.out(y), k, v
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm, self.ffn_norm = RMSNorm(cfg.d_model), RMSNorm(cfg.d_model)
+        self.attn, self.ffn = Attention(cfg), FeedForward(cfg)
+
+    def forward(self, x, positions, mask, past_k=None, past_v=None, last_only=False):
+        attn_out, k, v = self.attn(self.attn_norm(x), positions, mask, past_k, past_v, last_only)
+        x = (x[:, -1:] if last_only else x) + attn_out
+        return x + self.ffn(self.ffn_norm(x)), k, v
+
+
+class Backbone(nn.Module):
+    """Decoder stack over latents; positions are pair indices (token indices for a baseline)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model)
+
+    def forward(self, x, positions, new_valid, past_k=None, past_v=None, past_valid=None,
+                last_only=False):
+        # x: [B, S, D]; past_k/v: [L, B, heads, T, Dh]; returns hidden [B, S or 1, D],
+        # present_k/v: [L, B, heads, S, Dh]
+        mask = attention_mask(past_valid, new_valid)
+        present_k, present_v = [], []
+        for index, layer in enumerate(self.layers):
+            last = last_only and index == len(self.layers) - 1
+            pk = None if past_k is None else past_k[index]
+            pv = None if past_v is None else past_v[index]
+            x, k, v = layer(x, positions, mask, pk, pv, last_only=last)
+            present_k.append(k)
+            present_v.append(v)
+        return self.norm(x), torch.stack(present_k), torch.stack(present_v)
+
+
+class Compressor(nn.Module):
+    """latent = W2 SiLU(W1 [emb(a); emb(b)]), 2H -> 2H -> H."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        dim = cfg.d_model
+        self.up = nn.Linear(2 * dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    @torch.no_grad()
+    def init_as_sum(self) -> None:
+        dim = self.down.out_features
+        # SiLU(s) - SiLU(-s) = s, so [s; -s] through SiLU and [I, -I] gives exactly s = a + b.
+        eye = torch.eye(dim)
+        self.up.weight.copy_(torch.cat([torch.cat([eye, eye], 1), torch.cat([-eye, -eye], 1)], 0))
+        self.down.weight.copy_(torch.cat([eye, -eye], 1))
+        self.up.bias.zero_()
+        self.down.bias.zero_()
+
+    def forward(self, pair_embeddings: torch.Tensor) -> torch.Tensor:
+        # pair_embeddings: [..., 2, D] -> [..., D]
+        flat = pair_embeddings.flatten(-2)
+        return self.down(F.silu(self.up(flat)))
+
+
+class MTPHead(nn.Module):
+    """Predicts the token after t1 from [RMSNorm(emb(t1)); RMSNorm(h)] with one decoder layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.token_norm, self.hidden_norm = RMSNorm(cfg.d_model), RMSNorm(cfg.d_model)
+        self.proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
+        self.layer = Block(cfg)
+        self.norm = RMSNorm(cfg.d_model)
+
+    def forward(self, t1_embedding, hidden, positions, new_valid, past_k=None, past_v=None,
+                past_valid=None):
+        # t1_embedding, hidden: [B, S, D]; past_k/v: [B, heads, T, Dh]
+        x = self.proj(torch.cat([self.token_norm(t1_embedding), self.hidden_norm(hidden)], -1))
+        mask = attention_mask(past_valid, new_valid)
+        x, k, v = self.layer(x, positions, mask, past_k, past_v)
+        return self.norm(x), k, v
+
+
+class ConfidenceHead(nn.Module):
+    """Estimated probability that the MTP draft is right, from [h ; mtp_hidden]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.net = nn.Sequential(
+            RMSNorm(2 * cfg.d_model), nn.Linear(2 * cfg.d_model, cfg.d_model), nn.SiLU(),
+            nn.Linear(cfg.d_model, 1),
+        )
+
+    def forward(self, hidden, mtp_hidden):
+        return torch.sigmoid(self.net(torch.cat([hidden, mtp_hidden], -1))).squeeze(-1)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.backbone = Backbone(cfg)
+        if cfg.is_dualend:
+            self.compressor = Compressor(cfg)
+            self.mtp = MTPHead(cfg)
+            self.confidence = ConfidenceHead(cfg)
+        self.apply(self._init_weights)
+        if cfg.is_dualend and cfg.compressor_init == "sum":
+            self.compressor.init_as_sum()
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.embedding.weight.T
+
+    def latents(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: [..., pair_size] -> [..., D]
+        embeddings = self.embedding(tokens)
+        if not self.cfg.is_dualend:
+            return embeddings.squeeze(-2)
+        return self.compressor(embeddings)
+
+    def mtp_forward(self, t1, hidden, positions, new_valid, past_k=None, past_v=None,
+                    past_valid=None):
+        """Returns draft logits, confidence, and the MTP layer's new keys/values."""
+        mtp_hidden, k, v = self.mtp(self.embedding(t1), hidden, positions, new_valid, past_k,
+                                    past_v, past_valid)
+        confidence = self.confidence(hidden.detach(), mtp_hidden.detach())
+        return self.lm_head(mtp_hidden), confidence, k, v
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def default_ffn_hidden(d_model: int) -> int:
+    return int(math.ceil(8 * d_model / 3 / 16) * 16)

@@ -1,0 +1,199 @@
+"""Training samples, batches and losses for the baseline and the dual-end model."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .data import FAMILIES, examples, stdlib_chunks
+from .decode import pad_prompt
+from .model import LanguageModel
+from .tokenizer import TextTokenizer
+
+IGNORE = -100
+
+
+@dataclass
+class Sample:
+    prompt: list[int]      # starts with BOS
+    completion: list[int]  # ends with EOS; the only part that carries loss
+
+
+def sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float, max_tokens: int,
+                  families: tuple[str, ...] = FAMILIES) -> Iterator[Sample]:
+    """Endless mix of task examples and standard-library text (all text carries loss)."""
+    rng = random.Random(seed)
+    streams = {f: examples(f, "train", seed) for f in families}
+    text = stdlib_chunks("train", chunk_chars=4 * max_tokens, seed=seed)
+    while True:
+        if rng.random() < text_fraction:
+            ids = tokenizer.encode(next(text))[: max_tokens - 2]
+            yield Sample([tokenizer.bos_id], ids + [tokenizer.eos_id])
+            continue
+        example = next(streams[rng.choice(families)])
+        prompt = tokenizer.encode_prompt(example.prompt)
+        completion = tokenizer.encode(example.completion) + [tokenizer.eos_id]
+        if len(prompt) + len(completion) <= max_tokens:
+            yield Sample(prompt, completion)
+
+
+def split_pairs(completion: list[int], split_ratio: float, pad_id: int,
+                rng: random.Random) -> list[int]:
+    """Pairs the completion; each pair (a, b) becomes (a, PAD), (b, PAD) with prob split_ratio."""
+    out: list[int] = []
+    for start in range(0, len(completion), 2):
+        pair = completion[start:start + 2]
+        if len(pair) == 1:
+            out += [pair[0], pad_id]
+        elif rng.random() < split_ratio:
+            out += [pair[0], pad_id, pair[1], pad_id]
+        else:
+            out += pair
+    return out
+
+
+def draw_split_ratio(rng: random.Random) -> float:
+    """Covers the whole threshold range: never split, always split, and everything between."""
+    u = rng.random()
+    if u < 0.3:
+        return 0.0
+    if u < 0.5:
+        return 1.0
+    return rng.random()
+
+
+@dataclass
+class DualEndRow:
+    pairs: list[int]         # [2n] tokens, read as n pairs
+    next_token: list[int]    # [n] backbone target at pair i (first token of pair i+1)
+    draft_target: list[int]  # [n] MTP target: the real token after next_token
+    real_tokens: list[int]   # the sequence without any PAD, what the baseline teacher reads
+    next_index: list[int]    # [n] index in real_tokens of next_token, or -1
+    draft_index: list[int]   # [n] index in real_tokens of draft_target, or -1
+    mtp_start: int           # first pair whose MTP state is inside the decode window
+
+
+def dualend_row(sample: Sample, pad_id: int, split_ratio: float, rng: random.Random) -> DualEndRow:
+    prompt = pad_prompt(sample.prompt, 2, pad_id)
+    answer = split_pairs(sample.completion, split_ratio, pad_id, rng)
+    sequence = prompt + answer
+    real_tokens = sample.prompt + sample.completion
+    # real index of every non-PAD slot of `sequence`
+    real_index, counter = [], 0
+    for token in sequence:
+        real_index.append(counter if token != pad_id else -1)
+        counter += token != pad_id
+    n_pairs, n_prompt_pairs = len(sequence) // 2, len(prompt) // 2
+    next_token, draft_target, next_index, draft_index = [], [], [], []
+    for i in range(n_pairs):
+        slot = 2 * (i + 1)
+        if i < n_prompt_pairs - 1 or slot >= len(sequence):
+            next_token.append(IGNORE), draft_target.append(IGNORE)
+            next_index.append(-1), draft_index.append(-1)
+            continue
+        r = real_index[slot]
+        next_token.append(sequence[slot])
+        next_index.append(r)
+        has_draft = r + 1 < len(real_tokens)
+        draft_target.append(real_tokens[r + 1] if has_draft else IGNORE)
+        draft_index.append(r + 1 if has_draft else -1)
+    return DualEndRow(sequence, next_token, draft_target, real_tokens, next_index, draft_index,
+                      n_prompt_pairs - 1)
+
+
+def _pad_rows(rows: list[list[int]], value: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def baseline_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+    tokens = [s.prompt + s.completion for s in samples]
+    labels = [[IGNORE] * (len(s.prompt) - 1) + s.completion + [IGNORE] for s in samples]
+    return {"tokens": _pad_rows(tokens, pad_id), "labels": _pad_rows(labels, IGNORE)}
+
+
+def dualend_batch(samples: list[Sample], pad_id: int, rng: random.Random,
+                  split_ratio: float | None = None) -> dict[str, torch.Tensor]:
+    rows = [dualend_row(s, pad_id, draw_split_ratio(rng) if split_ratio is None else split_ratio, rng)
+            for s in samples]
+    n = max(len(r.next_token) for r in rows)
+    pair_index = torch.arange(n)[None]
+    return {
+        "pairs": _pad_rows([r.pairs for r in rows], pad_id).view(len(rows), -1, 2),
+        "next_token": _pad_rows([r.next_token for r in rows], IGNORE),
+        "draft_target": _pad_rows([r.draft_target for r in rows], IGNORE),
+        "real_tokens": _pad_rows([r.real_tokens for r in rows], pad_id),
+        "next_index": _pad_rows([r.next_index for r in rows], -1),
+        "draft_index": _pad_rows([r.draft_index for r in rows], -1),
+        "mtp_valid": pair_index >= torch.tensor([r.mtp_start for r in rows])[:, None],
+    }
+
+
+def _positions(batch: int, length: int) -> torch.Tensor:
+    return torch.arange(length)[None].expand(batch, length)
+
+
+def baseline_forward(model: LanguageModel, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, V] of a token-level model over whole sequences."""
+    batch, length = tokens.shape
+    hidden, _, _ = model.backbone(model.latents(tokens[..., None]), _positions(batch, length),
+                                  torch.ones_like(tokens, dtype=torch.bool))
+    return model.lm_head(hidden)
+
+
+def baseline_loss(model: LanguageModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    logits = baseline_forward(model, batch["tokens"])
+    loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+    return loss, {"ce": loss.item()}
+
+
+def _teacher_targets(teacher_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Teacher distribution that predicted real token `index` (logits at index - 1)."""
+    gather_at = (index - 1).clamp(min=0)
+    picked = torch.gather(teacher_logits, 1, gather_at[..., None].expand(-1, -1, teacher_logits.shape[-1]))
+    return picked.softmax(-1)
+
+
+def _ce_with_soft(logits, hard, soft, distill_weight):
+    valid = hard != IGNORE
+    if not valid.any():
+        return logits.sum() * 0.0
+    ce = F.cross_entropy(logits[valid], hard[valid])
+    if soft is None or distill_weight == 0:
+        return ce
+    soft_ce = -(soft[valid] * logits[valid].log_softmax(-1)).sum(-1).mean()
+    return (1 - distill_weight) * ce + distill_weight * soft_ce
+
+
+def dualend_loss(model: LanguageModel, batch: dict[str, torch.Tensor],
+                 teacher: LanguageModel | None = None, distill_weight: float = 0.0,
+                 confidence_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+    pairs, next_token, draft_target = batch["pairs"], batch["next_token"], batch["draft_target"]
+    n_batch, n_pairs, _ = pairs.shape
+    positions = _positions(n_batch, n_pairs)
+    hidden, _, _ = model.backbone(model.latents(pairs), positions,
+                                  torch.ones(n_batch, n_pairs, dtype=torch.bool))
+    next_logits = model.lm_head(hidden)  # [B, n, V]
+    t1 = next_token.clamp(min=0)  # teacher forcing: the MTP reads the gold first token
+    draft_logits, confidence, _, _ = model.mtp_forward(t1, hidden, positions, batch["mtp_valid"])
+
+    next_soft = draft_soft = None
+    if teacher is not None and distill_weight > 0:
+        with torch.no_grad():
+            teacher_logits = baseline_forward(teacher, batch["real_tokens"])
+        next_soft = _teacher_targets(teacher_logits, batch["next_index"])
+        draft_soft = _teacher_targets(teacher_logits, batch["draft_index"])
+    next_loss = _ce_with_soft(next_logits, next_token, next_soft, distill_weight)
+    draft_loss = _ce_with_soft(draft_logits, draft_target, draft_soft, distill_weight)
+
+    valid = draft_target != IGNORE
+    with torch.no_grad():
+        p_gold = draft_logits.softmax(-1).gather(-1, draft_target.clamp(min=0)[..., None]).squeeze(-1)
+    confidence_loss = F.binary_cross_entropy(confidence[valid], p_gold[valid]) if valid.any() \
+        else confidence.sum() * 0.0
+    loss = next_loss + draft_loss + confidence_weight * confidence_loss
+    return loss, {"next": next_loss.item(), "draft": draft_loss.item(),
+                  "conf": confidence_loss.item()}

@@ -1,0 +1,108 @@
+"""End-to-end: the launcher starts the real tritonserver, serves a Python-backend model, stops."""
+import os
+import socket
+import textwrap
+
+import numpy as np
+import pytest
+
+from dualend.launch import ServerStartError, TritonServer
+
+pytestmark = pytest.mark.server
+
+IDENTITY_CONFIG = textwrap.dedent(
+    """\
+    name: "identity"
+    backend: "python"
+    max_batch_size: 0
+    input [{ name: "INPUT0", data_type: TYPE_INT32, dims: [ -1 ] }]
+    output [{ name: "OUTPUT0", data_type: TYPE_INT32, dims: [ -1 ] }]
+    instance_group [{ kind: KIND_CPU, count: 1 }]
+    """
+)
+
+IDENTITY_MODEL = textwrap.dedent(
+    """\
+    import triton_python_backend_utils as pb_utils
+
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            return [
+                pb_utils.InferenceResponse(
+                    [pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())]
+                )
+                for r in requests
+            ]
+    """
+)
+
+
+@pytest.fixture
+def identity_repository(tmp_path):
+    model_dir = tmp_path / "repository" / "identity"
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(IDENTITY_CONFIG)
+    (model_dir / "1" / "model.py").write_text(IDENTITY_MODEL)
+    return tmp_path / "repository"
+
+
+def process_exists(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def port_is_free(host, port):
+    """Nothing listens there any more (SO_REUSEADDR: the client's TIME_WAIT does not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def test_serves_identity_model_and_stops_cleanly(identity_repository, tmp_path):
+    import tritonclient.http as httpclient
+
+    server = TritonServer(
+        identity_repository,
+        model_control_mode="explicit",
+        load_models=["identity"],
+        log_file=tmp_path / "tritonserver.log",
+        startup_timeout=60,
+    )
+    with server:
+        assert server.is_ready()
+        assert server.http_url.startswith("127.0.0.1:")
+        pid, http_port = server.pid, server.http_port
+
+        client = httpclient.InferenceServerClient(url=server.http_url)
+        assert client.is_model_ready("identity")
+        tokens = np.array([3, 1, 4, 1, 5], dtype=np.int32)  # [T]
+        request_input = httpclient.InferInput("INPUT0", list(tokens.shape), "INT32")
+        request_input.set_data_from_numpy(tokens)
+        result = client.infer("identity", [request_input])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), tokens)
+        client.close()
+
+    assert not server.is_ready()
+    assert not process_exists(pid)
+    assert port_is_free("127.0.0.1", http_port)
+
+
+def test_start_failure_reports_log_tail(identity_repository, tmp_path):
+    server = TritonServer(
+        identity_repository,
+        model_control_mode="explicit",
+        load_models=["no_such_model"],
+        log_file=tmp_path / "tritonserver.log",
+        startup_timeout=60,
+    )
+    with pytest.raises(ServerStartError, match="no_such_model"):
+        server.start()
+    assert server.pid is None

@@ -67,13 +67,14 @@ def pytriton_site_packages() -> Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            f"nvidia-pytriton is not installed; pip install nvidia-pytriton=={PYTRITON_VERSION}"
+            f"nvidia-pytriton is not installed; pip install --no-deps nvidia-pytriton=={PYTRITON_VERSION} "
+            "(see requirements-serving.txt)"
         )
     installed = importlib.metadata.version("nvidia-pytriton")
     if installed != PYTRITON_VERSION:
         raise RuntimeError(
             f"nvidia-pytriton {installed} is installed, but {PYTRITON_VERSION} (tritonserver "
-            f"{TRITON_VERSION}) is required; pip install -r requirements-serving.txt"
+            f"{TRITON_VERSION}) is required; pip install --no-deps nvidia-pytriton=={PYTRITON_VERSION}"
         )
     return Path(next(iter(spec.submodule_search_locations))).parent
 
@@ -96,12 +97,12 @@ def prepare_triton_home(home: Path | str | None = None) -> Path:
                 ignore=shutil.ignore_patterns("__pycache__", "python_backend_stubs"),
             )
             os.replace(staging / "tree", home)
+            log.info("prepared tritonserver %s in %s", TRITON_VERSION, home)
         except OSError:
-            if not (home / "bin" / "tritonserver").is_file():  # not a concurrent winner
+            if not (home / "bin" / "tritonserver").is_file():  # no concurrent caller won either
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        log.info("prepared tritonserver %s in %s", TRITON_VERSION, home)
 
     python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub_source = source / "python_backend_stubs" / python_version / "triton_python_backend_stub"
@@ -109,7 +110,8 @@ def prepare_triton_home(home: Path | str | None = None) -> Path:
         raise RuntimeError(f"nvidia-pytriton {PYTRITON_VERSION} has no Python {python_version} stub")
     stub = home / "backends" / "python" / "triton_python_backend_stub"
     if not stub.is_file() or not filecmp.cmp(stub_source, stub, shallow=False):
-        staged_stub = stub.with_name(f".{stub.name}.{os.getpid()}")
+        fd, staged_stub = tempfile.mkstemp(prefix=f".{stub.name}-", dir=stub.parent)
+        os.close(fd)
         shutil.copy2(stub_source, staged_stub)
         os.replace(staged_stub, stub)
         log.info("installed the Python %s backend stub in %s", python_version, stub.parent)
@@ -204,7 +206,9 @@ class TritonServer:
         triton_home: Path | str | None = None,
     ):
         if model_control_mode not in MODEL_CONTROL_MODES:
-            raise ValueError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {model_control_mode!r}")
+            raise ValueError(
+                f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {model_control_mode!r}"
+            )
         if load_models and model_control_mode != "explicit":
             raise ValueError("load_models needs model_control_mode='explicit'")
         self.model_repository = Path(model_repository).resolve()
@@ -387,7 +391,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="0 = any free port")
     parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="0 = any free port")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="0 = any free port")
-    parser.add_argument("--model-control-mode", choices=MODEL_CONTROL_MODES, default=DEFAULT_MODEL_CONTROL_MODE)
+    parser.add_argument(
+        "--model-control-mode", choices=MODEL_CONTROL_MODES, default=DEFAULT_MODEL_CONTROL_MODE
+    )
     parser.add_argument(
         "--load-model", action="append", default=[], metavar="NAME",
         help="model to load at start (explicit mode; repeat for several)",

@@ -23,14 +23,17 @@ class Sample:
 
 
 def sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float, max_tokens: int,
-                  families: tuple[str, ...] = FAMILIES) -> Iterator[Sample]:
-    """Endless mix of task examples and standard-library text (all text carries loss)."""
+                  text_tokens: int = 96, families: tuple[str, ...] = FAMILIES) -> Iterator[Sample]:
+    """Endless mix of task examples and standard-library text (all text carries loss).
+
+    Text chunks are kept near task length so a batch is not padded out by one long chunk.
+    """
     rng = random.Random(seed)
     streams = {f: examples(f, "train", seed) for f in families}
-    text = stdlib_chunks("train", chunk_chars=4 * max_tokens, seed=seed)
+    text = stdlib_chunks("train", chunk_chars=4 * text_tokens, seed=seed)
     while True:
         if rng.random() < text_fraction:
-            ids = tokenizer.encode(next(text))[: max_tokens - 2]
+            ids = tokenizer.encode(next(text))[: text_tokens - 2]
             yield Sample([tokenizer.bos_id], ids + [tokenizer.eos_id])
             continue
         example = next(streams[rng.choice(families)])

@@ -1,4 +1,25 @@
+import pytest
+import torch
+
+from dualend.data import FAMILIES, eval_set
+from dualend.model import LanguageModel, ModelConfig
+from dualend.tokenizer import TextTokenizer, train_tokenizer
+
+
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "server: starts a real tritonserver (nvidia-pytriton wheel); slower, needs no GPU"
-    )
+    config.addinivalue_line("markers", "server: starts a real tritonserver")
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> TextTokenizer:
+    texts = [e.prompt + e.completion for f in FAMILIES for e in eval_set(f, 40)]
+    return TextTokenizer(train_tokenizer(texts, vocab_size=300))
+
+
+def tiny_model(tokenizer: TextTokenizer, pair_size: int, seed: int = 0) -> LanguageModel:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id,
+                      eos_id=tokenizer.eos_id, pair_size=pair_size, d_model=32, n_layers=2, n_heads=2,
+                      ffn_hidden=64)
+    return LanguageModel(cfg).eval()

@@ -1,0 +1,297 @@
+"""Fast unit tests of the core: data, tokenizer, model, decode loop, training, checkpoints."""
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_model
+from dualend.checkpoint import Checkpoint, load_checkpoint
+from dualend.data import FAMILIES, examples, extract_answer, run_python, split_of
+from dualend.decode import (BackboneOutput, InvalidRequest, SamplingParams, TextStream, gate,
+                            generate, generate_text, pad_prompt)
+from dualend.reference import TorchComponents
+from dualend.training import (IGNORE, Sample, baseline_batch, baseline_forward, baseline_loss,
+                              dualend_batch, dualend_loss, dualend_row, split_pairs)
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 10
+
+
+# ---- data ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_and_eval_splits_are_disjoint(family):
+    train = {e.prompt for e in itertools.islice(examples(family, "train", seed=3), 3000)}
+    held_out = {e.prompt for e in itertools.islice(examples(family, "eval", seed=3), 300)}
+    assert train and held_out and not train & held_out
+    assert all(split_of(family, p) == "eval" for p in held_out)
+
+
+def test_math_answers_are_right():
+    for example in itertools.islice(examples("math", "train", 0), 200):
+        expression = example.prompt.removeprefix("Q: ").removesuffix("\nA:")
+        assert int(example.answer) == eval(expression)  # independent check of the worked steps
+        assert extract_answer("math", example.completion) == example.answer
+
+
+def test_code_answers_come_from_running_the_code():
+    example = next(examples("code", "train", 0))
+    assert example.answer == run_python(example.prompt.removesuffix("\n# output:"))
+
+
+def test_lookup_answer_is_the_value_of_the_queried_key():
+    for example in itertools.islice(examples("lookup", "train", 0), 100):
+        context, query = example.prompt.split("\nget ")
+        table = dict(item.split(":") for item in context.split(" "))
+        assert table[query.removesuffix("\nA:")] == example.answer
+
+
+# ---- tokenizer and text --------------------------------------------------------------------
+
+def test_tokenizer_round_trips_and_strips_pad(tiny_tokenizer):
+    text = "Q: 7+5-3\nA: 7+5=12 #9"
+    ids = tiny_tokenizer.encode(text)
+    assert tiny_tokenizer.decode(ids) == text
+    with_pads = [tiny_tokenizer.pad_id, *ids[:3], tiny_tokenizer.pad_id, *ids[3:], tiny_tokenizer.pad_id]
+    assert tiny_tokenizer.decode(with_pads) == text
+
+
+def test_text_stream_cuts_at_stop_word_split_across_tokens(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("abc STOP def")
+    stream = TextStream(tiny_tokenizer, ["STOP"])
+    text = "".join(stream.push([i]) for i in ids) + stream.finish()
+    assert text == "abc " and stream.stopped
+
+
+# ---- decode loop on a scripted fake --------------------------------------------------------
+
+def one_hot(token: int) -> np.ndarray:
+    logits = np.full(VOCAB, -10.0, dtype=np.float32)
+    logits[token] = 10.0
+    return logits
+
+
+class ScriptedComponents:
+    """Backbone emits `script` one t1 per step; the MTP drafts `draft` with `confidence`."""
+
+    pair_size, pad_id, eos_id, bos_id = 2, PAD, EOS, BOS
+
+    def __init__(self, script, draft=7, confidence=0.9):
+        self.script, self.draft, self.confidence = script, draft, confidence
+        self.compressed, self.mtp_calls, self.open_sessions = [], 0, 0
+
+    def compress(self, tokens):
+        self.compressed.append(tokens.tolist())
+        return np.zeros((len(tokens), 4), dtype=np.float32)
+
+    def open_backbone(self):
+        fake, position = self, iter(self.script)
+        self.open_sessions += 1
+
+        class Session:
+            def prefill(self, latents):
+                return BackboneOutput(one_hot(next(position)), np.zeros(4))
+
+            def step(self, latent):
+                return BackboneOutput(one_hot(next(position)), np.zeros(4))
+
+            def close(self):
+                fake.open_sessions -= 1
+        return Session()
+
+    def open_mtp(self):
+        fake = self
+
+        class Session:
+            def step(self, t1, hidden, position):
+                fake.mtp_calls += 1
+                return one_hot(fake.draft), fake.confidence
+
+            def close(self):
+                pass
+        return Session()
+
+
+def test_odd_prompt_gets_exactly_one_pad():
+    assert pad_prompt([1, 5, 6], 2, PAD) == [1, 5, 6, PAD]
+    assert pad_prompt([1, 5, 6, 7], 2, PAD) == [1, 5, 6, 7]
+    assert pad_prompt([1, 5, 6], 1, PAD) == [1, 5, 6]
+    fake = ScriptedComponents([3, EOS])
+    list(generate(fake, [BOS, 5, 6], SamplingParams(max_tokens=5), threshold=2.0))
+    assert fake.compressed[0] == [[BOS, 5], [6, PAD]]
+
+
+def test_gate_edges():
+    assert gate(0.5, 0.5) and not gate(0.49, 0.5)
+    assert gate(0.0, -0.1)                     # threshold < 0 always accepts
+    fake = ScriptedComponents([3, 4, 5, EOS], confidence=1.0)
+    steps = list(generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=1.0))
+    assert fake.mtp_calls == 0                 # threshold >= 1: drafting off
+    assert [s.tokens for s in steps[:-1]] == [[3], [4], [5]]
+    assert fake.compressed[1:] == [[[3, PAD]], [[4, PAD]], [[5, PAD]]]
+
+
+def test_accepted_drafts_give_two_tokens_per_step():
+    fake = ScriptedComponents([3, 4, EOS], draft=7, confidence=0.9)
+    steps = list(generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5))
+    assert [s.tokens for s in steps] == [[3, 7], [4, 7], []]
+    assert all(s.accepted for s in steps[:2]) and steps[-1].finish_reason == "eos"
+    assert fake.compressed[1:] == [[[3, 7]], [[4, 7]]]
+
+
+def test_rejected_draft_feeds_pad():
+    fake = ScriptedComponents([3, EOS], draft=7, confidence=0.2)
+    steps = list(generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5))
+    assert steps[0].tokens == [3] and steps[0].drafted and not steps[0].accepted
+    assert fake.compressed[1] == [[3, PAD]]
+
+
+def test_max_tokens_is_exact_and_sessions_close():
+    fake = ScriptedComponents([3, 4, 5, 6, 8], draft=7, confidence=0.9)
+    steps = list(generate(fake, [BOS, 5], SamplingParams(max_tokens=3), threshold=0.5))
+    assert sum(len(s.tokens) for s in steps) == 3 and steps[-1].finish_reason == "length"
+    assert fake.open_sessions == 0
+
+
+def test_closing_the_stream_early_releases_the_backbone():
+    fake = ScriptedComponents([3] * 10)
+    stream = generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5)
+    next(stream)
+    stream.close()
+    assert fake.open_sessions == 0
+
+
+def test_accepted_eos_draft_ends_generation():
+    fake = ScriptedComponents([3, 4], draft=EOS, confidence=0.9)
+    steps = list(generate(fake, [BOS], SamplingParams(max_tokens=20), threshold=0.5))
+    assert [s.tokens for s in steps] == [[3]] and steps[0].finish_reason == "eos"
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(max_tokens=0), "max_tokens"),
+    (SamplingParams(max_tokens=-1), "max_tokens"),
+    (SamplingParams(max_tokens=10_000), "max_tokens"),
+    (SamplingParams(temperature=-0.5), "temperature"),
+    (SamplingParams(top_p=0.0), "top_p"),
+    (SamplingParams(top_p=1.5), "top_p"),
+    (SamplingParams(stop_words=("",)), "stop_words"),
+])
+def test_bad_parameters_are_named(params, message):
+    with pytest.raises(InvalidRequest, match=message):
+        params.validate(max_tokens_limit=512)
+
+
+# ---- model ---------------------------------------------------------------------------------
+
+def test_compressor_starts_as_the_pair_sum(tiny_tokenizer):
+    model = tiny_model(tiny_tokenizer, pair_size=2)
+    tokens = torch.tensor([[5, 9], [9, 5], [3, 3]])
+    expected = model.embedding(tokens).sum(-2)
+    assert torch.allclose(model.latents(tokens), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("pair_size", [1, 2])
+def test_cached_decoding_matches_full_forward(tiny_tokenizer, pair_size):
+    model = tiny_model(tiny_tokenizer, pair_size)
+    torch.manual_seed(1)
+    sequence = torch.randint(3, tiny_tokenizer.vocab_size, (12 // pair_size, pair_size))
+    latents = model.latents(sequence)
+    with torch.no_grad():
+        full, _, _ = model.backbone(latents[None], torch.arange(len(latents))[None],
+                                    torch.ones(1, len(latents), dtype=torch.bool))
+        session = TorchComponents(model).open_backbone()
+        cached = [session.prefill(latents[:5].numpy()).logits]
+        cached += [session.step(latent.numpy()).logits for latent in latents[5:]]
+    expected = model.lm_head(full[0, 4:]).detach().numpy()
+    np.testing.assert_allclose(np.stack(cached), expected, atol=1e-4)
+
+
+def test_cached_mtp_matches_training_forward(tiny_tokenizer):
+    model = tiny_model(tiny_tokenizer, pair_size=2)
+    torch.manual_seed(2)
+    hidden = torch.randn(1, 6, 32)
+    t1 = torch.randint(3, tiny_tokenizer.vocab_size, (1, 6))
+    start = 2  # the MTP window opens at the last prompt pair
+    positions = torch.arange(6)[None]
+    with torch.no_grad():
+        full, confidence, _, _ = model.mtp_forward(t1, hidden, positions, positions >= start)
+        session = TorchComponents(model).open_mtp()
+        cached = [session.step(int(t1[0, i]), hidden[0, i].numpy(), i) for i in range(start, 6)]
+    np.testing.assert_allclose(np.stack([c[0] for c in cached]), full[0, start:].numpy(), atol=1e-4)
+    np.testing.assert_allclose([c[1] for c in cached], confidence[0, start:].numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("pair_size", [1, 2])
+def test_fixed_seed_reproduces_a_sampled_generation(tiny_tokenizer, pair_size):
+    components = TorchComponents(tiny_model(tiny_tokenizer, pair_size))
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=11)
+    first = generate_text(components, tiny_tokenizer, "Q: 1+2\nA:", params, threshold=0.3)
+    again = generate_text(components, tiny_tokenizer, "Q: 1+2\nA:", params, threshold=0.3)
+    other = generate_text(components, tiny_tokenizer, "Q: 1+2\nA:",
+                          SamplingParams(**{**params.__dict__, "seed": 12}), threshold=0.3)
+    assert first.tokens == again.tokens and len(first.tokens) > 0
+    assert first.tokens != other.tokens
+
+
+def test_generated_text_never_contains_pad(tiny_tokenizer):
+    components = TorchComponents(tiny_model(tiny_tokenizer, 2))
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=3)
+    out = generate_text(components, tiny_tokenizer, "get ab\nA:", params, threshold=0.99)
+    assert tiny_tokenizer.pad_id not in out.tokens and "<pad>" not in out.text
+
+
+# ---- training ------------------------------------------------------------------------------
+
+def test_dualend_row_targets_skip_pads():
+    sample = Sample(prompt=[BOS, 5, 6], completion=[7, 8, 9, EOS])
+    row = dualend_row(sample, PAD, split_ratio=1.0, rng=random.Random(0))
+    assert row.pairs == [BOS, 5, 6, PAD, 7, PAD, 8, PAD, 9, PAD, EOS, PAD]
+    assert row.next_token == [IGNORE, 7, 8, 9, EOS, IGNORE]
+    assert row.draft_target == [IGNORE, 8, 9, EOS, IGNORE, IGNORE]
+    assert [row.real_tokens[i] for i in row.next_index[1:5]] == [7, 8, 9, EOS]
+    assert split_pairs([7, 8, 9], 0.0, PAD, random.Random(0)) == [7, 8, 9, PAD]
+
+
+@pytest.mark.parametrize("pair_size", [1, 2])
+def test_training_steps_lower_the_loss(tiny_tokenizer, pair_size):
+    model = tiny_model(tiny_tokenizer, pair_size).train()
+    samples = [Sample([BOS, 5 + i, 6], [7 + i, 8, 9, EOS]) for i in range(4)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    def loss():
+        if pair_size == 1:
+            return baseline_loss(model, baseline_batch(samples, PAD))[0]
+        return dualend_loss(model, dualend_batch(samples, PAD, random.Random(0), split_ratio=0.5))[0]
+    before = loss().item()
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss().backward()
+        optimizer.step()
+    assert loss().item() < 0.7 * before
+
+
+def test_distillation_targets_are_the_teachers_distribution(tiny_tokenizer):
+    teacher = tiny_model(tiny_tokenizer, 1, seed=5)
+    student = tiny_model(tiny_tokenizer, 2)
+    batch = dualend_batch([Sample([BOS, 5, 6], [7, 8, 9, EOS])], PAD, random.Random(0), split_ratio=0.0)
+    hard, _ = dualend_loss(student, batch, teacher, distill_weight=0.0)
+    soft, _ = dualend_loss(student, batch, teacher, distill_weight=1.0)
+    assert not torch.isclose(hard, soft)
+    logits = baseline_forward(teacher, batch["real_tokens"])
+    assert logits.shape[1] == 7
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+def test_checkpoint_round_trips_and_id_tracks_weights(tiny_tokenizer, tmp_path):
+    model = tiny_model(tiny_tokenizer, 2)
+    ckpt_id = Checkpoint(model, tiny_tokenizer, {"kind": "test"}).save(tmp_path / "a")
+    loaded = load_checkpoint(tmp_path / "a")
+    assert loaded.id == ckpt_id and loaded.recipe == {"kind": "test"}
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.model.state_dict()[name])
+    with torch.no_grad():
+        model.backbone.layers[0].ffn.down.weight[0, 0] += 1e-3
+    assert Checkpoint(model, tiny_tokenizer).id != ckpt_id

@@ -62,20 +62,18 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 def attention_mask(past_valid: torch.Tensor | None, new_valid: torch.Tensor) -> torch.Tensor:
-    """Boolean mask [B, 1, S, T+S]: query s sees valid past slots and valid new slots <= s."""
+    """Boolean mask [B, 1, S, T+S]: query s sees valid past slots and valid new slots <= s.
+
+    Every query also sees itself, so a padded query row stays finite (its output is unused).
+    """
     batch, new_len = new_valid.shape
     causal = torch.ones(new_len, new_len, dtype=torch.bool, device=new_valid.device).tril()
-    new_part = causal[None] & new_valid[:, None, :]  # [B, S, S]
+    eye = torch.eye(new_len, dtype=torch.bool, device=new_valid.device)
+    new_part = (causal[None] & new_valid[:, None, :]) | eye[None]  # [B, S, S]
     if past_valid is None:
-        mask = new_part
-    else:
-        past_part = past_valid[:, None, :].expand(batch, new_len, past_valid.shape[1])
-        mask = torch.cat([past_part, new_part], dim=-1)
-    # A padded query row sees nothing; let it see itself so softmax stays finite.
-    eye = torch.eye(new_len, dtype=torch.bool, device=new_valid.device)[None]
-    own = torch.zeros_like(mask)
-    own[..., mask.shape[-1] - new_len:] = eye
-    return (mask | own)[:, None]
+        return new_part[:, None]
+    past_part = past_valid[:, None, :].expand(batch, new_len, past_valid.shape[1])
+    return torch.cat([past_part, new_part], dim=-1)[:, None]
 
 
 class Attention(nn.Module):

@@ -83,7 +83,7 @@ class BackboneOutput:
 
 
 class BackboneSession(Protocol):
-    def prefill(self, latents: np.ndarray) -> BackboneOutput: ...   # latents: [n, D]
+    def prefill(self, latents: np.ndarray, reserve_slots: int) -> BackboneOutput: ...  # [n, D]
     def step(self, latent: np.ndarray) -> BackboneOutput: ...       # latent: [D]
     def close(self) -> None: ...
 
@@ -101,7 +101,7 @@ class Components(Protocol):
 
     def compress(self, tokens: np.ndarray) -> np.ndarray: ...  # [n, pair_size] -> [n, D]
     def open_backbone(self) -> BackboneSession: ...
-    def open_mtp(self) -> MTPSession: ...
+    def open_mtp(self, max_steps: int) -> MTPSession: ...
 
 
 @dataclass
@@ -136,9 +136,11 @@ def generate(components: Components, prompt_ids: Sequence[int], params: Sampling
     use_mtp = pair_size == 2 and drafting_enabled(threshold)
     never = [pad, components.bos_id]
     backbone = components.open_backbone()
-    mtp = components.open_mtp() if use_mtp else None
+    mtp = None
     try:
-        out = backbone.prefill(prompt_latents)
+        # One slot per prompt pair and at most one per generated token.
+        out = backbone.prefill(prompt_latents, reserve_slots=len(prompt_latents) + params.max_tokens)
+        mtp = components.open_mtp(max_steps=params.max_tokens) if use_mtp else None
         position, produced = len(prompt_latents) - 1, 0
         while True:
             t1 = sampler(_masked(out.logits, never))

@@ -67,9 +67,9 @@ def attention_mask(past_valid: torch.Tensor | None, new_valid: torch.Tensor) -> 
     Every query also sees itself, so a padded query row stays finite (its output is unused).
     """
     batch, new_len = new_valid.shape
-    causal = torch.ones(new_len, new_len, dtype=torch.bool, device=new_valid.device).tril()
-    eye = torch.eye(new_len, dtype=torch.bool, device=new_valid.device)
-    new_part = (causal[None] & new_valid[:, None, :]) | eye[None]  # [B, S, S]
+    index = torch.arange(new_len, device=new_valid.device)
+    causal, own = index[:, None] >= index[None], index[:, None] == index[None]
+    new_part = (causal[None] & new_valid[:, None, :]) | own[None]  # [B, S, S]
     if past_valid is None:
         return new_part[:, None]
     past_part = past_valid[:, None, :].expand(batch, new_len, past_valid.shape[1])

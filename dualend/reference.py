@@ -28,7 +28,7 @@ class TorchBackboneSession:
         hidden = hidden[0, -1]
         return BackboneOutput(self.model.lm_head(hidden).numpy(), hidden.numpy())
 
-    def prefill(self, latents: np.ndarray) -> BackboneOutput:
+    def prefill(self, latents: np.ndarray, reserve_slots: int = 0) -> BackboneOutput:
         return self._run(latents)
 
     def step(self, latent: np.ndarray) -> BackboneOutput:
@@ -72,5 +72,5 @@ class TorchComponents:
     def open_backbone(self) -> TorchBackboneSession:
         return TorchBackboneSession(self.model)
 
-    def open_mtp(self) -> TorchMTPSession:
+    def open_mtp(self, max_steps: int = 0) -> TorchMTPSession:
         return TorchMTPSession(self.model)

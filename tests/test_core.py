@@ -91,7 +91,7 @@ class ScriptedComponents:
         self.open_sessions += 1
 
         class Session:
-            def prefill(self, latents):
+            def prefill(self, latents, reserve_slots):
                 return BackboneOutput(one_hot(next(position)), np.zeros(4))
 
             def step(self, latent):
@@ -101,7 +101,7 @@ class ScriptedComponents:
                 fake.open_sessions -= 1
         return Session()
 
-    def open_mtp(self):
+    def open_mtp(self, max_steps):
         fake = self
 
         class Session:
@@ -202,7 +202,7 @@ def test_cached_decoding_matches_full_forward(tiny_tokenizer, pair_size):
         full, _, _ = model.backbone(latents[None], torch.arange(len(latents))[None],
                                     torch.ones(1, len(latents), dtype=torch.bool))
         session = TorchComponents(model).open_backbone()
-        cached = [session.prefill(latents[:5].numpy()).logits]
+        cached = [session.prefill(latents[:5].numpy(), 12).logits]
         cached += [session.step(latent.numpy()).logits for latent in latents[5:]]
     expected = model.lm_head(full[0, 4:]).detach().numpy()
     np.testing.assert_allclose(np.stack(cached), expected, atol=1e-4)

@@ -1,0 +1,138 @@
+"""Export one checkpoint's serving components to ONNX, each with a manifest.
+
+    python -m builder.export --checkpoint checkpoints/dualend --out build/export/dualend
+
+Writes <out>/{tokenizer,compressor,backbone[,mtp]}/ with model.onnx (tokenizer.json for the
+tokenizer) and manifest.json. Every graph passes onnx.checker.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from dualend.checkpoint import Checkpoint, load_checkpoint
+from dualend.manifest import write_manifest
+from dualend.model import LanguageModel
+from dualend.onnx_engine import (BACKBONE_INPUTS, BACKBONE_OUTPUTS, MODEL_FILE, MTP_INPUTS,
+                                 MTP_OUTPUTS, TOKENIZER_FILE)
+
+OPSET = 17  # ONNX Runtime 1.23 (Python 3.10, the Triton 24.10 container) runs it
+
+
+class CompressorGraph(nn.Module):
+    def __init__(self, model: LanguageModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        # tokens: [N, pair_size] -> latents [N, D]
+        return self.model.latents(tokens)
+
+
+class BackboneGraph(nn.Module):
+    """Prefill (S > 1, empty past) and decode (S = 1) in one graph; output only at the last position."""
+
+    def __init__(self, model: LanguageModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, latents, positions, new_valid, past_keys, past_values, past_valid):
+        # latents: [B, S, D]; past_keys/values: [B, T, L, H, Dh] -> the model's [L, B, H, T, Dh]
+        hidden, keys, values = self.model.backbone(
+            latents, positions, new_valid, past_keys.permute(2, 0, 3, 1, 4),
+            past_values.permute(2, 0, 3, 1, 4), past_valid, last_only=True)
+        hidden = hidden[:, -1]
+        # present: [L, B, H, S, Dh] -> [B, S, L, H, Dh]
+        return (self.model.lm_head(hidden), hidden, keys.permute(1, 3, 0, 2, 4),
+                values.permute(1, 3, 0, 2, 4))
+
+
+class MTPGraph(nn.Module):
+    def __init__(self, model: LanguageModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, t1, hidden, positions, past_keys, past_values, past_valid):
+        # t1: [B, 1]; hidden: [B, 1, D]; past_keys/values: [B, T, 1, H, Dh]
+        new_valid = torch.ones_like(t1, dtype=torch.bool)
+        logits, confidence, keys, values = self.model.mtp_forward(
+            t1, hidden, positions, new_valid, past_keys[:, :, 0].transpose(1, 2),
+            past_values[:, :, 0].transpose(1, 2), past_valid)
+        # present: [B, H, 1, Dh] -> [B, 1, 1, H, Dh]
+        return logits[:, -1], confidence[:, -1], keys.transpose(1, 2)[:, :, None], values.transpose(1, 2)[:, :, None]
+
+
+def _export(graph: nn.Module, args: tuple, path: Path, inputs, outputs, dynamic: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        torch.onnx.export(graph.eval(), args, str(path), input_names=list(inputs),
+                          output_names=list(outputs), dynamic_axes=dynamic, opset_version=OPSET,
+                          dynamo=False)
+    onnx.checker.check_model(str(path))
+
+
+def settings_of(checkpoint: Checkpoint) -> dict:
+    cfg = checkpoint.config
+    return {"d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "pair_size": cfg.pair_size,
+            "pad_id": cfg.pad_id, "bos_id": cfg.bos_id, "eos_id": cfg.eos_id,
+            "n_layers": cfg.n_layers, "n_heads": cfg.n_heads}
+
+
+def export_checkpoint(checkpoint: Checkpoint, out: Path) -> str:
+    model, cfg = checkpoint.model.eval(), checkpoint.config
+    ckpt_id, settings = checkpoint.id, settings_of(checkpoint)
+    if out.exists():
+        shutil.rmtree(out)
+    heads, head_dim, layers, dim = cfg.n_heads, cfg.head_dim, cfg.n_layers, cfg.d_model
+
+    (out / "tokenizer").mkdir(parents=True)
+    (out / "tokenizer" / TOKENIZER_FILE).write_text(checkpoint.tokenizer.to_json())
+    write_manifest(out / "tokenizer", ckpt_id, "tokenizer", "tokenizers-json", settings)
+
+    tokens = torch.randint(3, cfg.vocab_size, (5, cfg.pair_size))
+    _export(CompressorGraph(model), (tokens,), out / "compressor" / MODEL_FILE, ["tokens"], ["latents"],
+            {"tokens": {0: "pairs"}, "latents": {0: "pairs"}})
+    write_manifest(out / "compressor", ckpt_id, "compressor", "onnx", settings)
+
+    batch, new, past = 2, 3, 4
+    example = (torch.randn(batch, new, dim), torch.arange(past, past + new).repeat(batch, 1),
+               torch.ones(batch, new, dtype=torch.bool), torch.randn(batch, past, layers, heads, head_dim),
+               torch.randn(batch, past, layers, heads, head_dim), torch.ones(batch, past, dtype=torch.bool))
+    dynamic = {"latents": {0: "batch", 1: "new"}, "positions": {0: "batch", 1: "new"},
+               "new_valid": {0: "batch", 1: "new"}, "past_keys": {0: "batch", 1: "past"},
+               "past_values": {0: "batch", 1: "past"}, "past_valid": {0: "batch", 1: "past"},
+               "logits": {0: "batch"}, "hidden": {0: "batch"},
+               "present_keys": {0: "batch", 1: "new"}, "present_values": {0: "batch", 1: "new"}}
+    _export(BackboneGraph(model), example, out / "backbone" / MODEL_FILE, BACKBONE_INPUTS,
+            BACKBONE_OUTPUTS, dynamic)
+    write_manifest(out / "backbone", ckpt_id, "backbone", "onnx", settings)
+
+    if cfg.is_dualend:
+        example = (torch.randint(3, cfg.vocab_size, (batch, 1)), torch.randn(batch, 1, dim),
+                   torch.full((batch, 1), past), torch.randn(batch, past, 1, heads, head_dim),
+                   torch.randn(batch, past, 1, heads, head_dim), torch.ones(batch, past, dtype=torch.bool))
+        dynamic = {"t1": {0: "batch"}, "hidden": {0: "batch"}, "positions": {0: "batch"},
+                   "past_keys": {0: "batch", 1: "past"}, "past_values": {0: "batch", 1: "past"},
+                   "past_valid": {0: "batch", 1: "past"}, "logits": {0: "batch"}, "confidence": {0: "batch"},
+                   "present_keys": {0: "batch"}, "present_values": {0: "batch"}}
+        _export(MTPGraph(model), example, out / "mtp" / MODEL_FILE, MTP_INPUTS, MTP_OUTPUTS, dynamic)
+        write_manifest(out / "mtp", ckpt_id, "mtp", "onnx", settings)
+    return ckpt_id
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    ckpt_id = export_checkpoint(load_checkpoint(args.checkpoint), Path(args.out))
+    print(f"exported checkpoint {ckpt_id} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -87,7 +87,7 @@ class Attention(nn.Module):
         # x: [B, S, D]; past_k/v: [B, heads, T, Dh]; mask: [B, 1, S, T+S]
         batch, seq, _ = x.shape
         heads, head_dim = self.cfg.n_heads, self.cfg.head_dim
-        q, k, v = self.qkv(x).view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)

@@ -12,7 +12,7 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
-from .tokenizer import IncrementalDecoder, TextTokenizer
+from .tokenizer import TextTokenizer
 
 
 class InvalidRequest(ValueError):
@@ -183,40 +183,80 @@ def _masked(logits: np.ndarray, banned: list[int]) -> np.ndarray:
 
 
 class TextStream:
-    """Incremental text with stop words: text is held back while it may still become one."""
+    """Releases generated tokens as text becomes final: whole UTF-8 characters only, and held
+    back while the text may still turn into a stop word.
+
+    It releases token ids, not text, so whoever decodes the released groups one by one (the
+    postprocessing model) gets exactly the text of the whole. A stop word ends the text at the
+    last token boundary before it.
+    """
 
     def __init__(self, tokenizer: TextTokenizer, stop_words: Sequence[str] = ()):
-        self.decoder = IncrementalDecoder(tokenizer)
+        self.tokenizer = tokenizer
         self.stop_words = list(stop_words)
         self.holdback = max((len(w) for w in self.stop_words), default=1) - 1
-        self.pending = ""
+        self.pending: list[int] = []
         self.stopped = False
 
-    def push(self, tokens: Sequence[int]) -> str:
-        self.pending += self.decoder.push(tokens)
-        return self._release(final=False)
-
-    def finish(self) -> str:
-        if not self.stopped:
-            self.pending += self.decoder.flush()
-        return self._release(final=True)
-
-    def _release(self, final: bool) -> str:
+    def push(self, tokens: Sequence[int]) -> list[int]:
         if self.stopped:
-            return ""
-        hits = [i for i in (self.pending.find(w) for w in self.stop_words) if i >= 0]
+            return []
+        self.pending += tokens
+        text = self.tokenizer.decode(self.pending)
+        hits = [i for i in (text.find(w) for w in self.stop_words) if i >= 0]
         if hits:
             self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
-            return out
-        cut = len(self.pending) if final else max(0, len(self.pending) - self.holdback)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
+            return self._take(limit=min(hits), final=True)
+        return self._take(limit=len(text) - self.holdback, final=False)
+
+    def finish(self) -> list[int]:
+        released, self.pending = ([] if self.stopped else self.pending), []
+        return released
+
+    def _take(self, limit: int, final: bool) -> list[int]:
+        """Releases the longest prefix of pending tokens whose text fits in `limit` characters."""
+        count = 0
+        for n in range(1, len(self.pending) + 1):
+            text = self.tokenizer.decode(self.pending[:n])
+            if len(text) > limit:
+                break
+            if not text.endswith("\ufffd"):
+                count = n
+        released = self.pending[:count]
+        self.pending = [] if final else self.pending[count:]
+        return released
+
+
+@dataclass
+class Chunk:
+    tokens: list[int]               # released token ids, ready to show
+    steps: int = 0
+    drafts: int = 0
+    accepted: int = 0
+    finish_reason: str | None = None  # "eos" | "length" | "stop" on the last chunk
+
+
+def stream_chunks(components: Components, tokenizer: TextTokenizer, prompt_ids: Sequence[int],
+                  params: SamplingParams, threshold: float) -> Iterator[Chunk]:
+    """One chunk per decode step, the last with its finish reason; closing it frees the caches."""
+    text = TextStream(tokenizer, params.stop_words)
+    steps = generate(components, prompt_ids, params, threshold)
+    try:
+        for step in steps:
+            chunk = Chunk(text.push(step.tokens), 1, int(step.drafted), int(step.accepted),
+                          "stop" if text.stopped else step.finish_reason)
+            if chunk.finish_reason is not None:
+                chunk.tokens += text.finish()
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+    finally:
+        steps.close()
 
 
 @dataclass
 class Generation:
-    text: str
+    text: str = ""
     tokens: list[int] = field(default_factory=list)
     steps: int = 0
     drafts: int = 0
@@ -227,19 +267,12 @@ class Generation:
 def generate_text(components: Components, tokenizer: TextTokenizer, prompt: str,
                   params: SamplingParams, threshold: float) -> Generation:
     """Whole generation as text, for evaluation, tests and offline checks."""
-    stream = TextStream(tokenizer, params.stop_words)
-    result = Generation(text="")
-    steps = generate(components, tokenizer.encode_prompt(prompt), params, threshold)
-    for step in steps:
-        result.steps += 1
-        result.drafts += step.drafted
-        result.accepted += step.accepted
-        result.tokens += step.tokens
-        result.text += stream.push(step.tokens)
-        if stream.stopped:
-            steps.close()
-            result.finish_reason = "stop"
-            break
-        result.finish_reason = step.finish_reason or ""
-    result.text += stream.finish()
+    result = Generation()
+    for chunk in stream_chunks(components, tokenizer, tokenizer.encode_prompt(prompt), params, threshold):
+        result.tokens += chunk.tokens
+        result.steps += chunk.steps
+        result.drafts += chunk.drafts
+        result.accepted += chunk.accepted
+        result.finish_reason = chunk.finish_reason or ""
+    result.text = tokenizer.decode(result.tokens)
     return result

@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizer (digits split one by one) and PAD-free incremental detokenization."""
+"""Byte-level BPE tokenizer (digits split one by one); decoding drops PAD, BOS and EOS."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -52,25 +52,3 @@ class TextTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         specials = (self.pad_id, self.bos_id, self.eos_id)
         return self.tokenizer.decode([i for i in ids if i not in specials], skip_special_tokens=False)
-
-
-class IncrementalDecoder:
-    """Turns a growing list of token ids into text pieces; holds back split UTF-8 sequences."""
-
-    def __init__(self, tokenizer: TextTokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = 0  # characters of the decoded text already returned
-
-    def push(self, ids: Iterable[int]) -> str:
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.emitted = text[self.emitted:], len(text)
-        return piece
-
-    def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        piece, self.emitted = text[self.emitted:], len(text)
-        return piece

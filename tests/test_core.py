@@ -61,8 +61,17 @@ def test_tokenizer_round_trips_and_strips_pad(tiny_tokenizer):
 def test_text_stream_cuts_at_stop_word_split_across_tokens(tiny_tokenizer):
     ids = tiny_tokenizer.encode("abc STOP def")
     stream = TextStream(tiny_tokenizer, ["STOP"])
-    text = "".join(stream.push([i]) for i in ids) + stream.finish()
-    assert text == "abc " and stream.stopped
+    groups = [stream.push([i]) for i in ids] + [stream.finish()]
+    assert "".join(tiny_tokenizer.decode(g) for g in groups) == "abc " and stream.stopped
+
+
+def test_text_stream_releases_whole_characters_only(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("é 1€")  # multi-byte characters split over byte-level tokens
+    assert len(ids) > len("é 1€")
+    stream = TextStream(tiny_tokenizer)
+    groups = [stream.push([i]) for i in ids] + [stream.finish()]
+    assert all("\ufffd" not in tiny_tokenizer.decode(g) for g in groups)
+    assert "".join(tiny_tokenizer.decode(g) for g in groups) == "é 1€"
 
 
 # ---- decode loop on a scripted fake --------------------------------------------------------

@@ -91,7 +91,7 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path) -> str:
     heads, head_dim, layers, dim = cfg.n_heads, cfg.head_dim, cfg.n_layers, cfg.d_model
 
     (out / "tokenizer").mkdir(parents=True)
-    (out / "tokenizer" / TOKENIZER_FILE).write_text(checkpoint.tokenizer.to_json())
+    (out / "tokenizer" / TOKENIZER_FILE).write_text(checkpoint.tokenizer.to_json(), encoding="utf-8")
     write_manifest(out / "tokenizer", ckpt_id, "tokenizer", "tokenizers-json", settings)
 
     tokens = torch.randint(3, cfg.vocab_size, (5, cfg.pair_size))

@@ -46,7 +46,7 @@ def tokenizer_corpus(seed: int, per_family: int = 4000, text_chunks: int = 3000)
 def cmd_tokenizer(args) -> None:
     tokenizer = train_tokenizer(tokenizer_corpus(args.seed), args.vocab_size)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(tokenizer.to_str())
+    Path(args.out).write_text(tokenizer.to_str(), encoding="utf-8")
     print(f"tokenizer: {tokenizer.get_vocab_size()} tokens -> {args.out}")
 
 
@@ -121,7 +121,7 @@ def _recipe(args, kind: str) -> dict:
 
 
 def cmd_baseline(args) -> None:
-    tokenizer = TextTokenizer.from_json(Path(args.tokenizer).read_text())
+    tokenizer = TextTokenizer.from_json(Path(args.tokenizer).read_text(encoding="utf-8"))
     cfg = ModelConfig(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                       bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pair_size=1,
                       d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,

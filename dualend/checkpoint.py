@@ -54,18 +54,18 @@ class Checkpoint:
         ckpt_id = checkpoint_id(weights, self.model.cfg)
         save_file(weights, str(directory / WEIGHTS))
         meta = {"checkpoint_id": ckpt_id, "model": self.model.cfg.to_dict(), "recipe": self.recipe}
-        (directory / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        (directory / TOKENIZER).write_text(self.tokenizer.to_json())
+        (directory / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (directory / TOKENIZER).write_text(self.tokenizer.to_json(), encoding="utf-8")
         return ckpt_id
 
 
 def load_checkpoint(directory: str | Path) -> Checkpoint:
     directory = Path(directory)
-    meta = json.loads((directory / CONFIG).read_text())
+    meta = json.loads((directory / CONFIG).read_text(encoding="utf-8"))
     model = LanguageModel(ModelConfig(**meta["model"]))
     model.load_state_dict(load_file(str(directory / WEIGHTS)))
     model.eval()
-    tokenizer = TextTokenizer.from_json((directory / TOKENIZER).read_text())
+    tokenizer = TextTokenizer.from_json((directory / TOKENIZER).read_text(encoding="utf-8"))
     checkpoint = Checkpoint(model, tokenizer, meta.get("recipe", {}))
     if checkpoint.id != meta["checkpoint_id"]:
         raise ValueError(f"{directory}: weights do not match checkpoint id {meta['checkpoint_id']} "

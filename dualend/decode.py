@@ -127,11 +127,15 @@ def drafting_enabled(threshold: float) -> bool:
 
 
 def generate(components: Components, prompt_ids: Sequence[int], params: SamplingParams,
-             threshold: float) -> Iterator[Step]:
-    """Yields one Step per backbone step; closing the iterator releases every cache."""
+             threshold: float, prompt_latents: np.ndarray | None = None) -> Iterator[Step]:
+    """Yields one Step per backbone step; closing the iterator releases every cache.
+
+    `prompt_latents` [n, D], when the caller already compressed the prompt, skips that step.
+    """
     pair_size, pad = components.pair_size, components.pad_id
-    prompt = pad_prompt(prompt_ids, pair_size, pad)
-    prompt_latents = components.compress(np.asarray(prompt, dtype=np.int64).reshape(-1, pair_size))
+    if prompt_latents is None:
+        prompt = pad_prompt(prompt_ids, pair_size, pad)
+        prompt_latents = components.compress(np.asarray(prompt, dtype=np.int64).reshape(-1, pair_size))
     sampler = Sampler(params)
     use_mtp = pair_size == 2 and drafting_enabled(threshold)
     never = [pad, components.bos_id]
@@ -237,10 +241,11 @@ class Chunk:
 
 
 def stream_chunks(components: Components, tokenizer: TextTokenizer, prompt_ids: Sequence[int],
-                  params: SamplingParams, threshold: float) -> Iterator[Chunk]:
+                  params: SamplingParams, threshold: float,
+                  prompt_latents: np.ndarray | None = None) -> Iterator[Chunk]:
     """One chunk per decode step, the last with its finish reason; closing it frees the caches."""
     text = TextStream(tokenizer, params.stop_words)
-    steps = generate(components, prompt_ids, params, threshold)
+    steps = generate(components, prompt_ids, params, threshold, prompt_latents)
     try:
         for step in steps:
             chunk = Chunk(text.push(step.tokens), 1, int(step.drafted), int(step.accepted),

@@ -29,7 +29,7 @@ class Manifest:
     settings: dict = field(default_factory=dict)
 
     def save(self, directory: Path) -> None:
-        (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+        (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def sha256_of(path: Path) -> str:
@@ -55,7 +55,7 @@ def verify_component(directory: str | Path) -> Manifest:
     path = directory / MANIFEST
     if not path.exists():
         raise ManifestError(f"{directory}: no {MANIFEST}; refusing to load an unversioned component")
-    manifest = Manifest(**json.loads(path.read_text()))
+    manifest = Manifest(**json.loads(path.read_text(encoding="utf-8")))
     for name, expected in manifest.files.items():
         file = directory / name
         if not file.exists():

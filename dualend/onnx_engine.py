@@ -56,13 +56,13 @@ class ExportedModel:
 
     @property
     def settings(self) -> dict:
-        return self.manifests["backbone"].settings
+        return next(iter(self.manifests.values())).settings  # siblings agree (verified)
 
     def path(self, component: str) -> Path:
         return self.directory / component / (TOKENIZER_FILE if component == "tokenizer" else MODEL_FILE)
 
     def tokenizer(self) -> TextTokenizer:
-        return TextTokenizer.from_json(self.path("tokenizer").read_text())
+        return TextTokenizer.from_json(self.path("tokenizer").read_text(encoding="utf-8"))
 
 
 class BackboneRunner:

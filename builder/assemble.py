@@ -1,0 +1,129 @@
+"""Assemble a complete Triton model repository from the committed checkpoints.
+
+    python -m builder.assemble                       # -> build/model_repository (ONNX Runtime)
+    python -m builder.assemble --engine tensorrt     # after builder.tensorrt_build, on a GPU machine
+
+For each deployment (`dualend`, `baseline`) it exports the checkpoint (skipped when the export
+already matches the checkpoint id), then writes the six Triton models with their artifacts and
+manifests and configs rendered from model_repository/*/config.pbtxt.template. The repository is
+written beside the target and swapped in whole, so a server never sees half of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import string
+from pathlib import Path
+
+from dualend.checkpoint import load_checkpoint
+from dualend.engines import ENGINES
+from dualend.manifest import ManifestError
+from dualend.onnx_engine import ExportedModel
+
+from .export import export_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ROOT / "model_repository"
+DEFAULTS = dict(
+    checkpoints=ROOT / "checkpoints", out=ROOT / "build" / "model_repository", export_dir=ROOT / "build" / "export",
+    quality_report=ROOT / "builder" / "reports" / "quality.json", engine="onnxruntime",
+    raw_context_limit=4096, max_new_tokens=1024, kv_block_size=16, kv_capacity_sequences=16,
+    max_concurrent_requests=16, capacity_wait_s=5.0, idle_timeout_s=60.0, batch_delay_us=200,
+    engine_threads=2, backbone_instances=1, preprocessing_instances=1,
+)
+DEPLOYMENTS = ("dualend", "baseline")
+# Triton model suffix -> (source folder, components copied into its version folder)
+MODELS = {
+    "": ("ensemble", ()),
+    "_preprocessing": ("preprocessing", ("tokenizer",)),
+    "_compressor": ("compressor", ("compressor",)),
+    "_mtp_verify": ("mtp_verify", ("tokenizer", "compressor", "mtp")),
+    "_backbone": ("backbone", ("backbone",)),
+    "_postprocessing": ("postprocessing", ("tokenizer",)),
+}
+
+
+def calibrated_threshold(report: Path) -> float:
+    if not report.exists():
+        raise SystemExit(f"{report} is missing: run `python -m builder.evaluate` to calibrate acceptance_threshold")
+    return float(json.loads(report.read_text(encoding="utf-8"))["threshold"])
+
+
+def up_to_date_export(checkpoint_dir: Path, export_dir: Path) -> ExportedModel:
+    checkpoint = load_checkpoint(checkpoint_dir)
+    try:
+        exported = ExportedModel.open(export_dir)
+        if exported.checkpoint_id == checkpoint.id:
+            return exported
+    except (ManifestError, FileNotFoundError):
+        pass
+    export_checkpoint(checkpoint, export_dir)
+    return ExportedModel.open(export_dir)
+
+
+def render_deployment(name: str, exported: ExportedModel, out: Path, values: dict) -> None:
+    for suffix, (source, components) in MODELS.items():
+        model_dir = out / f"{name}{suffix}"
+        version_dir = model_dir / "1"
+        version_dir.mkdir(parents=True)
+        template = string.Template((SOURCES / source / "config.pbtxt.template").read_text(encoding="utf-8"))
+        (model_dir / "config.pbtxt").write_text(template.substitute(values), encoding="utf-8")
+        if (SOURCES / source / "model.py").exists():
+            shutil.copy2(SOURCES / source / "model.py", version_dir / "model.py")
+        for component in components:
+            if component in exported.manifests:
+                shutil.copytree(exported.directory / component, version_dir / component)
+
+
+def deployment_values(name: str, exported: ExportedModel, args, threshold: float) -> dict:
+    settings = exported.settings
+    pair_size = settings["pair_size"]
+    latent_limit = args.raw_context_limit // pair_size
+    return {
+        "deployment": name, "pair_size": pair_size, "d_model": settings["d_model"],
+        "extra_draft_tokens": pair_size - 1,
+        "acceptance_threshold": threshold if pair_size == 2 else 1.0,
+        "raw_context_limit": args.raw_context_limit, "effective_latent_limit": latent_limit,
+        "max_new_tokens": args.max_new_tokens, "kv_block_size": args.kv_block_size,
+        "kv_capacity_blocks": args.kv_capacity_sequences * math.ceil(latent_limit / args.kv_block_size),
+        "max_concurrent_requests": args.max_concurrent_requests, "capacity_wait_s": args.capacity_wait_s,
+        "idle_timeout_s": args.idle_timeout_s, "idle_timeout_us": int(args.idle_timeout_s * 1e6),
+        "batch_delay_us": args.batch_delay_us, "engine": args.engine, "engine_threads": args.engine_threads,
+        "backbone_instances": args.backbone_instances, "preprocessing_instances": args.preprocessing_instances,
+    }
+
+
+def assemble(args) -> Path:
+    threshold = calibrated_threshold(Path(args.quality_report)) if args.threshold is None else args.threshold
+    out = Path(args.out)
+    staging = out.with_name(out.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in args.deployments:
+        exported = up_to_date_export(Path(args.checkpoints) / name, Path(args.export_dir) / name)
+        if args.engine == "tensorrt" and not (exported.directory / "backbone" / "model.plan").exists():
+            raise SystemExit(f"{name}: no TensorRT engine; run `python -m builder.tensorrt_build` first")
+        render_deployment(name, exported, staging, deployment_values(name, exported, args, threshold))
+        print(f"{name}: checkpoint {exported.checkpoint_id}")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    print(f"model repository -> {out}")
+    return out
+
+
+def main(argv=None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for key, value in DEFAULTS.items():
+        kind = str if isinstance(value, Path) else type(value)
+        parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=value,
+                            choices=ENGINES if key == "engine" else None)
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="acceptance_threshold; default: the calibrated one in the quality report")
+    parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS))
+    return assemble(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""A small Python API over Triton's own clients: gRPC streaming, HTTP SSE and HTTP /generate.
+
+    from client.api import stream_grpc
+    result = stream_grpc("127.0.0.1:8001", "dualend", "Q: 3+4-2\\nA:", max_tokens=32)
+    print(result.text, result.ttft_s, result.tpot_s)
+
+Every call returns a `Result` with the text, the per-response timings (TTFT, TPOT counted in
+tokens, not responses) and the server's counters; a server-side error raises `RequestError`
+with the server's message.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps", "num_prompt_tokens",
+            "num_prompt_latents")
+PARAM_TYPES = {"temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32), "top_p": ("FP32", np.float32),
+               "random_seed": ("UINT64", np.uint64), "acceptance_threshold": ("FP32", np.float32),
+               "exclude_input_in_output": ("BOOL", np.bool_), "stream": ("BOOL", np.bool_)}
+
+
+class RequestError(RuntimeError):
+    """The server refused or failed the request; the message is the server's."""
+
+
+@dataclass
+class Result:
+    text: str = ""
+    sent_at: float = 0.0
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, output tokens in response)
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    finish_reason: str = ""
+
+    def add(self, text: str, counters: dict[str, int], finish_reason: str) -> None:
+        self.text += text
+        self.arrivals.append((time.perf_counter(), counters.get("num_output_tokens", 0)))
+        for name in ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps"):
+            self.counters[name] += counters.get(name, 0)
+        for name in ("num_prompt_tokens", "num_prompt_latents"):
+            self.counters[name] = counters.get(name, self.counters[name])
+        self.finish_reason = finish_reason or self.finish_reason
+
+    @property
+    def output_tokens(self) -> int:
+        return self.counters["num_output_tokens"]
+
+    @property
+    def ttft_s(self) -> float:
+        first = next((t for t, n in self.arrivals if n > 0), None)
+        return float("nan") if first is None else first - self.sent_at
+
+    @property
+    def tpot_s(self) -> float:
+        with_tokens = [t for t, n in self.arrivals if n > 0]
+        if self.output_tokens < 2 or len(with_tokens) < 2:
+            return float("nan")
+        return (with_tokens[-1] - with_tokens[0]) / (self.output_tokens - 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafts = self.counters["num_drafts"]
+        return self.counters["num_accepted_drafts"] / drafts if drafts else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        steps = self.counters["num_steps"]
+        return self.output_tokens / steps if steps else 0.0
+
+    def summary(self) -> str:
+        return (f"TTFT {self.ttft_s * 1e3:.1f} ms | TPOT {self.tpot_s * 1e3:.2f} ms | "
+                f"{self.output_tokens} tokens in {self.counters['num_steps']} steps "
+                f"({self.tokens_per_step:.2f}/step) | acceptance {self.acceptance_rate:.0%} | "
+                f"prompt {self.counters['num_prompt_tokens']} tokens -> {self.counters['num_prompt_latents']} latents"
+                f" | finish {self.finish_reason}")
+
+
+def request_body(prompt: str, max_tokens: int, stream: bool, **params) -> dict:
+    body = {"text_input": prompt, "max_tokens": max_tokens, "stream": stream}
+    body.update({k: v for k, v in params.items() if v is not None})
+    return body
+
+
+def _grpc_inputs(grpcclient, body: dict):
+    inputs = []
+
+    def add(name, array, dtype):
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+
+    add("text_input", np.array([body["text_input"].encode() if isinstance(body["text_input"], str)
+                                else body["text_input"]], dtype=object), "BYTES")
+    add("max_tokens", np.array([body["max_tokens"]], dtype=np.int32), "INT32")
+    if body.get("stop_words"):
+        add("stop_words", np.array([w.encode() for w in body["stop_words"]], dtype=object), "BYTES")
+    for name, (triton_type, np_type) in PARAM_TYPES.items():
+        if name in body:
+            add(name, np.array([body[name]], dtype=np_type), triton_type)
+    return inputs
+
+
+def stream_grpc(url: str, model: str, prompt: str | bytes, max_tokens: int, stream: bool = True,
+                timeout_s: float = 120.0, cancel_after_responses: int | None = None, **params) -> Result:
+    """One request over a gRPC bidirectional stream; `cancel_after_responses` cancels it early."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    result = Result()
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        result.sent_at = time.perf_counter()
+        client.async_stream_infer(model, _grpc_inputs(grpcclient, request_body(prompt, max_tokens, stream, **params)),
+                                  enable_empty_final_response=True)
+        while True:
+            response, error = responses.get(timeout=timeout_s)
+            if error is not None:
+                raise RequestError(error.message() if hasattr(error, "message") else str(error))
+            final = response.get_response().parameters["triton_final_response"].bool_param
+            text = response.as_numpy("text_output")
+            if text is not None:
+                counters = {name: int(response.as_numpy(name)[0]) for name in COUNTERS}
+                reason = response.as_numpy("finish_reason")[0].decode()
+                result.add(text[0].decode(), counters, reason)
+            if final:
+                return result
+            if cancel_after_responses is not None and len(result.arrivals) >= cancel_after_responses:
+                client.stop_stream(cancel_requests=True)
+                result.finish_reason = "cancelled"
+                return result
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def _http_post(url: str, path: str, body: dict, timeout_s: float):
+    host, port = url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    return connection, connection.getresponse()
+
+
+def _add_json(result: Result, payload: dict) -> None:
+    if "error" in payload:
+        raise RequestError(payload["error"])
+    result.add(payload.get("text_output", ""), {n: int(payload.get(n, 0)) for n in COUNTERS},
+               payload.get("finish_reason", ""))
+
+
+def stream_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 120.0, **params) -> Result:
+    """One request over HTTP /generate_stream (server-sent events)."""
+    result = Result(sent_at=time.perf_counter())
+    connection, response = _http_post(url, f"/v2/models/{model}/generate_stream",
+                                      request_body(prompt, max_tokens, True, **params), timeout_s)
+    try:
+        if response.status != 200:
+            raise RequestError(json.loads(response.read() or b"{}").get("error", f"HTTP {response.status}"))
+        for line in response:
+            line = line.strip()
+            if line.startswith(b"data:"):
+                _add_json(result, json.loads(line[5:]))
+        return result
+    finally:
+        connection.close()
+
+
+def generate_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 120.0, **params) -> Result:
+    """One request over HTTP /generate: the whole text in one response."""
+    result = Result(sent_at=time.perf_counter())
+    connection, response = _http_post(url, f"/v2/models/{model}/generate",
+                                      request_body(prompt, max_tokens, False, **params), timeout_s)
+    try:
+        payload = json.loads(response.read() or b"{}")
+        if response.status != 200:
+            raise RequestError(payload.get("error", f"HTTP {response.status}"))
+        _add_json(result, payload)
+        return result
+    finally:
+        connection.close()
+
+
+def median_and_spread(values: list[float]) -> tuple[float, float, float]:
+    """Median and the 10th/90th percentiles (nearest rank), ignoring NaN."""
+    clean = sorted(v for v in values if v == v)
+    if not clean:
+        return float("nan"), float("nan"), float("nan")
+    pick = lambda q: clean[min(len(clean) - 1, int(q * len(clean)))]  # noqa: E731
+    return statistics.median(clean), pick(0.1), pick(0.9)

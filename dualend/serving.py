@@ -1,0 +1,145 @@
+"""Serving logic with no Triton import: request validation and the shape of responses.
+
+The Triton models in model_repository/ are thin adapters over these functions.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from .decode import Chunk, InvalidRequest, SamplingParams, pad_prompt
+from .tokenizer import TextTokenizer
+
+COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps",
+            "num_prompt_tokens", "num_prompt_latents")
+
+
+@dataclass(frozen=True)
+class Limits:
+    raw_context_limit: int   # prompt + generated tokens, as the user counts them
+    pair_size: int
+    max_new_tokens: int
+
+    @property
+    def effective_latent_limit(self) -> int:
+        return self.raw_context_limit // self.pair_size
+
+
+@dataclass
+class PreparedRequest:
+    prompt_ids: list[int]    # BOS + prompt tokens, before pair padding
+    params: SamplingParams
+    stream: bool
+    exclude_input_in_output: bool
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "PreparedRequest":
+        raw = json.loads(text)
+        params = raw.pop("params")
+        params["stop_words"] = tuple(params["stop_words"])
+        return cls(params=SamplingParams(**params), **raw)
+
+
+def _scalar(value, name: str, kind):
+    if value is None:
+        return None
+    array = np.asarray(value).reshape(-1)
+    if array.size != 1:
+        raise InvalidRequest(f"{name} must hold exactly one value, got {array.size}")
+    item = array[0].item()
+    if kind is float and not isinstance(item, (int, float)) or kind is int and not isinstance(item, int):
+        raise InvalidRequest(f"{name} must be a number, got {type(item).__name__}")
+    return kind(item)
+
+
+def _text(value: bytes | str, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidRequest(f"{name} is not valid UTF-8 (bad byte at offset {error.start})") from None
+
+
+def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max_tokens,
+                    stream=None, temperature=None, top_k=None, top_p=None, random_seed=None,
+                    stop_words=None, exclude_input_in_output=None,
+                    acceptance_threshold=None) -> PreparedRequest:
+    """Validates one request's raw tensors (numpy arrays or None) into a PreparedRequest."""
+    texts = np.asarray(text_input, dtype=object).reshape(-1)
+    if texts.size != 1:
+        raise InvalidRequest(f"text_input must hold exactly one string, got {texts.size}")
+    text = _text(texts[0], "text_input")
+    if not text.strip():
+        raise InvalidRequest("text_input is empty")
+    params = SamplingParams(
+        max_tokens=_scalar(max_tokens, "max_tokens", int),
+        temperature=_scalar(temperature, "temperature", float) or 0.0,
+        top_k=_scalar(top_k, "top_k", int) or 0,
+        top_p=1.0 if top_p is None else _scalar(top_p, "top_p", float),
+        seed=_scalar(random_seed, "random_seed", int) or 0,
+        acceptance_threshold=_scalar(acceptance_threshold, "acceptance_threshold", float),
+        stop_words=tuple(_text(w, "stop_words") for w in np.asarray(stop_words, dtype=object).reshape(-1))
+        if stop_words is not None else (),
+    )
+    if params.max_tokens is None:
+        raise InvalidRequest("max_tokens is required")
+    params.validate(limits.max_new_tokens)
+    prompt_ids = tokenizer.encode_prompt(text)
+    prompt_slots = len(pad_prompt(prompt_ids, limits.pair_size, tokenizer.pad_id))
+    if prompt_slots > limits.raw_context_limit:
+        raise InvalidRequest(
+            f"prompt is {prompt_slots} tokens, over raw_context_limit {limits.raw_context_limit} "
+            f"({limits.effective_latent_limit} latents); prompts are never truncated, shorten it")
+    if prompt_slots + params.max_tokens > limits.raw_context_limit:
+        raise InvalidRequest(
+            f"prompt ({prompt_slots} tokens) + max_tokens ({params.max_tokens}) exceeds raw_context_limit "
+            f"{limits.raw_context_limit}; lower max_tokens to at most {limits.raw_context_limit - prompt_slots}")
+    return PreparedRequest(prompt_ids, params, bool(_scalar(stream, "stream", int) or False),
+                           bool(_scalar(exclude_input_in_output, "exclude_input_in_output", int) or False))
+
+
+def resolve_threshold(requested: float | None, deployment_default: float) -> float:
+    return deployment_default if requested is None else requested
+
+
+@dataclass
+class Response:
+    output_ids: list[int]
+    counters: dict[str, int]
+    finish_reason: str | None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {"output_ids": np.asarray(self.output_ids, dtype=np.int64)}
+        out.update({name: np.asarray([value], dtype=np.int32) for name, value in self.counters.items()})
+        out["finish_reason"] = np.asarray([(self.finish_reason or "").encode()], dtype=object)
+        return out
+
+
+def responses(chunks: Iterable[Chunk], request: PreparedRequest, num_prompt_latents: int) -> Iterator[Response]:
+    """Streaming: one response per chunk. Otherwise one response with everything.
+
+    The prompt, unless excluded, leads the first response; it is not counted as output.
+    """
+    prompt_echo = [] if request.exclude_input_in_output else list(request.prompt_ids)
+    fixed = {"num_prompt_tokens": len(request.prompt_ids), "num_prompt_latents": num_prompt_latents}
+    total = Response(prompt_echo, {name: 0 for name in COUNTERS[:4]} | fixed, None)
+    for chunk in chunks:
+        part = {"num_output_tokens": len(chunk.tokens), "num_drafts": chunk.drafts,
+                "num_accepted_drafts": chunk.accepted, "num_steps": chunk.steps}
+        if request.stream:
+            yield Response(prompt_echo + chunk.tokens, part | fixed, chunk.finish_reason)
+            prompt_echo = []
+        else:
+            total.output_ids += chunk.tokens
+            total.counters = {k: total.counters[k] + part.get(k, 0) for k in total.counters}
+            total.finish_reason = chunk.finish_reason
+    if not request.stream:
+        yield total
+

@@ -1,0 +1,212 @@
+"""Triton adapter: owns a request from prefill to release and streams its tokens.
+
+Decoupled: each request runs in its own thread (bounded by max_concurrent_requests), drives
+the backbone model over BLS (sequence START / steps / END under one correlation id), runs the
+MTP head and the confidence gate in-process, and sends exactly one FINAL response per request,
+also after an error or a cancellation.
+"""
+import itertools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from dualend.decode import BackboneOutput, CapacityError, InvalidRequest, stream_chunks
+from dualend.manifest import verify_component, verify_siblings
+from dualend.onnx_engine import ExportedModel, MTPComponent
+from dualend.serving import PreparedRequest, resolve_threshold, responses
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+CAPACITY_MARK = "KV cache full"
+
+
+class Cancelled(Exception):
+    pass
+
+
+class BLSBackboneSession:
+    """The decode loop's backbone, reached over BLS; one correlation id per request."""
+
+    def __init__(self, model_name, correlation_id, d_model, capacity_wait_s, is_cancelled):
+        self.model_name, self.correlation_id, self.d_model = model_name, correlation_id, d_model
+        self.capacity_wait_s, self.is_cancelled = capacity_wait_s, is_cancelled
+        self.started = False
+
+    def _call(self, latents, flags, reserve=0):
+        request = pb_utils.InferenceRequest(
+            model_name=self.model_name, requested_output_names=["logits", "hidden"],
+            inputs=[pb_utils.Tensor("latents", np.ascontiguousarray(latents[None], dtype=np.float32)),
+                    pb_utils.Tensor("reserve_slots", np.asarray([[reserve]], dtype=np.int32))],
+            correlation_id=self.correlation_id, flags=flags)
+        response = request.exec()
+        if response.has_error():
+            message = response.error().message()
+            raise (CapacityError if CAPACITY_MARK in message else RuntimeError)(message)
+        logits, hidden = (pb_utils.get_output_tensor_by_name(response, n).as_numpy()[0] for n in ("logits", "hidden"))
+        return BackboneOutput(logits, hidden)
+
+    def prefill(self, latents, reserve_slots):
+        deadline = time.monotonic() + self.capacity_wait_s
+        while True:
+            try:
+                out = self._call(latents, START, reserve_slots)
+                self.started = True
+                return out
+            except CapacityError:
+                if time.monotonic() > deadline:
+                    raise
+                if self.is_cancelled():
+                    raise Cancelled() from None
+                time.sleep(0.05)
+
+    def step(self, latent):
+        if self.is_cancelled():
+            raise Cancelled()
+        return self._call(latent[None], 0)
+
+    def close(self):
+        if self.started:
+            self._call(np.zeros((1, self.d_model), np.float32), END)
+            self.started = False
+
+
+class TritonComponents:
+    """In-process compressor and MTP head, backbone over BLS: what the decode loop needs."""
+
+    def __init__(self, local, open_backbone):
+        self.local, self.open_backbone = local, open_backbone
+        self.pair_size, self.pad_id = local.pair_size, local.pad_id
+        self.eos_id, self.bos_id = local.eos_id, local.bos_id
+
+    def compress(self, tokens):
+        return self.local.compress(tokens)
+
+    def open_mtp(self, max_steps):
+        return self.local.open_mtp(max_steps)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config["parameters"].items()}
+        deployment = parameters["deployment"]
+        repository, version = Path(args["model_repository"]), args["model_version"]
+        self.pair_size = int(parameters["pair_size"])
+        names = ("tokenizer", "compressor", "mtp") if self.pair_size == 2 else ("tokenizer", "compressor")
+        exported = ExportedModel.open(repository / version, names)
+        backbone_dir = repository.parent / f"{deployment}_backbone"
+        backbone_manifest = verify_component(_latest_version(backbone_dir) / "backbone")
+        checkpoint_id = verify_siblings([*exported.manifests.values(), backbone_manifest])
+        self.local = MTPComponent(exported, threads=int(parameters["threads"]))
+        self.tokenizer = exported.tokenizer()
+        self.d_model = exported.settings["d_model"]
+        self.threshold = float(parameters["acceptance_threshold"])
+        self.backbone_model = f"{deployment}_backbone"
+        self.capacity_wait_s = float(parameters["capacity_wait_s"])
+        self.slots = threading.BoundedSemaphore(int(parameters["max_concurrent_requests"]))
+        self.max_concurrent = int(parameters["max_concurrent_requests"])
+        self.ids = itertools.count(((os.getpid() & 0xFFFF) << 32) + 1)
+        self.metrics = _DecodeMetrics(args["model_name"])
+        self._warm_up()
+        mode = (f"dual-end: compressor + MTP head, acceptance_threshold {self.threshold}"
+                if self.pair_size == 2 else "token-level baseline, one token per step")
+        pb_utils.Logger.log_info(
+            f"{args['model_name']}: checkpoint {checkpoint_id}; {mode}; components "
+            + ", ".join(f"{m.component} ({m.format})" for m in [*exported.manifests.values(), backbone_manifest]))
+
+    def _warm_up(self):
+        latents = self.local.compress(np.full((1, self.pair_size), self.local.bos_id, np.int64))
+        if self.local.mtp is not None:
+            session = self.local.open_mtp(1)
+            session.step(self.local.bos_id, latents[0], 0)
+            session.close()
+
+    def execute(self, requests):
+        for request in requests:
+            if not self.slots.acquire(blocking=False):
+                request.get_response_sender().send(
+                    _error(f"server busy: {self.max_concurrent} requests already in flight; retry later"),
+                    flags=FINAL)
+                continue
+            threading.Thread(target=self._serve, args=(request,), daemon=True).start()
+        return None
+
+    def _serve(self, request):
+        sender = request.get_response_sender()
+        chunks, final_sent = None, False
+        try:
+            prepared = PreparedRequest.from_json(
+                pb_utils.get_input_tensor_by_name(request, "request_params").as_numpy()[0].decode())
+            prompt_latents = pb_utils.get_input_tensor_by_name(request, "prompt_latents").as_numpy()
+            threshold = resolve_threshold(prepared.params.acceptance_threshold, self.threshold)
+            components = TritonComponents(self.local, lambda: BLSBackboneSession(
+                self.backbone_model, next(self.ids), self.d_model, self.capacity_wait_s, sender.is_cancelled))
+            started = time.monotonic()
+            chunks = stream_chunks(components, self.tokenizer, prepared.prompt_ids, prepared.params, threshold,
+                                   prompt_latents=prompt_latents)
+            for response in responses(chunks, prepared, len(prompt_latents)):
+                self.metrics.record(response, time.monotonic() - started)
+                started = time.monotonic()
+                final = response.finish_reason is not None
+                sender.send(pb_utils.InferenceResponse(
+                    [pb_utils.Tensor(k, v) for k, v in response.arrays().items()]), flags=FINAL if final else 0)
+                final_sent = final
+        except Cancelled:
+            pass
+        except (InvalidRequest, CapacityError) as error:
+            sender.send(_error(str(error)), flags=FINAL)
+            final_sent = True
+        except Exception as error:  # noqa: BLE001 - every request must end with a FINAL response
+            pb_utils.Logger.log_error(f"request failed: {error!r}")
+            sender.send(_error(f"internal error: {error}"), flags=FINAL)
+            final_sent = True
+        finally:
+            if chunks is not None:
+                chunks.close()
+            if not final_sent:
+                sender.send(flags=FINAL)
+            self.slots.release()
+
+    def finalize(self):
+        for _ in range(self.max_concurrent):  # wait for in-flight requests to end
+            self.slots.acquire(timeout=10)
+
+
+def _latest_version(model_dir):
+    versions = sorted((p for p in model_dir.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    return versions[-1]
+
+
+def _error(message):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+
+
+class _DecodeMetrics:
+    def __init__(self, model_name):
+        labels = {"model": model_name}
+        spec = [("dualend_output_tokens", "Tokens streamed to clients"),
+                ("dualend_decode_steps", "Backbone decode steps"),
+                ("dualend_drafts_proposed", "MTP drafts proposed"),
+                ("dualend_drafts_accepted", "MTP drafts accepted by the confidence gate"),
+                ("dualend_prompt_raw_tokens", "Prompt tokens as users count them"),
+                ("dualend_prompt_latents", "Prompt latents the backbone held"),
+                ("dualend_generation_seconds", "Time spent producing responses (prefill + decode)")]
+        self.families = [pb_utils.MetricFamily(n, d, pb_utils.MetricFamily.COUNTER) for n, d in spec]
+        self.counters = {n: f.Metric(labels=labels) for (n, _), f in zip(spec, self.families)}
+
+    def record(self, response, seconds):
+        c = response.counters
+        for name, key in (("dualend_output_tokens", "num_output_tokens"), ("dualend_decode_steps", "num_steps"),
+                          ("dualend_drafts_proposed", "num_drafts"),
+                          ("dualend_drafts_accepted", "num_accepted_drafts")):
+            self.counters[name].increment(c[key])
+        if response.finish_reason is not None:
+            self.counters["dualend_prompt_raw_tokens"].increment(c["num_prompt_tokens"])
+            self.counters["dualend_prompt_latents"].increment(c["num_prompt_latents"])
+        self.counters["dualend_generation_seconds"].increment(seconds)

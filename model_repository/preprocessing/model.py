@@ -1,0 +1,44 @@
+"""Triton adapter: validates a request and turns its text into token pairs."""
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from dualend.decode import InvalidRequest, pad_prompt
+from dualend.onnx_engine import ExportedModel
+from dualend.serving import Limits, prepare_request
+
+OPTIONAL_INPUTS = ("stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
+                   "exclude_input_in_output", "acceptance_threshold")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config["parameters"].items()}
+        exported = ExportedModel.open(Path(args["model_repository"]) / args["model_version"], ("tokenizer",))
+        self.tokenizer = exported.tokenizer()
+        self.limits = Limits(int(parameters["raw_context_limit"]), int(parameters["pair_size"]),
+                             int(parameters["max_new_tokens"]))
+
+    def execute(self, requests):
+        return [self._one(request) for request in requests]
+
+    def _one(self, request):
+        def value(name):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        try:
+            prepared = prepare_request(self.tokenizer, self.limits, text_input=value("text_input"),
+                                       max_tokens=value("max_tokens"),
+                                       **{name: value(name) for name in OPTIONAL_INPUTS})
+        except InvalidRequest as error:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {error}"))
+        pairs = np.asarray(pad_prompt(prepared.prompt_ids, self.limits.pair_size, self.tokenizer.pad_id),
+                           dtype=np.int64).reshape(-1, self.limits.pair_size)
+        return pb_utils.InferenceResponse([
+            pb_utils.Tensor("input_ids", pairs),
+            pb_utils.Tensor("request_params", np.asarray([prepared.to_json().encode()], dtype=object)),
+        ])

@@ -23,7 +23,8 @@ COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps
             "num_prompt_latents")
 PARAM_TYPES = {"temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32), "top_p": ("FP32", np.float32),
                "random_seed": ("UINT64", np.uint64), "acceptance_threshold": ("FP32", np.float32),
-               "exclude_input_in_output": ("BOOL", np.bool_), "stream": ("BOOL", np.bool_)}
+               "exclude_input_in_output": ("BOOL", np.bool_), "stream": ("BOOL", np.bool_),
+               "ignore_eos": ("BOOL", np.bool_)}
 
 
 class RequestError(RuntimeError):
@@ -147,6 +148,16 @@ def _http_post(url: str, path: str, body: dict, timeout_s: float):
     return connection, connection.getresponse()
 
 
+def _error_of(body: bytes, status: int) -> str:
+    """The server's message from an error body: plain JSON, or one server-sent event."""
+    text = body.decode(errors="replace").strip()
+    text = text[5:] if text.startswith("data:") else text
+    try:
+        return json.loads(text).get("error", f"HTTP {status}")
+    except ValueError:
+        return f"HTTP {status}: {text[:200]}"
+
+
 def _add_json(result: Result, payload: dict) -> None:
     if "error" in payload:
         raise RequestError(payload["error"])
@@ -161,7 +172,7 @@ def stream_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s: f
                                       request_body(prompt, max_tokens, True, **params), timeout_s)
     try:
         if response.status != 200:
-            raise RequestError(json.loads(response.read() or b"{}").get("error", f"HTTP {response.status}"))
+            raise RequestError(_error_of(response.read(), response.status))
         for line in response:
             line = line.strip()
             if line.startswith(b"data:"):
@@ -177,10 +188,10 @@ def generate_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s:
     connection, response = _http_post(url, f"/v2/models/{model}/generate",
                                       request_body(prompt, max_tokens, False, **params), timeout_s)
     try:
-        payload = json.loads(response.read() or b"{}")
+        body = response.read()
         if response.status != 200:
-            raise RequestError(payload.get("error", f"HTTP {response.status}"))
-        _add_json(result, payload)
+            raise RequestError(_error_of(body, response.status))
+        _add_json(result, json.loads(body))
         return result
     finally:
         connection.close()

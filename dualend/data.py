@@ -61,7 +61,7 @@ def _math(rng: random.Random) -> Example:
     return Example("math", f"Q: {expr}\nA:", " " + " ".join(steps) + f" #{total}", str(total))
 
 
-def _lookup(rng: random.Random, min_pairs: int = 8, max_pairs: int = 24) -> Example:
+def _lookup(rng: random.Random, min_pairs: int = 4, max_pairs: int = 12) -> Example:
     n = rng.randint(min_pairs, max_pairs)
     keys: list[str] = []
     while len(keys) < n:

@@ -32,6 +32,7 @@ class SamplingParams:
     seed: int = 0
     acceptance_threshold: float | None = None
     stop_words: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: always decode max_tokens tokens
 
     def validate(self, max_tokens_limit: int) -> None:
         if not 1 <= self.max_tokens <= max_tokens_limit:
@@ -138,7 +139,7 @@ def generate(components: Components, prompt_ids: Sequence[int], params: Sampling
         prompt_latents = components.compress(np.asarray(prompt, dtype=np.int64).reshape(-1, pair_size))
     sampler = Sampler(params)
     use_mtp = pair_size == 2 and drafting_enabled(threshold)
-    never = [pad, components.bos_id]
+    never = [pad, components.bos_id] + ([components.eos_id] if params.ignore_eos else [])
     backbone = components.open_backbone()
     mtp = None
     try:

@@ -69,8 +69,8 @@ def _text(value: bytes | str, name: str) -> str:
 
 def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max_tokens,
                     stream=None, temperature=None, top_k=None, top_p=None, random_seed=None,
-                    stop_words=None, exclude_input_in_output=None,
-                    acceptance_threshold=None) -> PreparedRequest:
+                    stop_words=None, exclude_input_in_output=None, acceptance_threshold=None,
+                    ignore_eos=None) -> PreparedRequest:
     """Validates one request's raw tensors (numpy arrays or None) into a PreparedRequest."""
     texts = np.asarray(text_input, dtype=object).reshape(-1)
     if texts.size != 1:
@@ -87,6 +87,7 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
         acceptance_threshold=_scalar(acceptance_threshold, "acceptance_threshold", float),
         stop_words=tuple(_text(w, "stop_words") for w in np.asarray(stop_words, dtype=object).reshape(-1))
         if stop_words is not None else (),
+        ignore_eos=bool(_scalar(ignore_eos, "ignore_eos", int) or False),
     )
     if params.max_tokens is None:
         raise InvalidRequest("max_tokens is required")

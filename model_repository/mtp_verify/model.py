@@ -4,6 +4,12 @@ Decoupled: each request runs in its own thread (bounded by max_concurrent_reques
 the backbone model over BLS (sequence START / steps / END under one correlation id), runs the
 MTP head and the confidence gate in-process, and sends exactly one FINAL response per request,
 also after an error or a cancellation.
+
+Triton 2.51 does not pass a client's cancellation of an ensemble on to a step that is already
+running; it marks the ensemble's next step requests (postprocessing) as cancelled instead. So
+every response carries `request_id`, and postprocessing, on seeing a cancelled request, sends
+this model a control request `{"cancel": request_id}` over BLS; the decode loop checks for it
+at every step.
 """
 import itertools
 import json
@@ -111,7 +117,8 @@ class TritonPythonModel:
         self.capacity_wait_s = float(parameters["capacity_wait_s"])
         self.slots = threading.BoundedSemaphore(int(parameters["max_concurrent_requests"]))
         self.max_concurrent = int(parameters["max_concurrent_requests"])
-        self.ids = itertools.count(((os.getpid() & 0xFFFF) << 32) + 1)
+        self.ids = itertools.count(((os.getpid() & 0xFFFF) << 32) + 1)  # also the backbone correlation ids
+        self.cancelled_ids = set()
         self.metrics = _DecodeMetrics(args["model_name"])
         self._warm_up()
         mode = (f"dual-end: compressor + MTP head, acceptance_threshold {self.threshold}"
@@ -129,6 +136,11 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
+            control = json.loads(pb_utils.get_input_tensor_by_name(request, "request_params").as_numpy()[0])
+            if "cancel" in control:
+                self.cancelled_ids.add(int(control["cancel"]))
+                request.get_response_sender().send(flags=FINAL)
+                continue
             if not self.slots.acquire(blocking=False):
                 request.get_response_sender().send(
                     _error(f"server busy: {self.max_concurrent} requests already in flight; retry later"),
@@ -139,14 +151,18 @@ class TritonPythonModel:
 
     def _serve(self, request):
         sender = request.get_response_sender()
+        request_id = next(self.ids)
         chunks, final_sent = None, False
+
+        def is_cancelled():
+            return request_id in self.cancelled_ids or sender.is_cancelled()
         try:
             prepared = PreparedRequest.from_json(
                 pb_utils.get_input_tensor_by_name(request, "request_params").as_numpy()[0].decode())
             prompt_latents = pb_utils.get_input_tensor_by_name(request, "prompt_latents").as_numpy()
             threshold = resolve_threshold(prepared.params.acceptance_threshold, self.threshold)
             components = TritonComponents(self.local, lambda: BLSBackboneSession(
-                self.backbone_model, next(self.ids), self.d_model, self.capacity_wait_s, sender.is_cancelled))
+                self.backbone_model, request_id, self.d_model, self.capacity_wait_s, is_cancelled))
             started = time.monotonic()
             chunks = stream_chunks(components, self.tokenizer, prepared.prompt_ids, prepared.params, threshold,
                                    prompt_latents=prompt_latents)
@@ -154,11 +170,12 @@ class TritonPythonModel:
                 self.metrics.record(response, time.monotonic() - started)
                 started = time.monotonic()
                 final = response.finish_reason is not None
-                sender.send(pb_utils.InferenceResponse(
-                    [pb_utils.Tensor(k, v) for k, v in response.arrays().items()]), flags=FINAL if final else 0)
+                outputs = [pb_utils.Tensor(k, v) for k, v in response.arrays().items()]
+                outputs.append(pb_utils.Tensor("request_id", np.asarray([request_id], dtype=np.uint64)))
+                sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL if final else 0)
                 final_sent = final
         except Cancelled:
-            pass
+            self.metrics.cancel()
         except (InvalidRequest, CapacityError) as error:
             sender.send(_error(str(error)), flags=FINAL)
             final_sent = True
@@ -169,6 +186,7 @@ class TritonPythonModel:
         finally:
             if chunks is not None:
                 chunks.close()
+            self.cancelled_ids.discard(request_id)
             if not final_sent:
                 sender.send(flags=FINAL)
             self.slots.release()
@@ -199,8 +217,20 @@ class _DecodeMetrics:
                 ("dualend_generation_seconds", "Time spent producing responses (prefill + decode)")]
         self.families = [pb_utils.MetricFamily(n, d, pb_utils.MetricFamily.COUNTER) for n, d in spec]
         self.counters = {n: f.Metric(labels=labels) for (n, _), f in zip(spec, self.families)}
+        self.families.append(pb_utils.MetricFamily("dualend_requests_cancelled", "Requests cancelled by the client",
+                                                   pb_utils.MetricFamily.COUNTER))
+        self.cancelled = self.families[-1].Metric(labels=labels)
+        self.lock = threading.Lock()
 
     def record(self, response, seconds):
+        with self.lock:  # the stub's metric calls are not thread-safe (concurrent calls crash the server)
+            self._record(response, seconds)
+
+    def cancel(self):
+        with self.lock:
+            self.cancelled.increment(1)
+
+    def _record(self, response, seconds):
         c = response.counters
         for name, key in (("dualend_output_tokens", "num_output_tokens"), ("dualend_decode_steps", "num_steps"),
                           ("dualend_drafts_proposed", "num_drafts"),

@@ -1,4 +1,10 @@
-"""Triton adapter: released token ids -> text (PAD, BOS, EOS never appear)."""
+"""Triton adapter: released token ids -> text (PAD, BOS, EOS never appear).
+
+It is also where a client's cancellation shows up (Triton marks the ensemble's next step as
+cancelled); it forwards it to mtp_verify as a `{"cancel": request_id}` control request.
+"""
+import json
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -9,14 +15,33 @@ from dualend.onnx_engine import ExportedModel
 
 class TritonPythonModel:
     def initialize(self, args):
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config["parameters"].items()}
         exported = ExportedModel.open(Path(args["model_repository"]) / args["model_version"], ("tokenizer",))
         self.tokenizer = exported.tokenizer()
+        self.mtp_verify = f"{parameters['deployment']}_mtp_verify"
+        self.d_model = int(parameters["d_model"])
+        self.forwarded = deque(maxlen=1024)  # request ids whose cancellation was already sent
 
     def execute(self, requests):
         responses = []
         for request in requests:
+            if request.is_cancelled():
+                self._forward_cancel(int(pb_utils.get_input_tensor_by_name(request, "request_id").as_numpy()[0]))
             ids = pb_utils.get_input_tensor_by_name(request, "output_ids").as_numpy().tolist()
             text = self.tokenizer.decode(ids).encode()
             responses.append(pb_utils.InferenceResponse(
                 [pb_utils.Tensor("text_output", np.asarray([text], dtype=object))]))
         return responses
+
+    def _forward_cancel(self, request_id):
+        if request_id in self.forwarded:
+            return
+        self.forwarded.append(request_id)
+        control = pb_utils.InferenceRequest(
+            model_name=self.mtp_verify, requested_output_names=[],
+            inputs=[pb_utils.Tensor("prompt_latents", np.zeros((1, self.d_model), np.float32)),
+                    pb_utils.Tensor("request_params", np.asarray([json.dumps({"cancel": request_id}).encode()],
+                                                                 dtype=object))])
+        for _ in control.exec(decoupled=True):
+            pass

@@ -10,7 +10,7 @@ from dualend.onnx_engine import ExportedModel
 from dualend.serving import Limits, prepare_request
 
 OPTIONAL_INPUTS = ("stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
-                   "exclude_input_in_output", "acceptance_threshold")
+                   "exclude_input_in_output", "acceptance_threshold", "ignore_eos")
 
 
 class TritonPythonModel:

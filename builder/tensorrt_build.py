@@ -1,0 +1,125 @@
+"""Compile the exported backbone (and, with --all, the compressor and MTP head) to TensorRT.
+
+    python -m builder.tensorrt_build --export-dir build/export --fp16
+
+FP16 with two optimisation profiles for the backbone: prefill (batch 1, up to
+`--max-latents` new latents, empty past) and decode (up to `--max-batch` sequences, one new
+latent, up to `--max-latents` past). Checks parity against ONNX Runtime (logits on random inputs
+and whole greedy generations) and records the plan in the component's manifest. Without an
+NVIDIA GPU and `tensorrt` it says so and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from dualend.decode import SamplingParams, generate
+from dualend.manifest import Manifest, write_manifest
+from dualend.onnx_engine import ExportedModel, OnnxComponents, ort_session
+from dualend.tensorrt_engine import PLAN_FILE, TensorRTSession, gpu_available
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULTS = dict(export_dir=ROOT / "build" / "export", max_latents=2048, max_batch=16)
+NO_GPU = "TensorRT needs an NVIDIA GPU with CUDA, and none is visible here; the ONNX Runtime engine is the CPU path"
+
+
+def build_backbone_plan(onnx_path: Path, settings: dict, max_latents: int, max_batch: int, fp16: bool) -> bytes:
+    import tensorrt as trt
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    if fp16:
+        config.set_flag(trt.BuilderFlag.FP16)
+    dim, layers = settings["d_model"], settings["n_layers"]
+    heads = settings["n_heads"]
+    head_dim = dim // heads
+
+    def shapes(batch, new, past):
+        return {"latents": (batch, new, dim), "positions": (batch, new), "new_valid": (batch, new),
+                "past_keys": (batch, past, layers, heads, head_dim), "past_values": (batch, past, layers, heads, head_dim),
+                "past_valid": (batch, past)}
+
+    for low, best, high in (((1, 1, 0), (1, max_latents // 2, 0), (1, max_latents, 0)),              # prefill
+                            ((1, 1, 1), (max_batch // 2, 1, max_latents // 2), (max_batch, 1, max_latents))):  # decode
+        profile = builder.create_optimization_profile()
+        lo, mid, hi = shapes(*low), shapes(*best), shapes(*high)
+        for name in lo:
+            profile.set_shape(name, lo[name], mid[name], hi[name])
+        config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise RuntimeError("TensorRT build failed; see the log above")
+    return bytes(plan)
+
+
+def check_parity(directory: Path, session: TensorRTSession) -> dict:
+    reference = ort_session(directory / "backbone" / "model.onnx")
+    rng = np.random.default_rng(0)
+    exported = ExportedModel.open(directory)
+    s = exported.settings
+    head_dim = s["d_model"] // s["n_heads"]
+    feeds = {"latents": rng.standard_normal((2, 1, s["d_model"]), dtype=np.float32),
+             "positions": np.array([[7], [7]], np.int64), "new_valid": np.ones((2, 1), bool),
+             "past_keys": rng.standard_normal((2, 7, s["n_layers"], s["n_heads"], head_dim), dtype=np.float32),
+             "past_values": rng.standard_normal((2, 7, s["n_layers"], s["n_heads"], head_dim), dtype=np.float32),
+             "past_valid": np.ones((2, 7), bool)}
+    ours, theirs = session.run(["logits"], feeds)[0], reference.run(["logits"], feeds)[0]
+    engine = OnnxComponents(directory)
+    onnx_tokens = _greedy(engine, exported)
+    engine.backbone.session = session
+    trt_tokens = _greedy(engine, exported)
+    return {"max_abs_logit_diff": float(np.abs(ours - theirs).max()),
+            "same_argmax": bool((ours.argmax(-1) == theirs.argmax(-1)).all()),
+            "greedy_tokens_equal": onnx_tokens == trt_tokens}
+
+
+def _greedy(engine, exported) -> list[int]:
+    prompt = exported.tokenizer().encode_prompt("Q: 4+3-2\nA:")
+    threshold = 0.5 if engine.mtp is not None else 1.0
+    return [t for step in generate(engine, prompt, SamplingParams(max_tokens=32), threshold) for t in step.tokens]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--export-dir", default=str(DEFAULTS["export_dir"]))
+    parser.add_argument("--deployments", nargs="+", default=["dualend", "baseline"])
+    parser.add_argument("--max-latents", type=int, default=DEFAULTS["max_latents"])
+    parser.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"])
+    parser.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args(argv)
+    if not gpu_available():
+        print(f"error: {NO_GPU}", file=sys.stderr)
+        return 2
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        print("error: the `tensorrt` package is not installed (pip install tensorrt)", file=sys.stderr)
+        return 2
+    for name in args.deployments:
+        directory = Path(args.export_dir) / name
+        exported = ExportedModel.open(directory)
+        pair_size = exported.settings["pair_size"]
+        plan = build_backbone_plan(directory / "backbone" / "model.onnx", exported.settings,
+                                   args.max_latents * (2 // pair_size), args.max_batch, args.fp16)
+        (directory / "backbone" / PLAN_FILE).write_bytes(plan)
+        manifest: Manifest = exported.manifests["backbone"]
+        write_manifest(directory / "backbone", manifest.checkpoint_id, "backbone", "onnx+tensorrt", manifest.settings)
+        parity = check_parity(directory, TensorRTSession.open(directory / "backbone"))
+        print(f"{name}: backbone plan {len(plan) / 1e6:.1f} MB; parity vs ONNX Runtime: {parity}")
+        if not (parity["same_argmax"] and parity["greedy_tokens_equal"]):
+            print(f"error: {name}: TensorRT output differs from ONNX Runtime", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

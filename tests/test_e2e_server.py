@@ -1,0 +1,187 @@
+"""End to end against a real tritonserver serving the shipped checkpoints (both deployments).
+
+The server is started once for the module from a repository assembled into a temporary folder;
+the in-process ONNX Runtime engine on the same export is the reference for every text.
+"""
+import json
+import os
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from builder.assemble import DEFAULTS, main as assemble_main
+from client.api import RequestError, generate_http, stream_grpc, stream_http
+from dualend.data import FAMILIES, eval_set
+from dualend.decode import SamplingParams, generate_text
+from dualend.launch import TritonServer
+from dualend.onnx_engine import OnnxComponents
+
+pytestmark = pytest.mark.server
+CHECKPOINTS = Path(os.environ.get("DUALEND_CHECKPOINTS", DEFAULTS["checkpoints"]))
+PROMPTS = [eval_set(f, 2, seed=5)[i].prompt for f in FAMILIES for i in range(2)]
+DEPLOYMENTS = ("dualend", "baseline")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving")
+    repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(root / "repository"),
+                                "--export-dir", str(root / "export"), "--capacity-wait-s", "0.5",
+                                "--raw-context-limit", "512", "--max-new-tokens", "256"])
+    with TritonServer(repository, log_file=root / "server.log") as triton:
+        triton.export_dir = root / "export"
+        triton.repository = repository
+        yield triton
+
+
+@pytest.fixture(scope="module")
+def engines(server):
+    return {name: OnnxComponents(server.export_dir / name) for name in DEPLOYMENTS}
+
+
+def served_threshold(server, deployment):
+    config = (server.repository / f"{deployment}_mtp_verify" / "config.pbtxt").read_text()
+    return float(re.search(r'key: "acceptance_threshold" value: \{ string_value: "([^"]+)"', config).group(1))
+
+
+def engine_text(server, engines, deployment, prompt, max_tokens, **params):
+    components = engines[deployment]
+    tokenizer = components.exported.tokenizer()
+    return generate_text(components, tokenizer, prompt, SamplingParams(max_tokens=max_tokens, **params),
+                         served_threshold(server, deployment))
+
+
+def metric(server, name, model):
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    match = re.search(rf'^{name}\{{model="{model}"[^}}]*\}} ([0-9.e+-]+)$', text, re.M)
+    return float(match.group(1)) if match else None
+
+
+def wait_for(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.parametrize("transport", ["grpc", "sse", "generate"])
+def test_served_text_equals_the_in_process_engine(server, engines, deployment, transport):
+    for prompt in PROMPTS:
+        expected = engine_text(server, engines, deployment, prompt, 40)
+        if transport == "grpc":
+            result = stream_grpc(server.grpc_url, deployment, prompt, 40, exclude_input_in_output=True)
+        elif transport == "sse":
+            result = stream_http(server.http_url, deployment, prompt, 40, exclude_input_in_output=True)
+        else:
+            result = generate_http(server.http_url, deployment, prompt, 40, exclude_input_in_output=True)
+        assert result.text == expected.text
+        assert result.output_tokens == len(expected.tokens)
+        assert result.counters["num_steps"] == expected.steps
+        assert result.counters["num_accepted_drafts"] == expected.accepted
+
+
+def test_dualend_streams_pairs_and_counts_prompt_latents(server):
+    result = stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 40, exclude_input_in_output=True)
+    assert result.counters["num_prompt_latents"] == (result.counters["num_prompt_tokens"] + 1) // 2
+    assert result.counters["num_drafts"] > 0, "a dual-end deployment must draft (never silently token-level)"
+    assert len(result.arrivals) == result.counters["num_steps"]  # one streamed response per decode step
+    assert result.output_tokens <= 2 * result.counters["num_steps"]
+    baseline = stream_grpc(server.grpc_url, "baseline", PROMPTS[0], 40, exclude_input_in_output=True)
+    assert baseline.counters["num_prompt_latents"] == baseline.counters["num_prompt_tokens"]
+
+
+def test_prompt_is_echoed_unless_excluded(server):
+    with_prompt = generate_http(server.http_url, "dualend", PROMPTS[0], 8)
+    without = generate_http(server.http_url, "dualend", PROMPTS[0], 8, exclude_input_in_output=True)
+    assert with_prompt.text == PROMPTS[0] + without.text
+
+
+def test_stop_words_cut_the_text_like_the_engine(server, engines):
+    prompt = eval_set("math", 1, seed=9)[0].prompt
+    full = engine_text(server, engines, "dualend", prompt, 40, ignore_eos=True).text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    expected = engine_text(server, engines, "dualend", prompt, 40, ignore_eos=True, stop_words=(stop,))
+    result = stream_grpc(server.grpc_url, "dualend", prompt, 40, exclude_input_in_output=True, ignore_eos=True,
+                         stop_words=[stop])
+    assert result.finish_reason == "stop" == expected.finish_reason
+    assert result.text == expected.text and stop not in result.text and full.startswith(result.text)
+
+
+def test_eight_concurrent_streams_all_finish_and_free_their_kv(server, engines):
+    jobs = [(deployment, PROMPTS[i % len(PROMPTS)], 8 + 7 * i) for i in range(8)
+            for deployment in ["dualend" if i % 2 == 0 else "baseline"]]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda job: stream_grpc(server.grpc_url, job[0], job[1], job[2],
+                                                        exclude_input_in_output=True), jobs))
+    for (deployment, prompt, max_tokens), result in zip(jobs, results):
+        assert result.text == engine_text(server, engines, deployment, prompt, max_tokens).text
+    for deployment in DEPLOYMENTS:
+        assert wait_for(lambda: metric(server, "dualend_kv_live_sequences", f"{deployment}_backbone") == 0)
+        assert metric(server, "dualend_kv_blocks_used", f"{deployment}_backbone") == 0
+
+
+BAD_REQUESTS = [
+    ("empty text", dict(prompt="", max_tokens=8), "text_input is empty"),
+    ("prompt over the limit", dict(prompt="1+2 " * 400, max_tokens=8), "over raw_context_limit 512.*never truncated"),
+    ("max_tokens 0", dict(prompt="Q: 1+1\nA:", max_tokens=0), "max_tokens must be between 1 and 256"),
+    ("max_tokens negative", dict(prompt="Q: 1+1\nA:", max_tokens=-5), "max_tokens must be between 1 and 256"),
+    ("max_tokens over the limit", dict(prompt="Q: 1+1\nA:", max_tokens=100000), "max_tokens must be between"),
+    ("non-UTF-8 bytes", dict(prompt=b"Q: \xff\xfe\nA:", max_tokens=8), "not valid UTF-8"),
+    ("negative temperature", dict(prompt="Q: 1+1\nA:", max_tokens=8, temperature=-0.5), "temperature must be >= 0"),
+    ("top_p zero", dict(prompt="Q: 1+1\nA:", max_tokens=8, top_p=0.0), r"top_p must be in \(0, 1\]"),
+    ("top_p above one", dict(prompt="Q: 1+1\nA:", max_tokens=8, top_p=1.5), r"top_p must be in \(0, 1\]"),
+]
+
+
+@pytest.mark.parametrize("case, request_args, message", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_gets_a_clear_error_and_the_server_stays_up(server, case, request_args, message):
+    with pytest.raises(RequestError, match=message):
+        stream_grpc(server.grpc_url, "dualend", request_args.pop("prompt"), request_args.pop("max_tokens"),
+                    **request_args)
+    assert server.is_ready()
+    assert stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 4).output_tokens > 0
+
+
+def test_wrong_dtype_is_refused_by_name(server):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Q: 1+1\nA:"], dtype=object))
+    max_tokens = grpcclient.InferInput("max_tokens", [1], "FP32")
+    max_tokens.set_data_from_numpy(np.array([8.0], dtype=np.float32))
+    errors = []
+    client.start_stream(callback=lambda result, error: errors.append(error))
+    client.async_stream_infer("dualend", [text, max_tokens])
+    assert wait_for(lambda: errors, 10)
+    client.stop_stream()
+    assert "max_tokens" in str(errors[0]) and "FP32" in str(errors[0]) and "INT32" in str(errors[0])
+    assert server.is_ready()
+
+
+def test_sse_error_is_reported(server):
+    with pytest.raises(RequestError, match="text_input is empty"):
+        stream_http(server.http_url, "baseline", "", 8)
+
+
+def test_cancelled_stream_stops_generating_and_frees_its_kv(server):
+    steps_before = metric(server, "dualend_decode_steps", "dualend_mtp_verify") or 0
+    cancelled_before = metric(server, "dualend_requests_cancelled", "dualend_mtp_verify") or 0
+    result = stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 250, ignore_eos=True,
+                         exclude_input_in_output=True, cancel_after_responses=3)
+    assert result.finish_reason == "cancelled"
+    assert wait_for(lambda: metric(server, "dualend_requests_cancelled", "dualend_mtp_verify") == cancelled_before + 1)
+    assert wait_for(lambda: metric(server, "dualend_kv_live_sequences", "dualend_backbone") == 0)
+    steps = metric(server, "dualend_decode_steps", "dualend_mtp_verify")
+    time.sleep(1.0)
+    assert metric(server, "dualend_decode_steps", "dualend_mtp_verify") == steps, "generation went on"
+    assert steps - steps_before < 250, "the whole generation ran despite the cancellation"

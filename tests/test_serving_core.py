@@ -1,0 +1,101 @@
+"""The serving core without Triton: request validation, response shaping, threshold choice,
+and the TensorRT path (skipped, with the reason, where there is no GPU)."""
+import numpy as np
+import pytest
+
+from builder.evaluate import choose_threshold
+from builder.tensorrt_build import main as tensorrt_main
+from dualend.decode import Chunk, InvalidRequest
+from dualend.serving import Limits, PreparedRequest, prepare_request, responses
+from dualend.tensorrt_engine import gpu_available
+
+LIMITS = Limits(raw_context_limit=64, pair_size=2, max_new_tokens=32)
+
+
+def prepare(tokenizer, **overrides):
+    fields = dict(text_input=np.array([b"Q: 1+2\nA:"], dtype=object), max_tokens=np.array([8], np.int32))
+    fields.update(overrides)
+    return prepare_request(tokenizer, LIMITS, **fields)
+
+
+def test_a_good_request_round_trips_through_json(tiny_tokenizer):
+    prepared = prepare(tiny_tokenizer, temperature=np.array([0.5], np.float32), top_k=np.array([5], np.int32),
+                       stop_words=np.array([b"#"], dtype=object), random_seed=np.array([7], np.uint64),
+                       stream=np.array([True]))
+    again = PreparedRequest.from_json(prepared.to_json())
+    assert again == prepared
+    assert again.params.stop_words == ("#",) and again.params.seed == 7 and again.stream
+    assert again.prompt_ids[0] == tiny_tokenizer.bos_id
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"text_input": np.array([b"   "], dtype=object)}, "text_input is empty"),
+    ({"text_input": np.array([b"\xff\xfe ok"], dtype=object)}, "not valid UTF-8"),
+    ({"text_input": np.array([b"1+2 " * 40], dtype=object)}, "over raw_context_limit 64.*never truncated"),
+    ({"max_tokens": np.array([0], np.int32)}, "max_tokens must be between 1 and 32"),
+    ({"max_tokens": np.array([-3], np.int32)}, "max_tokens must be between 1 and 32"),
+    ({"max_tokens": np.array([33], np.int32)}, "max_tokens must be between 1 and 32"),
+    ({"text_input": np.array([b"1+2 " * 13], dtype=object), "max_tokens": np.array([30], np.int32)},
+     "exceeds raw_context_limit"),
+    ({"temperature": np.array([-1.0], np.float32)}, "temperature must be >= 0"),
+    ({"top_p": np.array([0.0], np.float32)}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": np.array([1.5], np.float32)}, r"top_p must be in \(0, 1\]"),
+    ({"max_tokens": np.array([1, 2], np.int32)}, "max_tokens must hold exactly one value"),
+    ({"stop_words": np.array([b""], dtype=object)}, "stop_words must not contain an empty string"),
+])
+def test_bad_requests_say_what_is_wrong(tiny_tokenizer, overrides, message):
+    with pytest.raises(InvalidRequest, match=message):
+        prepare(tiny_tokenizer, **overrides)
+
+
+def _request(stream, exclude=True):
+    from dualend.decode import SamplingParams
+    return PreparedRequest([1, 5, 6], SamplingParams(max_tokens=8), stream, exclude)
+
+
+CHUNKS = [Chunk([7, 8], 1, 1, 1), Chunk([9], 1, 1, 0), Chunk([], 1, 0, 0, "eos")]
+
+
+def test_streaming_sends_one_response_per_step_and_marks_the_last():
+    out = list(responses(iter(CHUNKS), _request(stream=True), num_prompt_latents=2))
+    assert [r.output_ids for r in out] == [[7, 8], [9], []]
+    assert [r.finish_reason for r in out] == [None, None, "eos"]
+    assert [r.counters["num_output_tokens"] for r in out] == [2, 1, 0]
+    assert all(r.counters["num_prompt_latents"] == 2 for r in out)
+
+
+def test_non_streaming_sends_one_response_with_totals_and_the_prompt_first():
+    (only,) = responses(iter(CHUNKS), _request(stream=False, exclude=False), num_prompt_latents=2)
+    assert only.output_ids == [1, 5, 6, 7, 8, 9] and only.finish_reason == "eos"
+    assert only.counters == {"num_output_tokens": 3, "num_drafts": 2, "num_accepted_drafts": 1, "num_steps": 3,
+                             "num_prompt_tokens": 3, "num_prompt_latents": 2}
+
+
+def test_threshold_choice_takes_most_tokens_per_step_within_the_gate():
+    baseline = {"math": 0.8, "code": 0.6}
+    sweep = {
+        -1.0: {"pass1": {"math": 0.5, "code": 0.6}, "tokens_per_step": 2.0},
+        0.5: {"pass1": {"math": 0.79, "code": 0.6}, "tokens_per_step": 1.8},
+        0.9: {"pass1": {"math": 0.82, "code": 0.61}, "tokens_per_step": 1.4},
+        1.0: {"pass1": {"math": 0.8, "code": 0.6}, "tokens_per_step": 1.0},
+    }
+    assert choose_threshold(sweep, baseline, gate=0.02) == (0.5, True)
+    failing = {t: {**row, "pass1": {"math": 0.1, "code": 0.6 - t / 10}} for t, row in sweep.items()}
+    assert choose_threshold(failing, baseline, gate=0.02) == (-1.0, False)
+
+
+def test_tensorrt_build_says_why_it_cannot_run_without_a_gpu(capsys):
+    if gpu_available():
+        pytest.skip("a GPU is present: the refusal path does not apply")
+    assert tensorrt_main([]) == 2
+    assert "NVIDIA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="no NVIDIA GPU here: TensorRT build and parity did not run")
+def test_tensorrt_backbone_matches_onnx_runtime(tmp_path):
+    from builder.assemble import DEFAULTS, up_to_date_export
+
+    for name in ("dualend", "baseline"):
+        up_to_date_export(DEFAULTS["checkpoints"] / name, tmp_path / name)
+    assert tensorrt_main(["--export-dir", str(tmp_path)]) == 0

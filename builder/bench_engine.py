@@ -84,11 +84,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=DEFAULTS["threads"])
     parser.add_argument("--threshold", type=float, default=None, help="default: the calibrated one")
     parser.add_argument("--json", type=str, default=None, help="also write the raw figures here")
+    parser.add_argument("--checkpoints", default=str(ASSEMBLE_DEFAULTS["checkpoints"]))
+    parser.add_argument("--export-dir", default=str(ASSEMBLE_DEFAULTS["export_dir"]))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     threshold = args.threshold if args.threshold is not None else calibrated_threshold(
         Path(ASSEMBLE_DEFAULTS["quality_report"]))
-    checkpoints, exports = Path(ASSEMBLE_DEFAULTS["checkpoints"]), Path(ASSEMBLE_DEFAULTS["export_dir"])
+    checkpoints, exports = Path(args.checkpoints), Path(args.export_dir)
     engines, references = {}, {}
     for name in ("dualend", "baseline"):
         exported = up_to_date_export(checkpoints / name, exports / name)

@@ -38,9 +38,12 @@ class Result:
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, output tokens in response)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     finish_reason: str = ""
+    on_text: object = None  # called with each piece of text as it arrives
 
     def add(self, text: str, counters: dict[str, int], finish_reason: str) -> None:
         self.text += text
+        if self.on_text is not None and text:
+            self.on_text(text)
         self.arrivals.append((time.perf_counter(), counters.get("num_output_tokens", 0)))
         for name in ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps"):
             self.counters[name] += counters.get(name, 0)
@@ -108,13 +111,14 @@ def _grpc_inputs(grpcclient, body: dict):
 
 
 def stream_grpc(url: str, model: str, prompt: str | bytes, max_tokens: int, stream: bool = True,
-                timeout_s: float = 120.0, cancel_after_responses: int | None = None, **params) -> Result:
+                timeout_s: float = 120.0, cancel_after_responses: int | None = None, on_text=None,
+                **params) -> Result:
     """One request over a gRPC bidirectional stream; `cancel_after_responses` cancels it early."""
     import tritonclient.grpc as grpcclient
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
-    result = Result()
+    result = Result(on_text=on_text)
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         result.sent_at = time.perf_counter()
@@ -165,9 +169,10 @@ def _add_json(result: Result, payload: dict) -> None:
                payload.get("finish_reason", ""))
 
 
-def stream_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 120.0, **params) -> Result:
+def stream_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 120.0, on_text=None,
+                **params) -> Result:
     """One request over HTTP /generate_stream (server-sent events)."""
-    result = Result(sent_at=time.perf_counter())
+    result = Result(sent_at=time.perf_counter(), on_text=on_text)
     connection, response = _http_post(url, f"/v2/models/{model}/generate_stream",
                                       request_body(prompt, max_tokens, True, **params), timeout_s)
     try:

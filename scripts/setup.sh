@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the project needs to build, serve and test (idempotent).
+#   bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# torch first and alone: pip then takes the CPU build of 2.13.0 (no multi-GB CUDA download).
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]" -r requirements-serving.txt
+# Only the tritonserver binary of this wheel is used; its Python deps would break onnx (see requirements-serving.txt).
+.venv/bin/python -m pip install -q --no-deps "nvidia-pytriton==0.7.0"

@@ -5,8 +5,8 @@ The wheel's server tree is copied once into a writable cache (default
 stub for the running Python, and started with this virtualenv's packages visible to the stub.
 
 Example:
-    python -m dualend.launch --model-repository model_repository \
-        --model-control-mode explicit --load-model ensemble --load-model baseline_ensemble
+    python -m dualend.launch                      # build/model_repository, built first if missing
+    python -m dualend.launch --model-control-mode explicit --load-model dualend_backbone --load-model dualend
 
 The server binds to 127.0.0.1 unless --host says otherwise; Ctrl-C or SIGTERM stops it.
 """
@@ -50,6 +50,7 @@ EXIT_TIMEOUT_S = 10
 DEFAULT_STOP_TIMEOUT_S = EXIT_TIMEOUT_S + 5.0
 LOG_TAIL_LINES = 40
 BUILD_COMMAND = "python -m builder.assemble"
+DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "build" / "model_repository"
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +387,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m dualend.launch", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--model-repository", required=True, type=Path)
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY,
+                        help="built with `python -m builder.assemble` if missing (default %(default)s)")
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default %(default)s)")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="0 = any free port")
     parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="0 = any free port")

@@ -133,9 +133,10 @@ def cmd_baseline(args) -> None:
                lambda samples, rng: baseline_batch(samples, cfg.pad_id), list(model.parameters()))
 
 
-def convert_baseline(baseline: LanguageModel, compressor_init: str) -> LanguageModel:
+def convert_baseline(baseline: LanguageModel, compressor_init: str, position_stride: int = 1) -> LanguageModel:
     """A dual-end model whose embedding and backbone start as the baseline's."""
-    cfg = ModelConfig(**{**baseline.cfg.to_dict(), "pair_size": 2, "compressor_init": compressor_init})
+    cfg = ModelConfig(**{**baseline.cfg.to_dict(), "pair_size": 2, "compressor_init": compressor_init,
+                         "position_stride": position_stride})
     model = LanguageModel(cfg)
     model.embedding.load_state_dict(baseline.embedding.state_dict())
     model.backbone.load_state_dict(baseline.backbone.state_dict())
@@ -150,9 +151,10 @@ def cmd_dualend(args) -> None:
     for p in teacher.parameters():
         p.requires_grad_(False)
     torch.manual_seed(args.seed)
-    model = convert_baseline(teacher, args.compressor_init)
+    model = convert_baseline(teacher, args.compressor_init, args.position_stride)
     recipe = _recipe(args, "dualend") | {"converted_from": teacher_ckpt.id,
                                          "compressor_init": args.compressor_init,
+                                         "position_stride": args.position_stride,
                                          "baseline_recipe": teacher_ckpt.recipe}
     pad = model.cfg.pad_id
     teacher_or_none = teacher if args.distill_weight > 0 else None
@@ -174,7 +176,8 @@ def main(argv=None) -> None:
         sub.choices[name].add_argument("--steps", type=int, default=6000)
     sub.choices["baseline"].add_argument("--tokenizer", required=True)
     sub.choices["dualend"].add_argument("--baseline", required=True)
-    sub.choices["dualend"].add_argument("--compressor-init", choices=("sum", "random"), default="sum")
+    sub.choices["dualend"].add_argument("--compressor-init", choices=("sum", "second", "random"), default="sum")
+    sub.choices["dualend"].add_argument("--position-stride", type=int, choices=(1, 2), default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend}[args.command](args)

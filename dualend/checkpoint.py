@@ -19,8 +19,8 @@ from .tokenizer import TextTokenizer
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"
 
 
-def checkpoint_id(state: dict[str, torch.Tensor], config: ModelConfig) -> str:
-    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode())
+def checkpoint_id(state: dict[str, torch.Tensor], config: dict) -> str:
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for name in sorted(state):
         tensor = state[name].detach().contiguous().cpu()
         digest.update(name.encode())
@@ -45,13 +45,13 @@ class Checkpoint:
 
     @property
     def id(self) -> str:
-        return checkpoint_id(_weights(self.model), self.model.cfg)
+        return checkpoint_id(_weights(self.model), self.model.cfg.to_dict())
 
     def save(self, directory: str | Path) -> str:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         weights = _weights(self.model)
-        ckpt_id = checkpoint_id(weights, self.model.cfg)
+        ckpt_id = checkpoint_id(weights, self.model.cfg.to_dict())
         save_file(weights, str(directory / WEIGHTS))
         meta = {"checkpoint_id": ckpt_id, "model": self.model.cfg.to_dict(), "recipe": self.recipe}
         (directory / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -66,8 +66,10 @@ def load_checkpoint(directory: str | Path) -> Checkpoint:
     model.load_state_dict(load_file(str(directory / WEIGHTS)))
     model.eval()
     tokenizer = TextTokenizer.from_json((directory / TOKENIZER).read_text(encoding="utf-8"))
-    checkpoint = Checkpoint(model, tokenizer, meta.get("recipe", {}))
-    if checkpoint.id != meta["checkpoint_id"]:
+    # Verified against the config as written, so fields added to ModelConfig later (with defaults
+    # that keep the old behaviour) do not invalidate older checkpoints; re-saving gives a new id.
+    recomputed = checkpoint_id(_weights(model), meta["model"])
+    if recomputed != meta["checkpoint_id"]:
         raise ValueError(f"{directory}: weights do not match checkpoint id {meta['checkpoint_id']} "
-                         f"(recomputed {checkpoint.id})")
-    return checkpoint
+                         f"(recomputed {recomputed})")
+    return Checkpoint(model, tokenizer, meta.get("recipe", {}))

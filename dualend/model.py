@@ -27,7 +27,10 @@ class ModelConfig:
     n_heads: int = 4
     ffn_hidden: int = 688
     rope_theta: float = 10000.0
-    compressor_init: str = "sum"  # "sum": starts as emb(a) + emb(b); "random"
+    compressor_init: str = "sum"  # "sum": emb(a) + emb(b); "second": emb(b); "random"
+    # RoPE angle of pair i is that of token position stride*i + stride-1 (stride 1: the pair index;
+    # stride 2: the raw position of the pair's second token, what a converted baseline knows).
+    position_stride: int = 1
 
     @property
     def head_dim(self) -> int:
@@ -51,8 +54,9 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    # x: [B, heads, S, Dh], positions: [B, S]
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, stride: int = 1) -> torch.Tensor:
+    # x: [B, heads, S, Dh], positions: [B, S] (pair indices)
+    positions = positions * stride + (stride - 1)
     half = x.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
     angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # [B, 1, S, half]
@@ -88,7 +92,8 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         heads, head_dim = self.cfg.n_heads, self.cfg.head_dim
         q, k, v = self.qkv(x).view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = rope(q, positions, self.cfg.rope_theta), rope(k, positions, self.cfg.rope_theta)
+        cfg = self.cfg
+        q, k = (rope(t, positions, cfg.rope_theta, cfg.position_stride) for t in (q, k))
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
         if last_only:
@@ -155,11 +160,13 @@ class Compressor(nn.Module):
         self.down = nn.Linear(2 * dim, dim)
 
     @torch.no_grad()
-    def init_as_sum(self) -> None:
+    def init_linear(self, first: float, second: float) -> None:
+        """Starts as exactly first * emb(a) + second * emb(b)."""
         dim = self.down.out_features
-        # SiLU(s) - SiLU(-s) = s, so [s; -s] through SiLU and [I, -I] gives exactly s = a + b.
+        # SiLU(s) - SiLU(-s) = s, so [s; -s] through SiLU and then [I, -I] gives exactly s.
         eye = torch.eye(dim)
-        self.up.weight.copy_(torch.cat([torch.cat([eye, eye], 1), torch.cat([-eye, -eye], 1)], 0))
+        mix = torch.cat([first * eye, second * eye], 1)
+        self.up.weight.copy_(torch.cat([mix, -mix], 0))
         self.down.weight.copy_(torch.cat([eye, -eye], 1))
         self.up.bias.zero_()
         self.down.bias.zero_()
@@ -203,6 +210,9 @@ class ConfidenceHead(nn.Module):
         return torch.sigmoid(self.net(torch.cat([hidden, mtp_hidden], -1))).squeeze(-1)
 
 
+COMPRESSOR_INITS = {"sum": (1.0, 1.0), "second": (0.0, 1.0)}  # "random": the default initialisation
+
+
 class LanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -214,8 +224,8 @@ class LanguageModel(nn.Module):
             self.mtp = MTPHead(cfg)
             self.confidence = ConfidenceHead(cfg)
         self.apply(self._init_weights)
-        if cfg.is_dualend and cfg.compressor_init == "sum":
-            self.compressor.init_as_sum()
+        if cfg.is_dualend and cfg.compressor_init in COMPRESSOR_INITS:
+            self.compressor.init_linear(*COMPRESSOR_INITS[cfg.compressor_init])
 
     @staticmethod
     def _init_weights(module):

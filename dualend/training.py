@@ -161,14 +161,16 @@ def _teacher_targets(teacher_logits: torch.Tensor, index: torch.Tensor) -> torch
 
 
 def _ce_with_soft(logits, hard, soft, distill_weight):
+    """(training loss, hard-label cross-entropy); the second is what logs report."""
     valid = hard != IGNORE
     if not valid.any():
-        return logits.sum() * 0.0
+        zero = logits.sum() * 0.0
+        return zero, zero
     ce = F.cross_entropy(logits[valid], hard[valid])
     if soft is None or distill_weight == 0:
-        return ce
+        return ce, ce
     soft_ce = -(soft[valid] * logits[valid].log_softmax(-1)).sum(-1).mean()
-    return (1 - distill_weight) * ce + distill_weight * soft_ce
+    return (1 - distill_weight) * ce + distill_weight * soft_ce, ce
 
 
 def dualend_loss(model: LanguageModel, batch: dict[str, torch.Tensor],
@@ -189,8 +191,8 @@ def dualend_loss(model: LanguageModel, batch: dict[str, torch.Tensor],
             teacher_logits = baseline_forward(teacher, batch["real_tokens"])
         next_soft = _teacher_targets(teacher_logits, batch["next_index"])
         draft_soft = _teacher_targets(teacher_logits, batch["draft_index"])
-    next_loss = _ce_with_soft(next_logits, next_token, next_soft, distill_weight)
-    draft_loss = _ce_with_soft(draft_logits, draft_target, draft_soft, distill_weight)
+    next_loss, next_ce = _ce_with_soft(next_logits, next_token, next_soft, distill_weight)
+    draft_loss, draft_ce = _ce_with_soft(draft_logits, draft_target, draft_soft, distill_weight)
 
     valid = draft_target != IGNORE
     with torch.no_grad():
@@ -198,5 +200,4 @@ def dualend_loss(model: LanguageModel, batch: dict[str, torch.Tensor],
     confidence_loss = F.binary_cross_entropy(confidence[valid], p_gold[valid]) if valid.any() \
         else confidence.sum() * 0.0
     loss = next_loss + draft_loss + confidence_weight * confidence_loss
-    return loss, {"next": next_loss.item(), "draft": draft_loss.item(),
-                  "conf": confidence_loss.item()}
+    return loss, {"next": next_ce.item(), "draft": draft_ce.item(), "conf": confidence_loss.item()}

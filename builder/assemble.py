@@ -77,20 +77,31 @@ def render_deployment(name: str, exported: ExportedModel, out: Path, values: dic
                 shutil.copytree(exported.directory / component, version_dir / component)
 
 
+def max_sequence_latents(raw_context_limit: int, max_new_tokens: int, pair_size: int) -> int:
+    """Most latents one sequence can hold: the prompt's pairs plus one per decode step, and with
+    every draft rejected a step adds a latent for a single token."""
+    if pair_size == 1:
+        return raw_context_limit
+    return raw_context_limit // pair_size + max_new_tokens // pair_size
+
+
 def deployment_values(name: str, exported: ExportedModel, args, threshold: float) -> dict:
     settings = exported.settings
     pair_size = settings["pair_size"]
     latent_limit = args.raw_context_limit // pair_size
     return {
+        "max_sequence_latents": max_sequence_latents(args.raw_context_limit, args.max_new_tokens, pair_size),
         "deployment": name, "pair_size": pair_size, "d_model": settings["d_model"],
         "extra_draft_tokens": pair_size - 1,
         "acceptance_threshold": threshold if pair_size == 2 else 1.0,
         "raw_context_limit": args.raw_context_limit, "effective_latent_limit": latent_limit,
         "max_new_tokens": args.max_new_tokens, "kv_block_size": args.kv_block_size,
-        "kv_capacity_blocks": args.kv_capacity_sequences * math.ceil(latent_limit / args.kv_block_size),
+        "kv_capacity_blocks": args.kv_capacity_sequences * math.ceil(
+            max_sequence_latents(args.raw_context_limit, args.max_new_tokens, pair_size) / args.kv_block_size),
         "max_concurrent_requests": args.max_concurrent_requests, "capacity_wait_s": args.capacity_wait_s,
         "idle_timeout_s": args.idle_timeout_s, "idle_timeout_us": int(args.idle_timeout_s * 1e6),
         "batch_delay_us": args.batch_delay_us, "engine": args.engine, "engine_threads": args.engine_threads,
+        "compressor_engine": "onnxruntime",  # only the backbone is compiled to TensorRT
         "backbone_instances": args.backbone_instances, "preprocessing_instances": args.preprocessing_instances,
     }
 
@@ -107,8 +118,12 @@ def assemble(args) -> Path:
             raise SystemExit(f"{name}: no TensorRT engine; run `python -m builder.tensorrt_build` first")
         render_deployment(name, exported, staging, deployment_values(name, exported, args, threshold))
         print(f"{name}: checkpoint {exported.checkpoint_id}")
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
+    retired = out.with_name(out.name + ".old")
+    shutil.rmtree(retired, ignore_errors=True)
+    if out.exists():
+        out.rename(retired)
+    staging.rename(out)  # the repository is absent only between two renames, never half-written
+    shutil.rmtree(retired, ignore_errors=True)
     print(f"model repository -> {out}")
     return out
 

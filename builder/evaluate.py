@@ -20,12 +20,15 @@ from tqdm import tqdm
 from dualend.checkpoint import load_checkpoint
 from dualend.data import FAMILIES, eval_set
 from dualend.evaluation import FamilyResult, run_examples
+from dualend.onnx_engine import OnnxComponents
 from dualend.reference import TorchComponents
+
+from .assemble import up_to_date_export
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(dualend=ROOT / "checkpoints" / "dualend", baseline=ROOT / "checkpoints" / "baseline",
-                reports=ROOT / "builder" / "reports", examples=100, samples=4, temperature=0.7, gate=0.02,
-                seed=0)
+                reports=ROOT / "builder" / "reports", export_dir=ROOT / "build" / "eval_export", examples=100,
+                samples=4, temperature=0.7, gate=0.02, seed=0, engine="onnxruntime")
 THRESHOLDS = (-1.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -73,14 +76,20 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for key, value in DEFAULTS.items():
-        parser.add_argument(f"--{key}", type=str if isinstance(value, Path) else type(value), default=value)
+        parser.add_argument(f"--{key.replace('_', '-')}", type=str if isinstance(value, Path) else type(value),
+                            default=value, choices=("onnxruntime", "torch") if key == "engine" else None)
     parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
     args = parser.parse_args(argv)
     started = time.time()
     dualend, baseline = load_checkpoint(args.dualend), load_checkpoint(args.baseline)
     tokenizer = dualend.tokenizer
     sets = {f: eval_set(f, args.examples, seed=args.seed) for f in FAMILIES}
-    base_components, dual_components = TorchComponents(baseline.model), TorchComponents(dualend.model)
+    if args.engine == "torch":
+        base_components, dual_components = TorchComponents(baseline.model), TorchComponents(dualend.model)
+    else:  # same tokens as torch (tests/test_export.py), several times faster per step
+        base_components, dual_components = (
+            OnnxComponents(up_to_date_export(Path(path), Path(args.export_dir) / name).directory)
+            for name, path in (("baseline", args.baseline), ("dualend", args.dualend)))
 
     def run(components, threshold, samples=1, temperature=0.0):
         return {f: run_examples(components, tokenizer, sets[f], threshold, samples, temperature, args.seed)

@@ -1,10 +1,10 @@
-"""Compile the exported backbone (and, with --all, the compressor and MTP head) to TensorRT.
+"""Compile the exported backbone to TensorRT (the compressor and MTP head stay on ONNX Runtime).
 
     python -m builder.tensorrt_build --export-dir build/export --fp16
 
-FP16 with two optimisation profiles for the backbone: prefill (batch 1, up to
-`--max-latents` new latents, empty past) and decode (up to `--max-batch` sequences, one new
-latent, up to `--max-latents` past). Checks parity against ONNX Runtime (logits on random inputs
+FP16 with two optimisation profiles: prefill (batch 1, up to the prompt's latents, empty past)
+and decode (up to `--max-batch` sequences, one new latent, a past up to the most latents a
+sequence can hold under the repository's limits, see builder.assemble.max_sequence_latents). Checks parity against ONNX Runtime (logits on random inputs
 and whole greedy generations) and records the plan in the component's manifest. Without an
 NVIDIA GPU and `tensorrt` it says so and exits with status 2.
 """
@@ -21,12 +21,15 @@ from dualend.manifest import Manifest, write_manifest
 from dualend.onnx_engine import ExportedModel, OnnxComponents, ort_session
 from dualend.tensorrt_engine import PLAN_FILE, TensorRTSession, gpu_available
 
+from .assemble import DEFAULTS as ASSEMBLE, max_sequence_latents
+
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULTS = dict(export_dir=ROOT / "build" / "export", max_latents=2048, max_batch=16)
+DEFAULTS = dict(export_dir=ROOT / "build" / "export", max_batch=16)
 NO_GPU = "TensorRT needs an NVIDIA GPU with CUDA, and none is visible here; the ONNX Runtime engine is the CPU path"
 
 
-def build_backbone_plan(onnx_path: Path, settings: dict, max_latents: int, max_batch: int, fp16: bool) -> bytes:
+def build_backbone_plan(onnx_path: Path, settings: dict, max_prompt: int, max_latents: int, max_batch: int,
+                        fp16: bool) -> bytes:
     import tensorrt as trt
 
     logger = trt.Logger(trt.Logger.WARNING)
@@ -48,7 +51,7 @@ def build_backbone_plan(onnx_path: Path, settings: dict, max_latents: int, max_b
                 "past_keys": (batch, past, layers, heads, head_dim), "past_values": (batch, past, layers, heads, head_dim),
                 "past_valid": (batch, past)}
 
-    for low, best, high in (((1, 1, 0), (1, max_latents // 2, 0), (1, max_latents, 0)),              # prefill
+    for low, best, high in (((1, 1, 0), (1, max_prompt // 2, 0), (1, max_prompt, 0)),                 # prefill
                             ((1, 1, 1), (max_batch // 2, 1, max_latents // 2), (max_batch, 1, max_latents))):  # decode
         profile = builder.create_optimization_profile()
         lo, mid, hi = shapes(*low), shapes(*best), shapes(*high)
@@ -92,7 +95,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--export-dir", default=str(DEFAULTS["export_dir"]))
     parser.add_argument("--deployments", nargs="+", default=["dualend", "baseline"])
-    parser.add_argument("--max-latents", type=int, default=DEFAULTS["max_latents"])
+    parser.add_argument("--raw-context-limit", type=int, default=ASSEMBLE["raw_context_limit"])
+    parser.add_argument("--max-new-tokens", type=int, default=ASSEMBLE["max_new_tokens"])
     parser.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"])
     parser.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
@@ -109,15 +113,17 @@ def main(argv=None) -> int:
         exported = ExportedModel.open(directory)
         pair_size = exported.settings["pair_size"]
         plan = build_backbone_plan(directory / "backbone" / "model.onnx", exported.settings,
-                                   args.max_latents * (2 // pair_size), args.max_batch, args.fp16)
+                                   args.raw_context_limit // pair_size,
+                                   max_sequence_latents(args.raw_context_limit, args.max_new_tokens, pair_size),
+                                   args.max_batch, args.fp16)
+        parity = check_parity(directory, TensorRTSession(plan))
+        print(f"{name}: backbone plan {len(plan) / 1e6:.1f} MB; parity vs ONNX Runtime: {parity}")
+        if not (parity["same_argmax"] and parity["greedy_tokens_equal"]):
+            print(f"error: {name}: TensorRT output differs from ONNX Runtime; plan not written", file=sys.stderr)
+            return 1
         (directory / "backbone" / PLAN_FILE).write_bytes(plan)
         manifest: Manifest = exported.manifests["backbone"]
         write_manifest(directory / "backbone", manifest.checkpoint_id, "backbone", "onnx+tensorrt", manifest.settings)
-        parity = check_parity(directory, TensorRTSession.open(directory / "backbone"))
-        print(f"{name}: backbone plan {len(plan) / 1e6:.1f} MB; parity vs ONNX Runtime: {parity}")
-        if not (parity["same_argmax"] and parity["greedy_tokens_equal"]):
-            print(f"error: {name}: TensorRT output differs from ONNX Runtime", file=sys.stderr)
-            return 1
     return 0
 
 

@@ -119,14 +119,19 @@ def stream_grpc(url: str, model: str, prompt: str | bytes, max_tokens: int, stre
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     result = Result(on_text=on_text)
+    finished = False
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         result.sent_at = time.perf_counter()
         client.async_stream_infer(model, _grpc_inputs(grpcclient, request_body(prompt, max_tokens, stream, **params)),
                                   enable_empty_final_response=True)
         while True:
-            response, error = responses.get(timeout=timeout_s)
+            try:
+                response, error = responses.get(timeout=timeout_s)
+            except queue.Empty:
+                raise RequestError(f"no response from {model} within {timeout_s:.0f} s; request cancelled") from None
             if error is not None:
+                finished = True
                 raise RequestError(error.message() if hasattr(error, "message") else str(error))
             final = response.get_response().parameters["triton_final_response"].bool_param
             text = response.as_numpy("text_output")
@@ -135,13 +140,13 @@ def stream_grpc(url: str, model: str, prompt: str | bytes, max_tokens: int, stre
                 reason = response.as_numpy("finish_reason")[0].decode()
                 result.add(text[0].decode(), counters, reason)
             if final:
+                finished = True
                 return result
             if cancel_after_responses is not None and len(result.arrivals) >= cancel_after_responses:
-                client.stop_stream(cancel_requests=True)
                 result.finish_reason = "cancelled"
                 return result
     finally:
-        client.stop_stream()
+        client.stop_stream(cancel_requests=not finished)
         client.close()
 
 

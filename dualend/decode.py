@@ -176,9 +176,11 @@ def generate(components: Components, prompt_ids: Sequence[int], params: Sampling
             out = backbone.step(components.compress(np.asarray([pair], dtype=np.int64))[0])
             position += 1
     finally:
-        backbone.close()
-        if mtp is not None:
-            mtp.close()
+        try:
+            backbone.close()
+        finally:
+            if mtp is not None:
+                mtp.close()
 
 
 def _masked(logits: np.ndarray, banned: list[int]) -> np.ndarray:

@@ -1,8 +1,8 @@
 """A TensorRT engine behind ONNX Runtime's `run(output_names, feeds)` interface.
 
 Needs an NVIDIA GPU, `tensorrt` and a CUDA build of torch (used for device buffers). The plan
-holds two optimisation profiles, prefill (one sequence, many new latents) and decode (a batch of
-sequences, one new latent each); `run` picks the profile from the shape of `latents`.
+holds two optimisation profiles, prefill (one sequence, empty past) and decode (a batch of
+sequences with a past, one new latent each); `run` picks the profile from the past's length.
 """
 from __future__ import annotations
 
@@ -51,16 +51,17 @@ class TensorRTSession:
 
     def run(self, output_names, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         torch = self.torch
-        latents = feeds.get("latents")
-        single_profile = len(self.contexts) == 1
-        decode = latents is not None and latents.ndim == 3 and latents.shape[1] == 1
-        context = self.contexts[0 if single_profile or not decode else DECODE_PROFILE]
+        past = feeds.get("past_keys")
+        decode = past is not None and past.shape[1] > 0
+        context = self.contexts[DECODE_PROFILE if decode and len(self.contexts) > 1 else PREFILL_PROFILE]
         keep = []
         with torch.cuda.stream(self.stream):
             for name in self.inputs:
                 tensor = torch.from_numpy(np.ascontiguousarray(feeds[name])).to("cuda", non_blocking=True)
                 keep.append(tensor)
-                context.set_input_shape(name, tuple(tensor.shape))
+                if not context.set_input_shape(name, tuple(tensor.shape)):
+                    raise RuntimeError(f"TensorRT: input {name} of shape {tuple(tensor.shape)} is outside the "
+                                       f"plan's optimisation profile; rebuild it for these limits")
                 context.set_tensor_address(name, tensor.data_ptr())
             outputs = {}
             for name in self.names:

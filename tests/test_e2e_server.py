@@ -185,3 +185,23 @@ def test_cancelled_stream_stops_generating_and_frees_its_kv(server):
     time.sleep(1.0)
     assert metric(server, "dualend_decode_steps", "dualend_mtp_verify") == steps, "generation went on"
     assert steps - steps_before < 250, "the whole generation ran despite the cancellation"
+
+
+def test_a_backbone_from_another_checkpoint_is_refused_and_the_rest_keeps_serving(server, tmp_path):
+    import shutil
+
+    repository = tmp_path / "repository"
+    shutil.copytree(server.repository, repository)
+    backbone = repository / "dualend_backbone" / "1" / "backbone"
+    shutil.rmtree(backbone)
+    shutil.copytree(server.repository / "baseline_backbone" / "1" / "backbone", backbone)
+    models = ["dualend_backbone", "dualend", "baseline_backbone", "baseline"]
+    mixed = TritonServer(repository, model_control_mode="explicit", load_models=models,
+                         extra_args=["--exit-on-error=false", "--strict-readiness=false"],
+                         log_file=tmp_path / "server.log")
+    with mixed:
+        with pytest.raises(RequestError, match="not ready|unavailable|not found|failed"):
+            stream_grpc(mixed.grpc_url, "dualend", PROMPTS[0], 4)
+        assert stream_grpc(mixed.grpc_url, "baseline", PROMPTS[0], 4).output_tokens > 0
+    log = (tmp_path / "server.log").read_text()
+    assert re.search(r"dualend_mtp_verify.*checkpoint mismatch", log)

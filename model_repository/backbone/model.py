@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.decode import CapacityError
 from dualend.engines import open_engine
-from dualend.kv_pool import KVPool, UnknownSequence
+from dualend.kv_pool import KVPool
 from dualend.onnx_engine import BackboneRunner, ExportedModel, kv_slot_shape
 
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
@@ -58,15 +57,16 @@ class TritonPythonModel:
                     self.runner.release(seq_id)
                     responses[index] = _outputs(None)
                 else:
+                    self.pool.get(seq_id)  # an unknown sequence fails alone, not the whole batch
                     steps.append((index, seq_id, latents[-1]))
-            except (CapacityError, UnknownSequence, ValueError) as error:
+            except Exception as error:  # noqa: BLE001 - one request's failure is that request's error
                 responses[index] = _error(error)
         if steps:
             try:
                 outputs = self.runner.step([s for _, s, _ in steps], np.stack([x for _, _, x in steps]))
                 for (index, _, _), out in zip(steps, outputs):
                     responses[index] = _outputs(out)
-            except (CapacityError, UnknownSequence) as error:
+            except Exception as error:  # noqa: BLE001
                 for index, _, _ in steps:
                     responses[index] = _error(error)
         self.metrics.update()

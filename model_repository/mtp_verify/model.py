@@ -42,7 +42,7 @@ class BLSBackboneSession:
     def __init__(self, model_name, correlation_id, d_model, capacity_wait_s, is_cancelled):
         self.model_name, self.correlation_id, self.d_model = model_name, correlation_id, d_model
         self.capacity_wait_s, self.is_cancelled = capacity_wait_s, is_cancelled
-        self.started = False
+        self.start_sent = False
 
     def _call(self, latents, flags, reserve=0):
         request = pb_utils.InferenceRequest(
@@ -61,9 +61,8 @@ class BLSBackboneSession:
         deadline = time.monotonic() + self.capacity_wait_s
         while True:
             try:
-                out = self._call(latents, START, reserve_slots)
-                self.started = True
-                return out
+                self.start_sent = True
+                return self._call(latents, START, reserve_slots)
             except CapacityError:
                 if time.monotonic() > deadline:
                     raise
@@ -77,9 +76,11 @@ class BLSBackboneSession:
         return self._call(latent[None], 0)
 
     def close(self):
-        if self.started:
+        # Also after a refused START: END frees the sequence batcher's slot (release of an unknown
+        # sequence is a no-op in the backbone).
+        if self.start_sent:
+            self.start_sent = False
             self._call(np.zeros((1, self.d_model), np.float32), END)
-            self.started = False
 
 
 class TritonComponents:
@@ -118,7 +119,8 @@ class TritonPythonModel:
         self.slots = threading.BoundedSemaphore(int(parameters["max_concurrent_requests"]))
         self.max_concurrent = int(parameters["max_concurrent_requests"])
         self.ids = itertools.count(((os.getpid() & 0xFFFF) << 32) + 1)  # also the backbone correlation ids
-        self.cancelled_ids = set()
+        self.cancelled_ids, self.in_flight = set(), set()
+        self.stopping = threading.Event()
         self.metrics = _DecodeMetrics(args["model_name"])
         self._warm_up()
         mode = (f"dual-end: compressor + MTP head, acceptance_threshold {self.threshold}"
@@ -138,7 +140,8 @@ class TritonPythonModel:
         for request in requests:
             control = json.loads(pb_utils.get_input_tensor_by_name(request, "request_params").as_numpy()[0])
             if "cancel" in control:
-                self.cancelled_ids.add(int(control["cancel"]))
+                if int(control["cancel"]) in self.in_flight:
+                    self.cancelled_ids.add(int(control["cancel"]))
                 request.get_response_sender().send(flags=FINAL)
                 continue
             if not self.slots.acquire(blocking=False):
@@ -152,10 +155,11 @@ class TritonPythonModel:
     def _serve(self, request):
         sender = request.get_response_sender()
         request_id = next(self.ids)
+        self.in_flight.add(request_id)
         chunks, final_sent = None, False
 
         def is_cancelled():
-            return request_id in self.cancelled_ids or sender.is_cancelled()
+            return request_id in self.cancelled_ids or self.stopping.is_set() or sender.is_cancelled()
         try:
             prepared = PreparedRequest.from_json(
                 pb_utils.get_input_tensor_by_name(request, "request_params").as_numpy()[0].decode())
@@ -184,16 +188,21 @@ class TritonPythonModel:
             sender.send(_error(f"internal error: {error}"), flags=FINAL)
             final_sent = True
         finally:
-            if chunks is not None:
-                chunks.close()
-            self.cancelled_ids.discard(request_id)
-            if not final_sent:
-                sender.send(flags=FINAL)
-            self.slots.release()
+            try:
+                if chunks is not None:
+                    chunks.close()
+                if not final_sent:
+                    sender.send(flags=FINAL)
+            finally:
+                self.in_flight.discard(request_id)
+                self.cancelled_ids.discard(request_id)
+                self.slots.release()
 
     def finalize(self):
-        for _ in range(self.max_concurrent):  # wait for in-flight requests to end
-            self.slots.acquire(timeout=10)
+        self.stopping.set()  # in-flight requests stop at their next step and send their FINAL
+        deadline = time.monotonic() + 10
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _latest_version(model_dir):

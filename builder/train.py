@@ -3,6 +3,7 @@
     python -m builder.train tokenizer --out runs/tokenizer.json
     python -m builder.train baseline --tokenizer runs/tokenizer.json --run runs/baseline --steps 6000
     python -m builder.train dualend --baseline checkpoints/baseline --run runs/dualend --steps 6000
+    python -m builder.train promote --source runs/dualend/best --to checkpoints/dualend
 
 A run folder holds `state.pt` (resumable: model, optimizer, step, RNG), `log.jsonl`, and `best/`,
 the checkpoint with the best held-out greedy accuracy so far. Re-running the same command resumes.
@@ -163,9 +164,19 @@ def cmd_dualend(args) -> None:
                lambda samples, rng: dualend_batch(samples, pad, rng), list(model.parameters()))
 
 
+def cmd_promote(args) -> None:
+    """Verify a run's checkpoint and write it, in the current format, where it ships from."""
+    checkpoint = load_checkpoint(args.source)
+    ckpt_id = checkpoint.save(args.to)
+    print(f"{args.source} -> {args.to} (checkpoint {ckpt_id})")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    promote = sub.add_parser("promote")
+    promote.add_argument("--source", required=True)
+    promote.add_argument("--to", required=True)
     for name in ("tokenizer", "baseline", "dualend"):
         p = sub.add_parser(name)
         for key, value in DEFAULTS.items():
@@ -179,8 +190,9 @@ def main(argv=None) -> None:
     sub.choices["dualend"].add_argument("--compressor-init", choices=("sum", "second", "random"), default="sum")
     sub.choices["dualend"].add_argument("--position-stride", type=int, choices=(1, 2), default=1)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend}[args.command](args)
+    torch.set_num_threads(getattr(args, "threads", 2))
+    commands = {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend, "promote": cmd_promote}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

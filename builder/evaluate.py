@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(dualend=ROOT / "checkpoints" / "dualend", baseline=ROOT / "checkpoints" / "baseline",
                 reports=ROOT / "builder" / "reports", export_dir=ROOT / "build" / "eval_export", examples=100,
                 samples=4, temperature=0.7, gate=0.02, seed=0, engine="onnxruntime")
-THRESHOLDS = (-1.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+THRESHOLDS = (-1.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.99, 1.0)
 
 
 def _family_stats(results: dict[str, FamilyResult]) -> dict:

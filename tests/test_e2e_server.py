@@ -90,11 +90,14 @@ def test_served_text_equals_the_in_process_engine(server, engines, deployment, t
 
 
 def test_dualend_streams_pairs_and_counts_prompt_latents(server):
-    result = stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 40, exclude_input_in_output=True)
+    result = stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 40, exclude_input_in_output=True,
+                         acceptance_threshold=-1.0)  # always accept: every step but the last emits a pair
     assert result.counters["num_prompt_latents"] == (result.counters["num_prompt_tokens"] + 1) // 2
     assert result.counters["num_drafts"] > 0, "a dual-end deployment must draft (never silently token-level)"
     assert len(result.arrivals) == result.counters["num_steps"]  # one streamed response per decode step
     assert result.output_tokens <= 2 * result.counters["num_steps"]
+    assert result.counters["num_accepted_drafts"] == result.counters["num_drafts"]
+    assert result.output_tokens >= 2 * (result.counters["num_steps"] - 1)
     baseline = stream_grpc(server.grpc_url, "baseline", PROMPTS[0], 40, exclude_input_in_output=True)
     assert baseline.counters["num_prompt_latents"] == baseline.counters["num_prompt_tokens"]
 

@@ -110,7 +110,7 @@ class TritonPythonModel:
         backbone_dir = repository.parent / f"{deployment}_backbone"
         backbone_manifest = verify_component(_latest_version(backbone_dir) / "backbone")
         checkpoint_id = verify_siblings([*exported.manifests.values(), backbone_manifest])
-        self.local = MTPComponent(exported, threads=int(parameters["threads"]))
+        self.local = MTPComponent(exported)
         self.tokenizer = exported.tokenizer()
         self.d_model = exported.settings["d_model"]
         self.threshold = float(parameters["acceptance_threshold"])

@@ -5,7 +5,8 @@
 Starts a real tritonserver on the assembled repository (or uses --grpc-url), then for each
 repeat, prompt length and deployment runs the same prompt over gRPC streaming and through the
 in-process ONNX Runtime engine, back to back. Prints medians with the 10th-90th percentile
-spread, served/engine overhead ratios and served dual-end/baseline speedups.
+spread, served/engine overhead ratios and served dual-end/baseline speedups, and, from Triton's
+statistics, where the served time goes (queue and compute per execution of each model).
 """
 from __future__ import annotations
 
@@ -31,12 +32,31 @@ def med(values):
     return median_and_spread(values)[0]
 
 
+def print_time_breakdown(http_url: str) -> None:
+    """Mean queue and compute time per execution of every model, from Triton's statistics."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(http_url)
+    print("\nWhere the served time goes (Triton statistics since start; ms per execution):")
+    print(f"{'model':26} | {'executions':>10} | {'queue':>7} | {'compute':>7}")
+    for stats in client.get_inference_statistics()["model_stats"]:
+        executions = int(stats.get("execution_count", 0))
+        if not executions:
+            continue
+        s = stats["inference_stats"]
+        queue = int(s["queue"]["ns"]) / executions / 1e6
+        compute = sum(int(s[k]["ns"]) for k in ("compute_input", "compute_infer", "compute_output")) / executions / 1e6
+        print(f"{stats['name']:26} | {executions:>10} | {queue:7.3f} | {compute:7.3f}")
+    client.close()
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--grpc-url", default=None, help="use a running server instead of starting one")
+    parser.add_argument("--http-url", default=None, help="its HTTP endpoint, for the time breakdown")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     repository = Path(ASSEMBLE["out"])
@@ -64,6 +84,9 @@ def main(argv=None) -> dict:
             engine = timed_generation(engines[name], tokenizer.encode_prompt(prompts[length]), params, thresholds[name])
             figures[(name, length, "engine")]["ttft"].append(engine["ttft"])
             figures[(name, length, "engine")]["tpot"].append(engine["tpot"])
+        http_url = args.http_url or (None if args.grpc_url else triton.http_url)
+        if http_url:
+            print_time_breakdown(http_url)
 
     def fmt(values):
         m, lo, hi = median_and_spread(values)

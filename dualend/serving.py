@@ -6,15 +6,28 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
 from .decode import Chunk, InvalidRequest, SamplingParams, pad_prompt
+from .onnx_engine import ExportedModel
 from .tokenizer import TextTokenizer
 
 COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps",
             "num_prompt_tokens", "num_prompt_latents")
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """The `parameters` of a Triton model's config, from the args of its initialize()."""
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def version_components(args: dict, names: tuple[str, ...]) -> ExportedModel:
+    """The verified components that sit in a Triton model's version folder."""
+    return ExportedModel.open(Path(args["model_repository"]) / args["model_version"], names)
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,13 @@ One request per sequence step, keyed by correlation id: START prefills the promp
 (reserving KV for `reserve_slots` pairs), END releases the sequence, anything else is one
 decode step; the decode steps of one execute() call run as one batch.
 """
-import json
-from pathlib import Path
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dualend.engines import open_engine
 from dualend.kv_pool import KVPool
-from dualend.onnx_engine import BackboneRunner, ExportedModel, kv_slot_shape
+from dualend.onnx_engine import BackboneRunner, kv_slot_shape
+from dualend.serving import model_parameters, version_components
 
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -20,9 +18,8 @@ END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        parameters = {k: v["string_value"] for k, v in config["parameters"].items()}
-        exported = ExportedModel.open(Path(args["model_repository"]) / args["model_version"], ("backbone",))
+        parameters = model_parameters(args)
+        exported = version_components(args, ("backbone",))
         settings = exported.settings
         self.pool = KVPool(kv_slot_shape(settings, settings["n_layers"]),
                            block_size=int(parameters["kv_block_size"]),

@@ -1,19 +1,15 @@
 """Triton adapter: token pairs -> prompt latents on the compressor engine."""
-import json
-from pathlib import Path
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dualend.engines import open_engine
-from dualend.onnx_engine import ExportedModel
+from dualend.serving import model_parameters, version_components
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        parameters = {k: v["string_value"] for k, v in config["parameters"].items()}
-        exported = ExportedModel.open(Path(args["model_repository"]) / args["model_version"], ("compressor",))
+        parameters = model_parameters(args)
+        exported = version_components(args, ("compressor",))
         self.session = open_engine(exported, "compressor", parameters["engine"], int(parameters["threads"]))
         pair_size = exported.settings["pair_size"]
         self.session.run(None, {"tokens": np.full((1, pair_size), exported.settings["bos_id"], np.int64)})  # warm-up

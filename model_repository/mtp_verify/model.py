@@ -23,8 +23,8 @@ import triton_python_backend_utils as pb_utils
 
 from dualend.decode import BackboneOutput, CapacityError, InvalidRequest, stream_chunks
 from dualend.manifest import verify_component, verify_siblings
-from dualend.onnx_engine import ExportedModel, MTPComponent
-from dualend.serving import PreparedRequest, resolve_threshold, responses
+from dualend.onnx_engine import MTPComponent
+from dualend.serving import PreparedRequest, model_parameters, resolve_threshold, responses, version_components
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
@@ -100,14 +100,12 @@ class TritonComponents:
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        parameters = {k: v["string_value"] for k, v in config["parameters"].items()}
+        parameters = model_parameters(args)
         deployment = parameters["deployment"]
-        repository, version = Path(args["model_repository"]), args["model_version"]
         self.pair_size = int(parameters["pair_size"])
         names = ("tokenizer", "compressor", "mtp") if self.pair_size == 2 else ("tokenizer", "compressor")
-        exported = ExportedModel.open(repository / version, names)
-        backbone_dir = repository.parent / f"{deployment}_backbone"
+        exported = version_components(args, names)
+        backbone_dir = Path(args["model_repository"]).parent / f"{deployment}_backbone"
         backbone_manifest = verify_component(_latest_version(backbone_dir) / "backbone")
         checkpoint_id = verify_siblings([*exported.manifests.values(), backbone_manifest])
         self.local = MTPComponent(exported)

@@ -5,20 +5,17 @@ cancelled); it forwards it to mtp_verify as a `{"cancel": request_id}` control r
 """
 import json
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.onnx_engine import ExportedModel
+from dualend.serving import model_parameters, version_components
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        parameters = {k: v["string_value"] for k, v in config["parameters"].items()}
-        exported = ExportedModel.open(Path(args["model_repository"]) / args["model_version"], ("tokenizer",))
-        self.tokenizer = exported.tokenizer()
+        parameters = model_parameters(args)
+        self.tokenizer = version_components(args, ("tokenizer",)).tokenizer()
         self.mtp_verify = f"{parameters['deployment']}_mtp_verify"
         self.d_model = int(parameters["d_model"])
         self.forwarded = deque(maxlen=1024)  # request ids whose cancellation was already sent

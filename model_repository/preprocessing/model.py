@@ -1,13 +1,9 @@
 """Triton adapter: validates a request and turns its text into token pairs."""
-import json
-from pathlib import Path
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dualend.decode import InvalidRequest, pad_prompt
-from dualend.onnx_engine import ExportedModel
-from dualend.serving import Limits, prepare_request
+from dualend.serving import Limits, model_parameters, prepare_request, version_components
 
 OPTIONAL_INPUTS = ("stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
                    "exclude_input_in_output", "acceptance_threshold", "ignore_eos")
@@ -15,10 +11,8 @@ OPTIONAL_INPUTS = ("stream", "temperature", "top_k", "top_p", "random_seed", "st
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        parameters = {k: v["string_value"] for k, v in config["parameters"].items()}
-        exported = ExportedModel.open(Path(args["model_repository"]) / args["model_version"], ("tokenizer",))
-        self.tokenizer = exported.tokenizer()
+        parameters = model_parameters(args)
+        self.tokenizer = version_components(args, ("tokenizer",)).tokenizer()
         self.limits = Limits(int(parameters["raw_context_limit"]), int(parameters["pair_size"]),
                              int(parameters["max_new_tokens"]))
 

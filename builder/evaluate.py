@@ -53,7 +53,7 @@ def choose_threshold(sweep: dict[float, dict], baseline_pass1: dict[str, float],
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Quality report\n", f"Held-out examples per family: {report['examples_per_family']}; "
+    lines = ["# Quality report\n", f"Held-out examples per family: {report['examples_per_family']}; "
              f"pass@{report['samples']} sampled at temperature {report['temperature']}. "
              f"Dual-end checkpoint `{report['dualend_checkpoint']}`, baseline `{report['baseline_checkpoint']}`.\n",
              f"Chosen acceptance_threshold: **{report['threshold']}** (quality gate "

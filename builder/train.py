@@ -116,7 +116,8 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
 
 
 def _recipe(args, kind: str) -> dict:
-    keys = ("batch_size", "max_tokens", "lr", "warmup", "text_fraction", "seed", "steps", "distill_weight")
+    keys = ("batch_size", "max_tokens", "lr", "warmup", "text_fraction", "seed", "steps")
+    keys += ("distill_weight",) if kind == "dualend" else ()
     return {"kind": kind, "python": sys.version.split()[0], "torch": torch.__version__,
             **{k: getattr(args, k) for k in keys if hasattr(args, k)}}
 

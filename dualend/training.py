@@ -153,7 +153,7 @@ def baseline_loss(model: LanguageModel, batch: dict[str, torch.Tensor]) -> tuple
     return loss, {"ce": loss.item()}
 
 
-def _teacher_targets(teacher_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def teacher_targets(teacher_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Teacher distribution that predicted real token `index` (logits at index - 1)."""
     gather_at = (index - 1).clamp(min=0)
     picked = torch.gather(teacher_logits, 1, gather_at[..., None].expand(-1, -1, teacher_logits.shape[-1]))
@@ -189,8 +189,8 @@ def dualend_loss(model: LanguageModel, batch: dict[str, torch.Tensor],
     if teacher is not None and distill_weight > 0:
         with torch.no_grad():
             teacher_logits = baseline_forward(teacher, batch["real_tokens"])
-        next_soft = _teacher_targets(teacher_logits, batch["next_index"])
-        draft_soft = _teacher_targets(teacher_logits, batch["draft_index"])
+        next_soft = teacher_targets(teacher_logits, batch["next_index"])
+        draft_soft = teacher_targets(teacher_logits, batch["draft_index"])
     next_loss, next_ce = _ce_with_soft(next_logits, next_token, next_soft, distill_weight)
     draft_loss, draft_ce = _ce_with_soft(draft_logits, draft_target, draft_soft, distill_weight)
 

@@ -12,8 +12,8 @@ from dualend.data import FAMILIES, examples, extract_answer, run_python, split_o
 from dualend.decode import (BackboneOutput, InvalidRequest, SamplingParams, TextStream, gate,
                             generate, generate_text, pad_prompt)
 from dualend.reference import TorchComponents
-from dualend.training import (IGNORE, Sample, baseline_batch, baseline_forward, baseline_loss,
-                              dualend_batch, dualend_loss, dualend_row, split_pairs)
+from dualend.training import (IGNORE, Sample, teacher_targets, baseline_batch, baseline_forward,
+                              baseline_loss, dualend_batch, dualend_loss, dualend_row, split_pairs)
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 10
@@ -283,13 +283,15 @@ def test_training_steps_lower_the_loss(tiny_tokenizer, pair_size):
 
 def test_distillation_targets_are_the_teachers_distribution(tiny_tokenizer):
     teacher = tiny_model(tiny_tokenizer, 1, seed=5)
-    student = tiny_model(tiny_tokenizer, 2)
     batch = dualend_batch([Sample([BOS, 5, 6], [7, 8, 9, EOS])], PAD, random.Random(0), split_ratio=0.0)
-    hard, _ = dualend_loss(student, batch, teacher, distill_weight=0.0)
-    soft, _ = dualend_loss(student, batch, teacher, distill_weight=1.0)
-    assert not torch.isclose(hard, soft)
-    logits = baseline_forward(teacher, batch["real_tokens"])
-    assert logits.shape[1] == 7
+    with torch.no_grad():
+        logits = baseline_forward(teacher, batch["real_tokens"])  # [1, 7, V]
+    soft = teacher_targets(logits, batch["next_index"])
+    # Pair 1 (the last prompt pair) targets real token 3 (the 7); the teacher predicted it at index 2.
+    assert batch["next_index"][0, 1] == 3
+    torch.testing.assert_close(soft[0, 1], logits[0, 2].softmax(-1))
+    draft_soft = teacher_targets(logits, batch["draft_index"])
+    torch.testing.assert_close(draft_soft[0, 1], logits[0, 3].softmax(-1))  # the 8, predicted at index 3
 
 
 # ---- checkpoints ---------------------------------------------------------------------------

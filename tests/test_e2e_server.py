@@ -3,10 +3,8 @@
 The server is started once for the module from a repository assembled into a temporary folder;
 the in-process ONNX Runtime engine on the same export is the reference for every text.
 """
-import json
 import os
 import re
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor

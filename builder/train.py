@@ -3,6 +3,8 @@
     python -m builder.train tokenizer --out runs/tokenizer.json
     python -m builder.train baseline --tokenizer runs/tokenizer.json --run runs/baseline --steps 6000
     python -m builder.train dualend --baseline checkpoints/baseline --run runs/dualend --steps 6000
+    python -m builder.train dualend --baseline checkpoints/baseline --init-from checkpoints/dualend \
+        --run runs/dualend_more --steps 3000 --lr 5e-4 --seed 1
     python -m builder.train promote --source runs/dualend/best --to checkpoints/dualend
 
 A run folder holds `state.pt` (resumable: model, optimizer, step, RNG), `log.jsonl`, and `best/`,
@@ -153,11 +155,19 @@ def cmd_dualend(args) -> None:
     for p in teacher.parameters():
         p.requires_grad_(False)
     torch.manual_seed(args.seed)
-    model = convert_baseline(teacher, args.compressor_init, args.position_stride)
-    recipe = _recipe(args, "dualend") | {"converted_from": teacher_ckpt.id,
-                                         "compressor_init": args.compressor_init,
-                                         "position_stride": args.position_stride,
-                                         "baseline_recipe": teacher_ckpt.recipe}
+    recipe = _recipe(args, "dualend") | {"augmentation": "gated steps", "baseline_recipe": teacher_ckpt.recipe}
+    if args.init_from:
+        start = load_checkpoint(args.init_from)
+        if start.recipe.get("converted_from") != teacher_ckpt.id:
+            sys.exit(f"{args.init_from} was not converted from {args.baseline} ({teacher_ckpt.id})")
+        model = start.model
+        recipe |= {k: start.recipe[k] for k in ("converted_from", "compressor_init", "position_stride")}
+        recipe["continued_from"] = {"id": start.id, **{k: v for k, v in start.recipe.items()
+                                                       if k != "baseline_recipe"}}
+    else:
+        model = convert_baseline(teacher, args.compressor_init, args.position_stride)
+        recipe |= {"converted_from": teacher_ckpt.id, "compressor_init": args.compressor_init,
+                   "position_stride": args.position_stride}
     pad = model.cfg.pad_id
     teacher_or_none = teacher if args.distill_weight > 0 else None
     train_loop(args, model, tokenizer, recipe,
@@ -190,6 +200,8 @@ def main(argv=None) -> None:
     sub.choices["dualend"].add_argument("--baseline", required=True)
     sub.choices["dualend"].add_argument("--compressor-init", choices=("sum", "second", "random"), default="sum")
     sub.choices["dualend"].add_argument("--position-stride", type=int, choices=(1, 2), default=1)
+    sub.choices["dualend"].add_argument("--init-from", help="continue training this dual-end checkpoint "
+                                        "(converted from --baseline) instead of converting afresh")
     args = parser.parse_args(argv)
     torch.set_num_threads(getattr(args, "threads", 2))
     commands = {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend, "promote": cmd_promote}

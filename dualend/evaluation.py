@@ -16,7 +16,7 @@ MAX_ANSWER_TOKENS = 48
 class FamilyResult:
     correct: int = 0
     total: int = 0
-    tokens: int = 0
+    tokens: int = 0  # generated tokens, EOS included: a step that emits EOS did a token's work
     steps: int = 0
     drafts: int = 0
     accepted: int = 0
@@ -38,7 +38,7 @@ def run_examples(components: Components, tokenizer: TextTokenizer, examples: lis
                                     seed=seed * 100003 + index * 101 + k)
             out = generate_text(components, tokenizer, example.prompt, params, threshold)
             passed |= extract_answer(example.family, out.text) == example.answer
-            result.tokens += len(out.tokens)
+            result.tokens += len(out.tokens) + (out.finish_reason == "eos")
             result.steps += out.steps
             result.drafts += out.drafts
             result.accepted += out.accepted

@@ -43,23 +43,28 @@ def sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float, max
             yield Sample(prompt, completion)
 
 
-def split_pairs(completion: list[int], split_ratio: float, pad_id: int,
+def gated_pairs(completion: list[int], reject_ratio: float, pad_id: int,
                 rng: random.Random) -> list[int]:
-    """Pairs the completion; each pair (a, b) becomes (a, PAD), (b, PAD) with prob split_ratio."""
+    """The completion as the decode loop would feed it back if the gate rejected each draft with
+    probability `reject_ratio`: every step is a pair (t1, t2), or (t1, PAD) on a rejection, and
+    the next step starts at the token after the last one emitted. So a rejection shifts the pair
+    boundaries of everything after it by one token, exactly as at serving time.
+    """
     out: list[int] = []
-    for start in range(0, len(completion), 2):
-        pair = completion[start:start + 2]
-        if len(pair) == 1:
-            out += [pair[0], pad_id]
-        elif rng.random() < split_ratio:
-            out += [pair[0], pad_id, pair[1], pad_id]
+    position = 0
+    while position < len(completion):
+        rest = completion[position:position + 2]
+        if len(rest) == 1 or rng.random() < reject_ratio:
+            out += [rest[0], pad_id]
+            position += 1
         else:
-            out += pair
+            out += rest
+            position += 2
     return out
 
 
-def draw_split_ratio(rng: random.Random) -> float:
-    """Covers the whole threshold range: never split, always split, and everything between."""
+def draw_reject_ratio(rng: random.Random) -> float:
+    """Covers the whole threshold range: never reject, always reject, and everything between."""
     u = rng.random()
     if u < 0.3:
         return 0.0
@@ -79,9 +84,9 @@ class DualEndRow:
     mtp_start: int           # first pair whose MTP state is inside the decode window
 
 
-def dualend_row(sample: Sample, pad_id: int, split_ratio: float, rng: random.Random) -> DualEndRow:
+def dualend_row(sample: Sample, pad_id: int, reject_ratio: float, rng: random.Random) -> DualEndRow:
     prompt = pad_prompt(sample.prompt, 2, pad_id)
-    answer = split_pairs(sample.completion, split_ratio, pad_id, rng)
+    answer = gated_pairs(sample.completion, reject_ratio, pad_id, rng)
     sequence = prompt + answer
     real_tokens = sample.prompt + sample.completion
     # real index of every non-PAD slot of `sequence`
@@ -119,8 +124,8 @@ def baseline_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor
 
 
 def dualend_batch(samples: list[Sample], pad_id: int, rng: random.Random,
-                  split_ratio: float | None = None) -> dict[str, torch.Tensor]:
-    rows = [dualend_row(s, pad_id, draw_split_ratio(rng) if split_ratio is None else split_ratio, rng)
+                  reject_ratio: float | None = None) -> dict[str, torch.Tensor]:
+    rows = [dualend_row(s, pad_id, draw_reject_ratio(rng) if reject_ratio is None else reject_ratio, rng)
             for s in samples]
     n = max(len(r.next_token) for r in rows)
     pair_index = torch.arange(n)[None]

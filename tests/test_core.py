@@ -8,12 +8,13 @@ import torch
 
 from conftest import tiny_model
 from dualend.checkpoint import Checkpoint, load_checkpoint
-from dualend.data import FAMILIES, examples, extract_answer, run_python, split_of
+from dualend.data import FAMILIES, Example, examples, extract_answer, run_python, split_of
 from dualend.decode import (BackboneOutput, InvalidRequest, SamplingParams, TextStream, gate,
                             generate, generate_text, pad_prompt)
+from dualend.evaluation import run_examples
 from dualend.reference import TorchComponents
 from dualend.training import (IGNORE, Sample, teacher_targets, baseline_batch, baseline_forward,
-                              baseline_loss, dualend_batch, dualend_loss, dualend_row, split_pairs)
+                              baseline_loss, dualend_batch, dualend_loss, dualend_row, gated_pairs)
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 10
@@ -251,16 +252,91 @@ def test_generated_text_never_contains_pad(tiny_tokenizer):
     assert tiny_tokenizer.pad_id not in out.tokens and "<pad>" not in out.text
 
 
+def test_tokens_per_step_counts_eos_as_generated(tiny_tokenizer):
+    """Drafting off is exactly one token per step; accepted drafts add one each."""
+    example = Example("lookup", "get ab\nA:", " 37", "37")
+    off = run_examples(ScriptedComponents([3, 4, EOS]), tiny_tokenizer, [example], threshold=1.0)
+    assert (off.tokens, off.steps) == (3, 3)
+    on = run_examples(ScriptedComponents([3, 4, EOS], draft=7, confidence=0.9), tiny_tokenizer,
+                      [example], threshold=0.5)
+    assert (on.tokens, on.steps, on.accepted) == (5, 3, 2)
+
+
 # ---- training ------------------------------------------------------------------------------
 
 def test_dualend_row_targets_skip_pads():
     sample = Sample(prompt=[BOS, 5, 6], completion=[7, 8, 9, EOS])
-    row = dualend_row(sample, PAD, split_ratio=1.0, rng=random.Random(0))
+    row = dualend_row(sample, PAD, reject_ratio=1.0, rng=random.Random(0))
     assert row.pairs == [BOS, 5, 6, PAD, 7, PAD, 8, PAD, 9, PAD, EOS, PAD]
     assert row.next_token == [IGNORE, 7, 8, 9, EOS, IGNORE]
     assert row.draft_target == [IGNORE, 8, 9, EOS, IGNORE, IGNORE]
     assert [row.real_tokens[i] for i in row.next_index[1:5]] == [7, 8, 9, EOS]
-    assert split_pairs([7, 8, 9], 0.0, PAD, random.Random(0)) == [7, 8, 9, PAD]
+    assert gated_pairs([7, 8, 9], 0.0, PAD, random.Random(0)) == [7, 8, 9, PAD]
+
+
+class ScriptedRng:
+    def __init__(self, draws):
+        self.draws = iter(draws)
+
+    def random(self):
+        return next(self.draws)
+
+
+class TeacherForcedComponents(ScriptedComponents):
+    """Backbone and MTP always propose the next tokens of `completion`; the MTP's confidence
+    follows `confidences`, one per draft, so the gate's decisions are scripted."""
+
+    def __init__(self, completion, confidences):
+        super().__init__(script=[])
+        self.completion, self.confidences = completion, iter(confidences)
+
+    def _after(self, token):
+        return self.completion[self.completion.index(token) + 1]
+
+    def open_backbone(self):
+        fake = self
+
+        class Session:
+            def prefill(self, latents, reserve_slots):
+                return BackboneOutput(one_hot(fake.completion[0]), np.zeros(4))
+
+            def step(self, latent):
+                last = [t for t in fake.compressed[-1][0] if t != PAD][-1]
+                return BackboneOutput(one_hot(fake._after(last)), np.zeros(4))
+
+            def close(self):
+                pass
+        return Session()
+
+    def open_mtp(self, max_steps):
+        fake = self
+
+        class Session:
+            def step(self, t1, hidden, position):
+                return one_hot(fake._after(t1)), next(fake.confidences)
+
+            def close(self):
+                pass
+        return Session()
+
+
+def test_gated_pairs_are_what_the_decode_loop_feeds_back():
+    """Training sees the same pair boundaries as serving: a rejection shifts all later pairs."""
+    completion = [3, 4, 5, 6, 7, 8, 9, EOS]
+    accept = [True, False, True, False, False, True]
+    fake = TeacherForcedComponents(completion, [0.9 if a else 0.1 for a in accept])
+    list(generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5))
+    served = [pair for (pair,) in fake.compressed[1:]]
+    trained = gated_pairs(completion, 0.5, PAD, ScriptedRng([0.9 if a else 0.1 for a in accept]))
+    trained_pairs = [trained[i:i + 2] for i in range(0, len(trained), 2)]
+    assert served == [[3, 4], [5, PAD], [6, 7], [8, PAD], [9, PAD]]
+    assert trained_pairs[:len(served)] == served
+    assert trained_pairs[len(served)] == [EOS, PAD]
+
+
+def test_gated_pairs_cover_both_extremes():
+    assert gated_pairs([7, 8, 9, 4], 1.0, PAD, random.Random(0)) == [7, PAD, 8, PAD, 9, PAD, 4, PAD]
+    assert gated_pairs([7, 8, 9, 4], 0.0, PAD, random.Random(0)) == [7, 8, 9, 4]
 
 
 @pytest.mark.parametrize("pair_size", [1, 2])
@@ -272,7 +348,7 @@ def test_training_steps_lower_the_loss(tiny_tokenizer, pair_size):
     def loss():
         if pair_size == 1:
             return baseline_loss(model, baseline_batch(samples, PAD))[0]
-        return dualend_loss(model, dualend_batch(samples, PAD, random.Random(0), split_ratio=0.5))[0]
+        return dualend_loss(model, dualend_batch(samples, PAD, random.Random(0), reject_ratio=0.5))[0]
     before = loss().item()
     for _ in range(20):
         optimizer.zero_grad()
@@ -283,7 +359,7 @@ def test_training_steps_lower_the_loss(tiny_tokenizer, pair_size):
 
 def test_distillation_targets_are_the_teachers_distribution(tiny_tokenizer):
     teacher = tiny_model(tiny_tokenizer, 1, seed=5)
-    batch = dualend_batch([Sample([BOS, 5, 6], [7, 8, 9, EOS])], PAD, random.Random(0), split_ratio=0.0)
+    batch = dualend_batch([Sample([BOS, 5, 6], [7, 8, 9, EOS])], PAD, random.Random(0), reject_ratio=0.0)
     with torch.no_grad():
         logits = baseline_forward(teacher, batch["real_tokens"])  # [1, 7, V]
     soft = teacher_targets(logits, batch["next_index"])

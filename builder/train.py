@@ -29,7 +29,7 @@ from dualend.data import FAMILIES, examples, stdlib_chunks
 from dualend.evaluation import evaluate_pass1
 from dualend.model import LanguageModel, ModelConfig, count_parameters, default_ffn_hidden
 from dualend.tokenizer import TextTokenizer, train_tokenizer
-from dualend.training import (baseline_batch, baseline_loss, dualend_batch, dualend_loss,
+from dualend.training import (AUGMENTATIONS, baseline_batch, baseline_loss, dualend_batch, dualend_loss,
                               sample_stream)
 
 DEFAULTS = dict(
@@ -155,7 +155,7 @@ def cmd_dualend(args) -> None:
     for p in teacher.parameters():
         p.requires_grad_(False)
     torch.manual_seed(args.seed)
-    recipe = _recipe(args, "dualend") | {"augmentation": "gated steps", "baseline_recipe": teacher_ckpt.recipe}
+    recipe = _recipe(args, "dualend") | {"augmentation": args.augmentation, "baseline_recipe": teacher_ckpt.recipe}
     if args.init_from:
         start = load_checkpoint(args.init_from)
         if start.recipe.get("converted_from") != teacher_ckpt.id:
@@ -172,7 +172,8 @@ def cmd_dualend(args) -> None:
     teacher_or_none = teacher if args.distill_weight > 0 else None
     train_loop(args, model, tokenizer, recipe,
                lambda m, b: dualend_loss(m, b, teacher_or_none, args.distill_weight),
-               lambda samples, rng: dualend_batch(samples, pad, rng), list(model.parameters()))
+               lambda samples, rng: dualend_batch(samples, pad, rng, augment=AUGMENTATIONS[args.augmentation]),
+               list(model.parameters()))
 
 
 def cmd_promote(args) -> None:
@@ -200,6 +201,8 @@ def main(argv=None) -> None:
     sub.choices["dualend"].add_argument("--baseline", required=True)
     sub.choices["dualend"].add_argument("--compressor-init", choices=("sum", "second", "random"), default="sum")
     sub.choices["dualend"].add_argument("--position-stride", type=int, choices=(1, 2), default=1)
+    sub.choices["dualend"].add_argument("--augmentation", choices=tuple(AUGMENTATIONS), default="gated-steps",
+                                        help="how rejected drafts are shown in training (split-pairs: ablation)")
     sub.choices["dualend"].add_argument("--init-from", help="continue training this dual-end checkpoint "
                                         "(converted from --baseline) instead of converting afresh")
     args = parser.parse_args(argv)

@@ -63,6 +63,23 @@ def gated_pairs(completion: list[int], reject_ratio: float, pad_id: int,
     return out
 
 
+def split_pairs(completion: list[int], reject_ratio: float, pad_id: int,
+                rng: random.Random) -> list[int]:
+    """The earlier augmentation, kept for the ablation: each pair (a, b) becomes (a, PAD), (b, PAD)
+    with probability `reject_ratio`, so pair boundaries never shift (unlike serving)."""
+    out: list[int] = []
+    for start in range(0, len(completion), 2):
+        pair = completion[start:start + 2]
+        if len(pair) == 2 and rng.random() >= reject_ratio:
+            out += pair
+        else:
+            out += [token for t in pair for token in (t, pad_id)]
+    return out
+
+
+AUGMENTATIONS = {"gated-steps": gated_pairs, "split-pairs": split_pairs}
+
+
 def draw_reject_ratio(rng: random.Random) -> float:
     """Covers the whole threshold range: never reject, always reject, and everything between."""
     u = rng.random()
@@ -84,9 +101,10 @@ class DualEndRow:
     mtp_start: int           # first pair whose MTP state is inside the decode window
 
 
-def dualend_row(sample: Sample, pad_id: int, reject_ratio: float, rng: random.Random) -> DualEndRow:
+def dualend_row(sample: Sample, pad_id: int, reject_ratio: float, rng: random.Random,
+                augment=gated_pairs) -> DualEndRow:
     prompt = pad_prompt(sample.prompt, 2, pad_id)
-    answer = gated_pairs(sample.completion, reject_ratio, pad_id, rng)
+    answer = augment(sample.completion, reject_ratio, pad_id, rng)
     sequence = prompt + answer
     real_tokens = sample.prompt + sample.completion
     # real index of every non-PAD slot of `sequence`
@@ -124,9 +142,9 @@ def baseline_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor
 
 
 def dualend_batch(samples: list[Sample], pad_id: int, rng: random.Random,
-                  reject_ratio: float | None = None) -> dict[str, torch.Tensor]:
-    rows = [dualend_row(s, pad_id, draw_reject_ratio(rng) if reject_ratio is None else reject_ratio, rng)
-            for s in samples]
+                  reject_ratio: float | None = None, augment=gated_pairs) -> dict[str, torch.Tensor]:
+    rows = [dualend_row(s, pad_id, draw_reject_ratio(rng) if reject_ratio is None else reject_ratio, rng,
+                        augment) for s in samples]
     n = max(len(r.next_token) for r in rows)
     pair_index = torch.arange(n)[None]
     return {

@@ -14,7 +14,8 @@ from dualend.decode import (BackboneOutput, InvalidRequest, SamplingParams, Text
 from dualend.evaluation import run_examples
 from dualend.reference import TorchComponents
 from dualend.training import (IGNORE, Sample, teacher_targets, baseline_batch, baseline_forward,
-                              baseline_loss, dualend_batch, dualend_loss, dualend_row, gated_pairs)
+                              baseline_loss, dualend_batch, dualend_loss, dualend_row, gated_pairs,
+                              split_pairs)
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 10
@@ -337,6 +338,12 @@ def test_gated_pairs_are_what_the_decode_loop_feeds_back():
 def test_gated_pairs_cover_both_extremes():
     assert gated_pairs([7, 8, 9, 4], 1.0, PAD, random.Random(0)) == [7, PAD, 8, PAD, 9, PAD, 4, PAD]
     assert gated_pairs([7, 8, 9, 4], 0.0, PAD, random.Random(0)) == [7, 8, 9, 4]
+
+
+def test_split_pairs_ablation_keeps_pair_boundaries():
+    """The earlier augmentation: a rejection splits a whole pair, so later pairs do not shift."""
+    assert split_pairs([3, 4, 5, 6], 0.5, PAD, ScriptedRng([0.1, 0.9])) == [3, PAD, 4, PAD, 5, 6]
+    assert gated_pairs([3, 4, 5, 6], 0.5, PAD, ScriptedRng([0.1, 0.9])) == [3, PAD, 4, 5, 6, PAD]
 
 
 @pytest.mark.parametrize("pair_size", [1, 2])

@@ -78,8 +78,8 @@ def render_deployment(name: str, exported: ExportedModel, out: Path, values: dic
 
 
 def max_sequence_latents(raw_context_limit: int, max_new_tokens: int, pair_size: int) -> int:
-    """Most latents one sequence can hold: the prompt's pairs plus one per decode step, and with
-    every draft rejected a step adds a latent for a single token."""
+    """Most latents one sequence can hold: the prompt's pairs plus one per decode step (with every
+    draft rejected, one per generated token), where prompt + max_tokens <= raw_context_limit."""
     if pair_size == 1:
         return raw_context_limit
     return raw_context_limit // pair_size + max_new_tokens // pair_size

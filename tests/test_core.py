@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from builder.assemble import max_sequence_latents
 from conftest import tiny_model
 from dualend.checkpoint import Checkpoint, load_checkpoint
 from dualend.data import FAMILIES, Example, examples, extract_answer, run_python, split_of
@@ -157,6 +158,28 @@ def test_rejected_draft_feeds_pad():
     steps = list(generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5))
     assert steps[0].tokens == [3] and steps[0].drafted and not steps[0].accepted
     assert fake.compressed[1] == [[3, PAD]]
+
+
+def test_the_largest_requests_fit_one_sequence_of_the_kv_budget():
+    """What the decode loop reserves, for every split of the raw context between prompt and
+    max_tokens, fits the per-sequence budget the repository is sized with."""
+    raw_limit, max_new = 64, 40
+    for max_tokens in range(1, max_new + 1):
+        for pair_size in (1, 2):
+            fake = ScriptedComponents([3] * max_tokens)
+            fake.pair_size = pair_size
+            reserved = []
+            open_backbone = fake.open_backbone
+
+            def recording_backbone():
+                session = open_backbone()
+                prefill = session.prefill
+                session.prefill = lambda latents, reserve_slots: reserved.append(reserve_slots) or prefill(latents, reserve_slots)
+                return session
+            fake.open_backbone = recording_backbone
+            prompt = [BOS] + [5] * (raw_limit - max_tokens - 1)
+            list(generate(fake, prompt, SamplingParams(max_tokens=max_tokens), threshold=1.0))
+            assert reserved[0] <= max_sequence_latents(raw_limit, max_new, pair_size)
 
 
 def test_max_tokens_is_exact_and_sessions_close():

@@ -206,3 +206,29 @@ def test_a_backbone_from_another_checkpoint_is_refused_and_the_rest_keeps_servin
         assert stream_grpc(mixed.grpc_url, "baseline", PROMPTS[0], 4).output_tokens > 0
     log = (tmp_path / "server.log").read_text()
     assert re.search(r"dualend_mtp_verify.*checkpoint mismatch", log)
+
+
+def test_busy_server_refuses_clearly_and_the_running_stream_loses_nothing(tmp_path):
+    """Room for one long sequence and two requests in flight: a request that needs more KV than is
+    free waits, then fails saying so; one over the in-flight limit is refused at once; a small
+    request still fits beside the long one, which runs to the end."""
+    repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
+                                "--export-dir", str(tmp_path / "export"), "--deployments", "dualend",
+                                "--raw-context-limit", "2048", "--max-new-tokens", "2048",
+                                "--kv-capacity-sequences", "1", "--max-concurrent-requests", "2",
+                                "--capacity-wait-s", "1"])
+    with TritonServer(repository, log_file=tmp_path / "server.log") as busy, ThreadPoolExecutor(2) as pool:
+        long_stream = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[0], 2000, ignore_eos=True,
+                                  acceptance_threshold=1.0, exclude_input_in_output=True)
+        assert wait_for(lambda: metric(busy, "dualend_kv_live_sequences", "dualend_backbone") == 1)
+        waiting = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[2], 500)
+        time.sleep(0.3)
+        with pytest.raises(RequestError, match="server busy: 2 requests already in flight; retry later"):
+            stream_grpc(busy.grpc_url, "dualend", PROMPTS[1], 8)
+        with pytest.raises(RequestError, match="KV cache full: the request needs .* retry later or lower max_tokens"):
+            waiting.result()
+        assert not long_stream.done(), "the long stream must still be running for this test to mean anything"
+        assert stream_grpc(busy.grpc_url, "dualend", PROMPTS[1], 8).output_tokens > 0  # fits the free blocks
+        result = long_stream.result()
+        assert result.finish_reason == "length" and result.output_tokens == 2000
+        assert busy.is_ready()

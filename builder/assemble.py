@@ -91,7 +91,8 @@ def deployment_values(name: str, exported: ExportedModel, args, threshold: float
     latent_limit = args.raw_context_limit // pair_size
     return {
         "max_sequence_latents": max_sequence_latents(args.raw_context_limit, args.max_new_tokens, pair_size),
-        "deployment": name, "pair_size": pair_size, "d_model": settings["d_model"],
+        "deployment": name, "checkpoint_id": exported.checkpoint_id, "pair_size": pair_size,
+        "d_model": settings["d_model"],
         "extra_draft_tokens": pair_size - 1,
         "acceptance_threshold": threshold if pair_size == 2 else 1.0,
         "raw_context_limit": args.raw_context_limit, "effective_latent_limit": latent_limit,

@@ -68,7 +68,7 @@ class KVPool:
         cache = self.sequences.get(seq_id)
         if cache is None:
             raise UnknownSequence(f"sequence {seq_id} holds no KV cache (released, evicted after "
-                                  f"{self.idle_timeout_s:.0f} s idle, or never started)")
+                                  f"{self.idle_timeout_s:.0f} s idle, lost in a model reload, or never started)")
         cache.last_used = self.clock()
         return cache
 

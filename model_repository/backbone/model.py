@@ -2,7 +2,8 @@
 
 One request per sequence step, keyed by correlation id: START prefills the prompt latents
 (reserving KV for `reserve_slots` pairs), END releases the sequence, anything else is one
-decode step; the decode steps of one execute() call run as one batch.
+decode step; the decode steps of one execute() call run as one batch. Every response names the
+checkpoint this backbone serves, so a caller from another checkpoint (mid-reload) can refuse it.
 """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -27,6 +28,7 @@ class TritonPythonModel:
                            idle_timeout_s=float(parameters["idle_timeout_s"]))
         engine = open_engine(exported, "backbone", parameters["engine"], int(parameters["threads"]))
         self.runner = BackboneRunner(engine, self.pool)
+        self.checkpoint_id = np.asarray([[exported.checkpoint_id.encode()]], dtype=object)
         self._warm_up(settings["d_model"])
         self.metrics = _PoolMetrics(args["model_name"], self.pool)
         pb_utils.Logger.log_info(f"{args['model_name']}: backbone of checkpoint {exported.checkpoint_id} on "
@@ -49,10 +51,10 @@ class TritonPythonModel:
             try:
                 if flags & START:
                     reserve = int(pb_utils.get_input_tensor_by_name(request, "reserve_slots").as_numpy().item())
-                    responses[index] = _outputs(self.runner.prefill(seq_id, latents, reserve))
+                    responses[index] = self._outputs(self.runner.prefill(seq_id, latents, reserve))
                 elif flags & END:
                     self.runner.release(seq_id)
-                    responses[index] = _outputs(None)
+                    responses[index] = self._outputs(None)
                 else:
                     self.pool.get(seq_id)  # an unknown sequence fails alone, not the whole batch
                     steps.append((index, seq_id, latents[-1]))
@@ -62,20 +64,20 @@ class TritonPythonModel:
             try:
                 outputs = self.runner.step([s for _, s, _ in steps], np.stack([x for _, _, x in steps]))
                 for (index, _, _), out in zip(steps, outputs):
-                    responses[index] = _outputs(out)
+                    responses[index] = self._outputs(out)
             except Exception as error:  # noqa: BLE001
                 for index, _, _ in steps:
                     responses[index] = _error(error)
         self.metrics.update()
         return responses
 
-
-def _outputs(out):
-    if out is None:
-        logits, hidden = np.zeros((1, 0), np.float32), np.zeros((1, 0), np.float32)
-    else:
-        logits, hidden = out.logits[None], out.hidden[None]
-    return pb_utils.InferenceResponse([pb_utils.Tensor("logits", logits), pb_utils.Tensor("hidden", hidden)])
+    def _outputs(self, out):
+        if out is None:
+            logits, hidden = np.zeros((1, 0), np.float32), np.zeros((1, 0), np.float32)
+        else:
+            logits, hidden = out.logits[None], out.hidden[None]
+        return pb_utils.InferenceResponse([pb_utils.Tensor("logits", logits), pb_utils.Tensor("hidden", hidden),
+                                           pb_utils.Tensor("checkpoint_id", self.checkpoint_id)])
 
 
 def _error(error):

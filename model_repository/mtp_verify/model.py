@@ -36,17 +36,26 @@ class Cancelled(Exception):
     pass
 
 
+class BackboneChanged(RuntimeError):
+    """The backbone serves another checkpoint, or lost this sequence (reloaded, or evicted after
+    idling): the request ends with this message and the caller may retry."""
+
+
+SEQUENCE_LOST_MARKS = ("holds no KV cache", "must specify the START flag")
+
+
 class BLSBackboneSession:
     """The decode loop's backbone, reached over BLS; one correlation id per request."""
 
-    def __init__(self, model_name, correlation_id, d_model, capacity_wait_s, is_cancelled):
+    def __init__(self, model_name, correlation_id, d_model, capacity_wait_s, is_cancelled, checkpoint_id):
         self.model_name, self.correlation_id, self.d_model = model_name, correlation_id, d_model
+        self.checkpoint_id = checkpoint_id
         self.capacity_wait_s, self.is_cancelled = capacity_wait_s, is_cancelled
         self.start_sent = False
 
     def _call(self, latents, flags, reserve=0):
         request = pb_utils.InferenceRequest(
-            model_name=self.model_name, requested_output_names=["logits", "hidden"],
+            model_name=self.model_name, requested_output_names=["logits", "hidden", "checkpoint_id"],
             inputs=[pb_utils.Tensor("latents", np.ascontiguousarray(latents[None], dtype=np.float32)),
                     pb_utils.Tensor("reserve_slots", np.asarray([[reserve]], dtype=np.int32))],
             correlation_id=self.correlation_id, flags=flags)
@@ -54,7 +63,12 @@ class BLSBackboneSession:
         if response.has_error():
             message = response.error().message()
             raise (CapacityError if CAPACITY_MARK in message else RuntimeError)(message)
-        logits, hidden = (pb_utils.get_output_tensor_by_name(response, n).as_numpy()[0] for n in ("logits", "hidden"))
+        logits, hidden, served = (pb_utils.get_output_tensor_by_name(response, n).as_numpy()[0]
+                                  for n in ("logits", "hidden", "checkpoint_id"))
+        if not flags & END and served[0].decode() != self.checkpoint_id:
+            raise BackboneChanged(
+                f"checkpoint mismatch: {self.model_name} serves checkpoint {served[0].decode()}, this deployment's "
+                f"MTP head and compressor are {self.checkpoint_id}; a model reload is under way, retry")
         return BackboneOutput(logits, hidden)
 
     def prefill(self, latents, reserve_slots):
@@ -73,14 +87,24 @@ class BLSBackboneSession:
     def step(self, latent):
         if self.is_cancelled():
             raise Cancelled()
-        return self._call(latent[None], 0)
+        try:
+            return self._call(latent[None], 0)
+        except RuntimeError as error:
+            if any(mark in str(error) for mark in SEQUENCE_LOST_MARKS):
+                raise BackboneChanged(f"{self.model_name} lost this stream's sequence (the model was reloaded, "
+                                      f"or it evicted the sequence after idling); the stream ends here, "
+                                      f"retry: {error}") from None
+            raise
 
     def close(self):
         # Also after a refused START: END frees the sequence batcher's slot (release of an unknown
         # sequence is a no-op in the backbone).
         if self.start_sent:
             self.start_sent = False
-            self._call(np.zeros((1, self.d_model), np.float32), END)
+            try:
+                self._call(np.zeros((1, self.d_model), np.float32), END)
+            except Exception as error:  # noqa: BLE001 - the request's own outcome matters more; idle eviction frees it
+                pb_utils.Logger.log_warn(f"releasing sequence {self.correlation_id} failed: {error}")
 
 
 class TritonComponents:
@@ -107,7 +131,7 @@ class TritonPythonModel:
         exported = version_components(args, names)
         backbone_dir = Path(args["model_repository"]).parent / f"{deployment}_backbone"
         backbone_manifest = verify_component(_latest_version(backbone_dir) / "backbone")
-        checkpoint_id = verify_siblings([*exported.manifests.values(), backbone_manifest])
+        self.checkpoint_id = checkpoint_id = verify_siblings([*exported.manifests.values(), backbone_manifest])
         self.local = MTPComponent(exported)
         self.tokenizer = exported.tokenizer()
         self.d_model = exported.settings["d_model"]
@@ -164,7 +188,8 @@ class TritonPythonModel:
             prompt_latents = pb_utils.get_input_tensor_by_name(request, "prompt_latents").as_numpy()
             threshold = resolve_threshold(prepared.params.acceptance_threshold, self.threshold)
             components = TritonComponents(self.local, lambda: BLSBackboneSession(
-                self.backbone_model, request_id, self.d_model, self.capacity_wait_s, is_cancelled))
+                self.backbone_model, request_id, self.d_model, self.capacity_wait_s, is_cancelled,
+                self.checkpoint_id))
             started = time.monotonic()
             chunks = stream_chunks(components, self.tokenizer, prepared.prompt_ids, prepared.params, threshold,
                                    prompt_latents=prompt_latents)
@@ -178,7 +203,7 @@ class TritonPythonModel:
                 final_sent = final
         except Cancelled:
             self.metrics.cancel()
-        except (InvalidRequest, CapacityError) as error:
+        except (InvalidRequest, CapacityError, BackboneChanged) as error:
             sender.send(_error(str(error)), flags=FINAL)
             final_sent = True
         except Exception as error:  # noqa: BLE001 - every request must end with a FINAL response

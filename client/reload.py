@@ -4,20 +4,23 @@
     .venv/bin/python -m client.reload --deployment dualend   # swap it in, nothing restarted
 
 First it checks the deployment's components in the repository (every manifest's sha256 and one
-checkpoint id across them) and leaves the server alone if they do not agree. Then it asks Triton to
-load the backbone and the ensemble, which reloads the ensemble's changed steps. Triton builds a new
-copy of each model beside the old one and swaps it in when ready; a copy that fails to load leaves
-the old one serving. Last, it checks that the deployment now serves the repository's checkpoint.
+checkpoint id across them) and leaves the server alone if they do not agree. Then it drains: it
+unloads the ensemble, so new requests are refused by Triton while the running streams finish, and
+waits until the backbone holds no sequence (the backbone is never swapped under a live sequence).
+Then it loads the backbone and the ensemble, which reloads the ensemble's changed steps. Last, it checks that the deployment now serves the
+repository's checkpoint. The other deployment is not touched.
 
-While the backbone and the MTP head serve different checkpoints (the seconds between the two
-loads), requests end with "checkpoint mismatch ... a model reload is under way, retry", and a
-stream that was running when the backbone was swapped ends with an error that names the lost
-sequence: never with text mixed from two checkpoints.
+Streams still running after `--drain-timeout-s` are cut by the swap, with an error that names the
+lost sequence. Every backbone response names its checkpoint and mtp_verify checks it, so no
+response ever mixes two checkpoints.
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 from dualend.launch import DEFAULT_REPOSITORY
@@ -37,13 +40,21 @@ def repository_checkpoint(repository: Path, deployment: str) -> str:
     return verify_siblings(manifests)
 
 
+def live_sequences(metrics_url: str, deployment: str) -> int:
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    match = re.search(rf'^dualend_kv_live_sequences\{{model="{deployment}_backbone"[^}}]*\}} ([0-9.e+]+)$', text, re.M)
+    if match is None:
+        raise ReloadError(f"{metrics_url} reports no dualend_kv_live_sequences for {deployment}_backbone")
+    return int(float(match.group(1)))
+
+
 def served_checkpoint(client, deployment: str) -> str:
     config = client.get_model_config(deployment)
     return config.get("parameters", {}).get("checkpoint_id", {}).get("string_value", "")
 
 
-def reload(http_url: str, deployment: str, repository: Path) -> str:
-    """Loads the deployment's new copy; returns the checkpoint id it serves afterwards."""
+def reload(http_url: str, metrics_url: str, deployment: str, repository: Path, drain_timeout_s: float = 60.0) -> str:
+    """Drains the deployment and loads its new copy; returns the checkpoint id it serves afterwards."""
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
 
@@ -51,14 +62,21 @@ def reload(http_url: str, deployment: str, repository: Path) -> str:
         expected = repository_checkpoint(repository, deployment)
     except ManifestError as error:
         raise ReloadError(f"not reloading {deployment}: the repository is inconsistent: {error}") from None
-    client = httpclient.InferenceServerClient(http_url)
+    client = httpclient.InferenceServerClient(http_url, network_timeout=300.0)
     try:
+        client.unload_model(deployment)
+        deadline = time.monotonic() + drain_timeout_s
+        while (live := live_sequences(metrics_url, deployment)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if live:
+            print(f"warning: {live} streams of {deployment} still running after {drain_timeout_s:.0f} s; "
+                  "the swap cuts them", file=sys.stderr)
         for model in (f"{deployment}_backbone", deployment):
             try:
                 client.load_model(model)
             except InferenceServerException as error:
-                raise ReloadError(f"loading {model} failed; Triton keeps serving its previous copy: "
-                                  f"{error.message()}") from None
+                raise ReloadError(f"loading {model} failed, so {deployment} is not serving; fix the repository "
+                                  f"and run the reload again: {error.message()}") from None
         served = served_checkpoint(client, deployment)
         if served != expected:
             raise ReloadError(f"{deployment} serves checkpoint {served or '(unknown)'} after the reload, "
@@ -72,11 +90,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deployment", required=True, help="dualend or baseline")
     parser.add_argument("--url", default="127.0.0.1:8000", help="Triton's HTTP endpoint")
+    parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics", help="Triton's metrics endpoint")
+    parser.add_argument("--drain-timeout-s", type=float, default=60.0,
+                        help="how long running streams may take to finish before the swap")
     parser.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY,
                         help="the repository the server runs from (to check it before loading)")
     args = parser.parse_args(argv)
     try:
-        checkpoint = reload(args.url, args.deployment, args.repository)
+        checkpoint = reload(args.url, args.metrics_url, args.deployment, args.repository, args.drain_timeout_s)
     except ReloadError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

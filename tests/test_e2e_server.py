@@ -234,10 +234,11 @@ def test_busy_server_refuses_clearly_and_the_running_stream_loses_nothing(tmp_pa
         assert busy.is_ready()
 
 
-def test_hot_reload_swaps_the_checkpoint_and_refuses_an_inconsistent_repository(tmp_path):
-    """A new checkpoint swapped in without a restart: the stream that was running ends whole or with
-    a clear error, requests between the two loads are refused by name, then the new checkpoint
-    serves; the other deployment is untouched; a corrupt repository is refused before any load."""
+def test_hot_reload_drains_swaps_the_checkpoint_and_refuses_an_inconsistent_repository(tmp_path):
+    """Checkpoints swapped without a restart: a backbone from another checkpoint is refused by name;
+    a reload lets the running stream finish whole while new requests are refused, then the new
+    checkpoint serves; the other deployment is untouched; a corrupt repository is refused before
+    anything is unloaded."""
     import shutil
 
     import torch
@@ -246,15 +247,15 @@ def test_hot_reload_swaps_the_checkpoint_and_refuses_an_inconsistent_repository(
     from client.reload import ReloadError, reload, served_checkpoint
     from dualend.checkpoint import Checkpoint, load_checkpoint
 
-    # A second dual-end checkpoint: the shipped one with its MTP head's output norm nudged.
-    checkpoints = tmp_path / "checkpoints"
-    shutil.copytree(CHECKPOINTS / "baseline", checkpoints / "baseline")
+    # A second dual-end checkpoint: the shipped one with its MTP head's first weight nudged.
+    nudged = tmp_path / "checkpoints"
+    shutil.copytree(CHECKPOINTS / "baseline", nudged / "baseline")
     shipped = load_checkpoint(CHECKPOINTS / "dualend")
     shipped_id = shipped.id
     with torch.no_grad():
         next(shipped.model.mtp.parameters()).mul_(1.01)
-    new_id = Checkpoint(shipped.model, shipped.tokenizer, shipped.recipe).save(checkpoints / "dualend")
-    assert new_id != shipped_id
+    nudged_id = Checkpoint(shipped.model, shipped.tokenizer, shipped.recipe).save(nudged / "dualend")
+    assert nudged_id != shipped_id
 
     def assemble(source):
         return assemble_main(["--checkpoints", str(source), "--out", str(tmp_path / "repository"),
@@ -262,27 +263,33 @@ def test_hot_reload_swaps_the_checkpoint_and_refuses_an_inconsistent_repository(
     repository = assemble(CHECKPOINTS)
     models = ["dualend_backbone", "dualend", "baseline_backbone", "baseline"]
     with TritonServer(repository, model_control_mode="explicit", load_models=models,
-                      log_file=tmp_path / "server.log") as triton, ThreadPoolExecutor(1) as pool:
+                      log_file=tmp_path / "server.log") as triton, ThreadPoolExecutor(2) as pool:
         triton.repository = repository
         http = httpclient.InferenceServerClient(triton.http_url)
         assert served_checkpoint(http, "dualend") == shipped_id
         baseline_text = stream_grpc(triton.grpc_url, "baseline", PROMPTS[0], 16).text
-        assemble(checkpoints)  # the running server does not look at it until told to
+
+        assemble(nudged)  # the running server does not look at it until told to
+        http.load_model("dualend_backbone")  # the new backbone beside the old MTP head
+        with pytest.raises(RequestError, match=f"checkpoint mismatch: dualend_backbone serves checkpoint "
+                                               f"{nudged_id}.*{shipped_id}; a model reload is under way, retry"):
+            stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 8)
+        http.load_model("dualend")
+        assert served_checkpoint(http, "dualend") == nudged_id
+
+        assemble(CHECKPOINTS)  # roll back to the shipped checkpoint, with a stream running
         running = pool.submit(stream_grpc, triton.grpc_url, "dualend", PROMPTS[0], 1000, ignore_eos=True,
                               acceptance_threshold=1.0)
         assert wait_for(lambda: metric(triton, "dualend_kv_live_sequences", "dualend_backbone") == 1)
-        http.load_model("dualend_backbone")  # what reload() does first: the new backbone, the old MTP head
-        try:
-            assert running.result().output_tokens == 1000  # finished before the backbone was swapped
-        except RequestError as error:                      # or cut, saying why: never mixed
-            assert re.search(r"lost this stream's sequence \(the model was reloaded", str(error)), error
-        with pytest.raises(RequestError, match=f"checkpoint mismatch: dualend_backbone serves checkpoint {new_id}.*"
-                                               f"{shipped_id}; a model reload is under way, retry"):
-            stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 8)
-        assert reload(triton.http_url, "dualend", repository) == new_id
-        new_engine = OnnxComponents(tmp_path / "export" / "dualend")
-        expected = generate_text(new_engine, new_engine.exported.tokenizer(), PROMPTS[0],
-                                 SamplingParams(max_tokens=24), served_threshold(triton, "dualend"))
+        reloading = pool.submit(reload, triton.http_url, triton.metrics_url, "dualend", repository)
+        assert wait_for(lambda: not http.is_model_ready("dualend"))
+        with pytest.raises(RequestError, match="unknown model: 'dualend' has no available versions"):
+            stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 8)  # refused while draining
+        result = running.result()
+        assert result.finish_reason == "length" and result.output_tokens == 1000
+        assert reloading.result() == shipped_id
+        expected = engine_text(triton, {"dualend": OnnxComponents(tmp_path / "export" / "dualend")}, "dualend",
+                               PROMPTS[0], 24)
         assert stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24, exclude_input_in_output=True).text \
             == expected.text
         assert stream_grpc(triton.grpc_url, "baseline", PROMPTS[0], 16).text == baseline_text
@@ -292,8 +299,8 @@ def test_hot_reload_swaps_the_checkpoint_and_refuses_an_inconsistent_repository(
         data[len(data) // 2] ^= 0xFF
         onnx.write_bytes(bytes(data))
         with pytest.raises(ReloadError, match="repository is inconsistent.*mtp.*sha256"):
-            reload(triton.http_url, "dualend", repository)
-        assert served_checkpoint(http, "dualend") == new_id
+            reload(triton.http_url, triton.metrics_url, "dualend", repository)
+        assert http.is_model_ready("dualend") and served_checkpoint(http, "dualend") == shipped_id
         assert stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24, exclude_input_in_output=True).text \
             == expected.text
         http.close()

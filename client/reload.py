@@ -7,12 +7,13 @@ First it checks the deployment's components in the repository (every manifest's 
 checkpoint id across them) and leaves the server alone if they do not agree. Then it drains: it
 unloads the ensemble, so new requests are refused by Triton while the running streams finish, and
 waits until the backbone holds no sequence (the backbone is never swapped under a live sequence).
-Then it loads the backbone and the ensemble, which reloads the ensemble's changed steps. Last, it checks that the deployment now serves the
-repository's checkpoint. The other deployment is not touched.
+Then it loads the backbone and the ensemble, which reloads the ensemble's changed steps. Last, it
+checks that the deployment now serves the repository's checkpoint. The other deployment is not
+touched.
 
 Streams still running after `--drain-timeout-s` are cut by the swap, with an error that names the
-lost sequence. Every backbone response names its checkpoint and mtp_verify checks it, so no
-response ever mixes two checkpoints.
+lost sequence. The backbone names its checkpoint when a sequence starts and mtp_verify checks it,
+so no response ever mixes two checkpoints.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class ReloadError(RuntimeError):
 
 def repository_checkpoint(repository: Path, deployment: str) -> str:
     """The one checkpoint id of the deployment's components on disk; ManifestError if they disagree."""
-    model_dirs = [d for d in sorted(repository.iterdir()) if d.name == deployment or d.name.startswith(f"{deployment}_")]
+    model_dirs = [d for d in sorted(repository.iterdir())
+                  if d.name == deployment or d.name.startswith(f"{deployment}_")]
     manifests = [verify_component(m.parent) for d in model_dirs for m in sorted(d.glob(f"*/*/{MANIFEST}"))]
     if not manifests:
         raise ManifestError(f"{repository} holds no components of deployment {deployment!r}")

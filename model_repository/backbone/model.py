@@ -2,8 +2,9 @@
 
 One request per sequence step, keyed by correlation id: START prefills the prompt latents
 (reserving KV for `reserve_slots` pairs), END releases the sequence, anything else is one
-decode step; the decode steps of one execute() call run as one batch. Every response names the
-checkpoint this backbone serves, so a caller from another checkpoint (mid-reload) can refuse it.
+decode step; the decode steps of one execute() call run as one batch. The prefill response names
+the checkpoint this backbone serves, so a caller from another checkpoint (mid-reload) can refuse it;
+a sequence then stays on this copy of the model or is lost with it.
 """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -51,10 +52,10 @@ class TritonPythonModel:
             try:
                 if flags & START:
                     reserve = int(pb_utils.get_input_tensor_by_name(request, "reserve_slots").as_numpy().item())
-                    responses[index] = self._outputs(self.runner.prefill(seq_id, latents, reserve))
+                    responses[index] = _outputs(self.runner.prefill(seq_id, latents, reserve), self.checkpoint_id)
                 elif flags & END:
                     self.runner.release(seq_id)
-                    responses[index] = self._outputs(None)
+                    responses[index] = _outputs(None)
                 else:
                     self.pool.get(seq_id)  # an unknown sequence fails alone, not the whole batch
                     steps.append((index, seq_id, latents[-1]))
@@ -64,20 +65,23 @@ class TritonPythonModel:
             try:
                 outputs = self.runner.step([s for _, s, _ in steps], np.stack([x for _, _, x in steps]))
                 for (index, _, _), out in zip(steps, outputs):
-                    responses[index] = self._outputs(out)
+                    responses[index] = _outputs(out)
             except Exception as error:  # noqa: BLE001
                 for index, _, _ in steps:
                     responses[index] = _error(error)
         self.metrics.update()
         return responses
 
-    def _outputs(self, out):
-        if out is None:
-            logits, hidden = np.zeros((1, 0), np.float32), np.zeros((1, 0), np.float32)
-        else:
-            logits, hidden = out.logits[None], out.hidden[None]
-        return pb_utils.InferenceResponse([pb_utils.Tensor("logits", logits), pb_utils.Tensor("hidden", hidden),
-                                           pb_utils.Tensor("checkpoint_id", self.checkpoint_id)])
+
+def _outputs(out, checkpoint_id=None):
+    if out is None:
+        logits, hidden = np.zeros((1, 0), np.float32), np.zeros((1, 0), np.float32)
+    else:
+        logits, hidden = out.logits[None], out.hidden[None]
+    tensors = [pb_utils.Tensor("logits", logits), pb_utils.Tensor("hidden", hidden)]
+    if checkpoint_id is not None:
+        tensors.append(pb_utils.Tensor("checkpoint_id", checkpoint_id))
+    return pb_utils.InferenceResponse(tensors)
 
 
 def _error(error):

@@ -54,8 +54,9 @@ class BLSBackboneSession:
         self.start_sent = False
 
     def _call(self, latents, flags, reserve=0):
+        outputs = ["logits", "hidden", "checkpoint_id"] if flags & START else ["logits", "hidden"]
         request = pb_utils.InferenceRequest(
-            model_name=self.model_name, requested_output_names=["logits", "hidden", "checkpoint_id"],
+            model_name=self.model_name, requested_output_names=outputs,
             inputs=[pb_utils.Tensor("latents", np.ascontiguousarray(latents[None], dtype=np.float32)),
                     pb_utils.Tensor("reserve_slots", np.asarray([[reserve]], dtype=np.int32))],
             correlation_id=self.correlation_id, flags=flags)
@@ -63,12 +64,13 @@ class BLSBackboneSession:
         if response.has_error():
             message = response.error().message()
             raise (CapacityError if CAPACITY_MARK in message else RuntimeError)(message)
-        logits, hidden, served = (pb_utils.get_output_tensor_by_name(response, n).as_numpy()[0]
-                                  for n in ("logits", "hidden", "checkpoint_id"))
-        if not flags & END and served[0].decode() != self.checkpoint_id:
-            raise BackboneChanged(
-                f"checkpoint mismatch: {self.model_name} serves checkpoint {served[0].decode()}, this deployment's "
-                f"MTP head and compressor are {self.checkpoint_id}; a model reload is under way, retry")
+        if flags & START:
+            served = pb_utils.get_output_tensor_by_name(response, "checkpoint_id").as_numpy()[0][0].decode()
+            if served != self.checkpoint_id:
+                raise BackboneChanged(
+                    f"checkpoint mismatch: {self.model_name} serves checkpoint {served}, this deployment's "
+                    f"MTP head and compressor are {self.checkpoint_id}; a model reload is under way, retry")
+        logits, hidden = (pb_utils.get_output_tensor_by_name(response, n).as_numpy()[0] for n in ("logits", "hidden"))
         return BackboneOutput(logits, hidden)
 
     def prefill(self, latents, reserve_slots):

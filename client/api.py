@@ -13,8 +13,10 @@ from __future__ import annotations
 import http.client
 import json
 import queue
+import re
 import statistics
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -205,6 +207,13 @@ def generate_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s:
         return result
     finally:
         connection.close()
+
+
+def metric_value(metrics_url: str, name: str, model: str) -> float | None:
+    """One model's value of a Prometheus metric from Triton's metrics endpoint; None if absent."""
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    match = re.search(rf'^{name}\{{model="{model}"[^}}]*\}} ([0-9.e+-]+)$', text, re.M)
+    return float(match.group(1)) if match else None
 
 
 def median_and_spread(values: list[float]) -> tuple[float, float, float]:

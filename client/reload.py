@@ -18,14 +18,14 @@ so no response ever mixes two checkpoints.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from dualend.launch import DEFAULT_REPOSITORY
 from dualend.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
+
+from .api import metric_value
 
 
 class ReloadError(RuntimeError):
@@ -43,11 +43,10 @@ def repository_checkpoint(repository: Path, deployment: str) -> str:
 
 
 def live_sequences(metrics_url: str, deployment: str) -> int:
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    match = re.search(rf'^dualend_kv_live_sequences\{{model="{deployment}_backbone"[^}}]*\}} ([0-9.e+]+)$', text, re.M)
-    if match is None:
+    value = metric_value(metrics_url, "dualend_kv_live_sequences", f"{deployment}_backbone")
+    if value is None:
         raise ReloadError(f"{metrics_url} reports no dualend_kv_live_sequences for {deployment}_backbone")
-    return int(float(match.group(1)))
+    return int(value)
 
 
 def served_checkpoint(client, deployment: str) -> str:

@@ -92,7 +92,7 @@ class ScriptedComponents:
 
     def __init__(self, script, draft=7, confidence=0.9):
         self.script, self.draft, self.confidence = script, draft, confidence
-        self.compressed, self.mtp_calls, self.open_sessions = [], 0, 0
+        self.compressed, self.reserved, self.mtp_calls, self.open_sessions = [], [], 0, 0
 
     def compress(self, tokens):
         self.compressed.append(tokens.tolist())
@@ -104,6 +104,7 @@ class ScriptedComponents:
 
         class Session:
             def prefill(self, latents, reserve_slots):
+                fake.reserved.append(reserve_slots)
                 return BackboneOutput(one_hot(next(position)), np.zeros(4))
 
             def step(self, latent):
@@ -168,18 +169,9 @@ def test_the_largest_requests_fit_one_sequence_of_the_kv_budget():
         for pair_size in (1, 2):
             fake = ScriptedComponents([3] * max_tokens)
             fake.pair_size = pair_size
-            reserved = []
-            open_backbone = fake.open_backbone
-
-            def recording_backbone():
-                session = open_backbone()
-                prefill = session.prefill
-                session.prefill = lambda latents, reserve_slots: reserved.append(reserve_slots) or prefill(latents, reserve_slots)
-                return session
-            fake.open_backbone = recording_backbone
             prompt = [BOS] + [5] * (raw_limit - max_tokens - 1)
             list(generate(fake, prompt, SamplingParams(max_tokens=max_tokens), threshold=1.0))
-            assert reserved[0] <= max_sequence_latents(raw_limit, max_new, pair_size)
+            assert fake.reserved[0] <= max_sequence_latents(raw_limit, max_new, pair_size)
 
 
 def test_max_tokens_is_exact_and_sessions_close():

@@ -6,7 +6,6 @@ the in-process ONNX Runtime engine on the same export is the reference for every
 import os
 import re
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from builder.assemble import DEFAULTS, main as assemble_main
-from client.api import RequestError, generate_http, stream_grpc, stream_http
+from client.api import RequestError, generate_http, metric_value, stream_grpc, stream_http
 from dualend.data import FAMILIES, eval_set
 from dualend.decode import SamplingParams, generate_text
 from dualend.launch import TritonServer
@@ -56,9 +55,7 @@ def engine_text(server, engines, deployment, prompt, max_tokens, **params):
 
 
 def metric(server, name, model):
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    match = re.search(rf'^{name}\{{model="{model}"[^}}]*\}} ([0-9.e+-]+)$', text, re.M)
-    return float(match.group(1)) if match else None
+    return metric_value(server.metrics_url, name, model)
 
 
 def wait_for(condition, timeout_s=10.0):

@@ -133,7 +133,7 @@ class TritonPythonModel:
         exported = version_components(args, names)
         backbone_dir = Path(args["model_repository"]).parent / f"{deployment}_backbone"
         backbone_manifest = verify_component(_latest_version(backbone_dir) / "backbone")
-        self.checkpoint_id = checkpoint_id = verify_siblings([*exported.manifests.values(), backbone_manifest])
+        self.checkpoint_id = verify_siblings([*exported.manifests.values(), backbone_manifest])
         self.local = MTPComponent(exported)
         self.tokenizer = exported.tokenizer()
         self.d_model = exported.settings["d_model"]
@@ -150,7 +150,7 @@ class TritonPythonModel:
         mode = (f"dual-end: compressor + MTP head, acceptance_threshold {self.threshold}"
                 if self.pair_size == 2 else "token-level baseline, one token per step")
         pb_utils.Logger.log_info(
-            f"{args['model_name']}: checkpoint {checkpoint_id}; {mode}; components "
+            f"{args['model_name']}: checkpoint {self.checkpoint_id}; {mode}; components "
             + ", ".join(f"{m.component} ({m.format})" for m in [*exported.manifests.values(), backbone_manifest]))
 
     def _warm_up(self):

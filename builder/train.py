@@ -29,11 +29,12 @@ from dualend.data import FAMILIES, examples, stdlib_chunks
 from dualend.evaluation import evaluate_pass1
 from dualend.model import LanguageModel, ModelConfig, count_parameters, default_ffn_hidden
 from dualend.tokenizer import TextTokenizer, train_tokenizer
-from dualend.training import (AUGMENTATIONS, baseline_batch, baseline_loss, dualend_batch, dualend_loss,
-                              sample_stream)
+from dualend.training import (AUGMENTATIONS, baseline_batch, baseline_loss, batch_stream, dualend_batch,
+                              dualend_loss)
 
 DEFAULTS = dict(
     vocab_size=1024, d_model=256, n_layers=4, n_heads=4, batch_size=32, max_tokens=192,
+    context=1024, long_fraction=0.5,
     lr=2e-3, warmup=200, text_fraction=0.1, eval_every=500, eval_examples=40, patience=4,
     distill_weight=0.5, seed=0, threads=2,
 )
@@ -68,7 +69,12 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
     state_path, log_path = run / "state.pt", run / "log.jsonl"
     step, best, stale, elapsed = 0, -1.0, 0, 0.0
     data_rng = random.Random(args.seed)
-    stream = sample_stream(tokenizer, args.seed, args.text_fraction, args.max_tokens)
+    def batches(seed: int):
+        return batch_stream(tokenizer, seed, batch_size=args.batch_size, text_fraction=args.text_fraction,
+                            short_tokens=args.max_tokens, context=args.context,
+                            long_fraction=args.long_fraction)
+
+    stream = batches(args.seed)
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
         model.load_state_dict(state["model"])
@@ -76,7 +82,7 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
         step, best, stale, elapsed = state["step"], state["best"], state["stale"], state["elapsed"]
         data_rng.setstate(state["data_rng"])
         torch.set_rng_state(state["torch_rng"])
-        stream = sample_stream(tokenizer, args.seed + step, args.text_fraction, args.max_tokens)
+        stream = batches(args.seed + step)
         print(f"resumed at step {step} (best held-out accuracy {best:.3f})")
     bar = tqdm(total=args.steps, initial=step, desc=recipe["kind"], file=sys.stdout, mininterval=30)
     started = time.time() - elapsed
@@ -84,7 +90,7 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
         model.train()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        batch = make_batch([next(stream) for _ in range(args.batch_size)], data_rng)
+        batch = make_batch(next(stream), data_rng)
         loss, parts = loss_fn(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -96,7 +102,7 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
             bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % args.eval_every == 0 or step == args.steps:
             model.eval()
-            accuracy = evaluate_pass1(model, tokenizer, args.eval_examples, seed=1)
+            accuracy = evaluate_pass1(model, tokenizer, args.eval_examples, args.context, seed=1)
             mean = sum(accuracy.values()) / len(accuracy)
             improved = mean > best
             best, stale = (mean, 0) if improved else (best, stale + 1)
@@ -118,22 +124,34 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
 
 
 def _recipe(args, kind: str) -> dict:
-    keys = ("batch_size", "max_tokens", "lr", "warmup", "text_fraction", "seed", "steps")
+    keys = ("batch_size", "max_tokens", "context", "long_fraction", "lr", "warmup", "text_fraction", "seed",
+            "steps")
     keys += ("distill_weight",) if kind == "dualend" else ()
     return {"kind": kind, "python": sys.version.split()[0], "torch": torch.__version__,
             **{k: getattr(args, k) for k in keys if hasattr(args, k)}}
 
 
 def cmd_baseline(args) -> None:
-    tokenizer = TextTokenizer.from_json(Path(args.tokenizer).read_text(encoding="utf-8"))
-    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-                      bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pair_size=1,
-                      d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                      ffn_hidden=default_ffn_hidden(args.d_model))
     torch.manual_seed(args.seed)
-    model = LanguageModel(cfg)
+    recipe = _recipe(args, "baseline")
+    if args.init_from:
+        start = load_checkpoint(args.init_from)
+        if start.model.cfg.is_dualend:
+            sys.exit(f"{args.init_from} is a dual-end checkpoint, not a baseline")
+        model, tokenizer = start.model, start.tokenizer
+        recipe["continued_from"] = {"id": start.id, **start.recipe}
+    else:
+        if not args.tokenizer:
+            sys.exit("a new baseline needs --tokenizer (or --init-from a baseline checkpoint)")
+        tokenizer = TextTokenizer.from_json(Path(args.tokenizer).read_text(encoding="utf-8"))
+        cfg = ModelConfig(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+                          bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pair_size=1,
+                          d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                          ffn_hidden=default_ffn_hidden(args.d_model))
+        model = LanguageModel(cfg)
+    cfg = model.cfg
     print(f"baseline: {count_parameters(model) / 1e6:.2f}M parameters")
-    train_loop(args, model, tokenizer, _recipe(args, "baseline"), baseline_loss,
+    train_loop(args, model, tokenizer, recipe, baseline_loss,
                lambda samples, rng: baseline_batch(samples, cfg.pad_id), list(model.parameters()))
 
 
@@ -197,7 +215,8 @@ def main(argv=None) -> None:
     for name in ("baseline", "dualend"):
         sub.choices[name].add_argument("--run", required=True)
         sub.choices[name].add_argument("--steps", type=int, default=6000)
-    sub.choices["baseline"].add_argument("--tokenizer", required=True)
+    sub.choices["baseline"].add_argument("--tokenizer", help="tokenizer of a new baseline")
+    sub.choices["baseline"].add_argument("--init-from", help="continue training this baseline checkpoint")
     sub.choices["dualend"].add_argument("--baseline", required=True)
     sub.choices["dualend"].add_argument("--compressor-init", choices=("sum", "second", "random"), default="sum")
     sub.choices["dualend"].add_argument("--position-stride", type=int, choices=(1, 2), default=1)

@@ -2,11 +2,15 @@
 
 Three task families, each an (prompt, completion, answer) triple:
   math   multi-step arithmetic with worked steps        "Q: 7+5-3\\nA:" -> " 7+5=12 12-3=9 #9"
-  lookup key/value retrieval inside a long context      "... nq:37 ...\\nget nq\\nA:" -> " 37"
+  lookup key/value retrieval inside a long context      " ab:12 nq:37 ...\\nget nq\\nA:" -> " 37"
   code   output of a small Python function (really run) "def f(x): ...\\n# output:" -> " 7"
 
-Train and evaluation splits are a pure function of the prompt (a hash bucket), so they are
-disjoint by construction whatever the seeds.
+Every lookup key is written with a leading space, in the context and in the query, so it is the
+same token sequence in both. Long prompts: lookups with more entries, math and code questions
+after solved examples of the same family and split (`sized_examples`).
+
+The split (train, calibration, report) is a pure function of the question (a hash bucket), so
+the three are disjoint by construction whatever the seeds.
 """
 from __future__ import annotations
 
@@ -18,10 +22,12 @@ import string
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 FAMILIES = ("math", "lookup", "code")
-EVAL_PERCENT = 10
+SPLITS = ("train", "calibration", "report")
+HELD_OUT_PERCENT = 5  # each of calibration and report
+SHORT_LOOKUP_ENTRIES = (4, 12)
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,10 @@ class Example:
 
 def split_of(family: str, prompt: str) -> str:
     digest = hashlib.sha256(f"{family}\x00{prompt}".encode()).digest()
-    return "eval" if int.from_bytes(digest[:4], "little") % 100 < EVAL_PERCENT else "train"
+    bucket = int.from_bytes(digest[:4], "little") % 100
+    if bucket < HELD_OUT_PERCENT:
+        return "calibration"
+    return "report" if bucket < 2 * HELD_OUT_PERCENT else "train"
 
 
 def extract_answer(family: str, completion: str) -> str:
@@ -61,17 +70,16 @@ def _math(rng: random.Random) -> Example:
     return Example("math", f"Q: {expr}\nA:", " " + " ".join(steps) + f" #{total}", str(total))
 
 
-def _lookup(rng: random.Random, min_pairs: int = 4, max_pairs: int = 12) -> Example:
-    n = rng.randint(min_pairs, max_pairs)
-    keys: list[str] = []
-    while len(keys) < n:
-        key = "".join(rng.choice(string.ascii_lowercase) for _ in range(2))
-        if key not in keys:
-            keys.append(key)
+def _lookup(rng: random.Random, entries: tuple[int, int] = SHORT_LOOKUP_ENTRIES) -> Example:
+    n = rng.randint(*entries)
+    keys = rng.sample(_LOOKUP_KEYS, n)
     values = [f"{rng.randint(0, 99):02d}" for _ in keys]
     target = rng.randrange(n)
-    context = " ".join(f"{k}:{v}" for k, v in zip(keys, values))
+    context = "".join(f" {k}:{v}" for k, v in zip(keys, values))
     return Example("lookup", f"{context}\nget {keys[target]}\nA:", f" {values[target]}", values[target])
+
+
+_LOOKUP_KEYS = [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase]
 
 
 def _code_source(rng: random.Random) -> str:
@@ -104,7 +112,7 @@ GENERATORS = {"math": _math, "lookup": _lookup, "code": _code}
 
 
 def examples(family: str, split: str, seed: int) -> Iterator[Example]:
-    """Endless stream of one family's examples that fall into `split`."""
+    """Endless stream of one family's short examples that fall into `split`."""
     rng = random.Random(f"{family}-{split}-{seed}")
     generate = GENERATORS[family]
     while True:
@@ -113,10 +121,44 @@ def examples(family: str, split: str, seed: int) -> Iterator[Example]:
             yield example
 
 
-def eval_set(family: str, count: int, seed: int = 0) -> list[Example]:
-    """The first `count` distinct evaluation examples of a family."""
+def sized_examples(family: str, split: str, seed: int, count_tokens: Callable[[str], int],
+                   min_tokens: int, max_tokens: int) -> Iterator[Example]:
+    """Endless examples of `split` whose prompt is min_tokens..max_tokens long (count_tokens).
+
+    A lookup gets as many entries as that takes; a math or code question comes after solved
+    examples of the same family and split, added until the prompt is long enough.
+    """
+    rng = random.Random(f"{family}-{split}-{seed}-{min_tokens}-{max_tokens}")
+    if family == "lookup":
+        tokens_per_entry = 5.0
+        while True:
+            target = rng.randint(min_tokens, max_tokens)
+            n = max(1, min(len(_LOOKUP_KEYS), round(target / tokens_per_entry)))
+            example = _lookup(rng, (n, n))
+            length = count_tokens(example.prompt)
+            tokens_per_entry = 0.9 * tokens_per_entry + 0.1 * length / n
+            if min_tokens <= length <= max_tokens and split_of(family, example.prompt) == split:
+                yield example
+    questions, shots = examples(family, split, seed), examples(family, split, seed + 1)
+    while True:
+        target = rng.randint(min_tokens, max_tokens)
+        query, prefix = next(questions), ""
+        while count_tokens(prefix + query.prompt) < target:
+            shot = next(shots)
+            prefix += f"{shot.prompt}{shot.completion}\n\n"
+        prompt = prefix + query.prompt
+        if min_tokens <= count_tokens(prompt) <= max_tokens:
+            yield Example(family, prompt, query.completion, query.answer)
+
+
+def eval_set(family: str, count: int, seed: int = 0, split: str = "calibration") -> list[Example]:
+    """The first `count` distinct short examples of a family in a held-out split."""
+    return distinct(examples(family, split, seed), count)
+
+
+def distinct(stream: Iterator[Example], count: int) -> list[Example]:
     seen: dict[str, Example] = {}
-    for example in examples(family, "eval", seed):
+    for example in stream:
         seen.setdefault(example.prompt, example)
         if len(seen) == count:
             return list(seen.values())

@@ -127,6 +127,52 @@ def drafting_enabled(threshold: float) -> bool:
     return threshold < 1
 
 
+class SequenceDecoder:
+    """One sequence's decisions in the decode loop, engine-free, so a loop over one sequence and a
+    loop over a batch of them decide identically: sample t1 from the backbone's logits, ask for a
+    draft when one may follow, sample and gate it, count, finish, and name the next pair to feed.
+    """
+
+    def __init__(self, pair_size: int, pad_id: int, eos_id: int, bos_id: int, params: SamplingParams,
+                 threshold: float, prompt_pairs: int, sampler=None):
+        self.pair_size, self.pad_id, self.eos_id = pair_size, pad_id, eos_id
+        self.params, self.threshold = params, threshold
+        self.sampler = sampler or Sampler(params)
+        self.use_mtp = pair_size == 2 and drafting_enabled(threshold)
+        self.banned = [pad_id, bos_id] + ([eos_id] if params.ignore_eos else [])
+        self.position = prompt_pairs - 1  # pair index of the hidden state the next step reads
+        self.produced = 0
+        self.next_pair: list[int] = []
+
+    def first_token(self, logits: np.ndarray) -> int:
+        # logits: [V], the backbone's at the last pair
+        return self.sampler(_masked(logits, self.banned))
+
+    def wants_draft(self, t1: int) -> bool:
+        return self.use_mtp and t1 != self.eos_id and self.produced + 1 < self.params.max_tokens
+
+    def complete(self, t1: int, draft_logits: np.ndarray | None = None, confidence: float = 0.0) -> Step:
+        """The step's emitted tokens; afterwards `next_pair` is what the backbone reads next."""
+        if t1 == self.eos_id:
+            return Step([], finish_reason="eos")
+        step, draft = Step([t1]), self.pad_id
+        if draft_logits is not None:
+            draft = self.sampler(_masked(draft_logits, self.banned))
+            step.drafted, step.accepted = True, gate(confidence, self.threshold)
+            if not step.accepted:
+                draft = self.pad_id
+            elif draft == self.eos_id:
+                step.finish_reason, draft = "eos", self.pad_id
+            else:
+                step.tokens.append(draft)
+        self.produced += len(step.tokens)
+        if step.finish_reason is None and self.produced >= self.params.max_tokens:
+            step.finish_reason = "length"
+        self.next_pair = [t1, draft] if self.pair_size == 2 else [t1]
+        self.position += 1
+        return step
+
+
 def generate(components: Components, prompt_ids: Sequence[int], params: SamplingParams,
              threshold: float, prompt_latents: np.ndarray | None = None) -> Iterator[Step]:
     """Yields one Step per backbone step; closing the iterator releases every cache.
@@ -137,44 +183,22 @@ def generate(components: Components, prompt_ids: Sequence[int], params: Sampling
     if prompt_latents is None:
         prompt = pad_prompt(prompt_ids, pair_size, pad)
         prompt_latents = components.compress(np.asarray(prompt, dtype=np.int64).reshape(-1, pair_size))
-    sampler = Sampler(params)
-    use_mtp = pair_size == 2 and drafting_enabled(threshold)
-    never = [pad, components.bos_id] + ([components.eos_id] if params.ignore_eos else [])
+    decoder = SequenceDecoder(pair_size, pad, components.eos_id, components.bos_id, params, threshold,
+                              len(prompt_latents))
     backbone = components.open_backbone()
     mtp = None
     try:
         # One slot per prompt pair and at most one per generated token.
         out = backbone.prefill(prompt_latents, reserve_slots=len(prompt_latents) + params.max_tokens)
-        mtp = components.open_mtp(max_steps=params.max_tokens) if use_mtp else None
-        position, produced = len(prompt_latents) - 1, 0
+        mtp = components.open_mtp(max_steps=params.max_tokens) if decoder.use_mtp else None
         while True:
-            t1 = sampler(_masked(out.logits, never))
-            if t1 == components.eos_id:
-                yield Step([], finish_reason="eos")
-                return
-            step = Step([t1])
-            draft = pad
-            if mtp is not None and produced + 1 < params.max_tokens:
-                draft_logits, confidence = mtp.step(t1, out.hidden, position)
-                draft = sampler(_masked(draft_logits, never))
-                step.drafted = True
-                step.accepted = gate(confidence, threshold)
-                if not step.accepted:
-                    draft = pad
-                elif draft == components.eos_id:
-                    step.finish_reason = "eos"
-                    draft = pad
-                else:
-                    step.tokens.append(draft)
-            produced += len(step.tokens)
-            if step.finish_reason is None and produced >= params.max_tokens:
-                step.finish_reason = "length"
+            t1 = decoder.first_token(out.logits)
+            draft = mtp.step(t1, out.hidden, decoder.position) if decoder.wants_draft(t1) else ()
+            step = decoder.complete(t1, *draft)
             yield step
             if step.finish_reason is not None:
                 return
-            pair = [t1, draft] if pair_size == 2 else [t1]
-            out = backbone.step(components.compress(np.asarray([pair], dtype=np.int64))[0])
-            position += 1
+            out = backbone.step(components.compress(np.asarray([decoder.next_pair], dtype=np.int64))[0])
     finally:
         try:
             backbone.close()

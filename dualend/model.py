@@ -94,13 +94,27 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         cfg = self.cfg
         q, k = (rope(t, positions, cfg.rope_theta, cfg.position_stride) for t in (q, k))
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-        values = v if past_v is None else torch.cat([past_v, v], dim=2)
         if last_only:
             q, mask = q[:, :, -1:], mask[:, :, -1:]
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if past_k is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = _attend_past_and_new(q, past_k, past_v, k, v, mask)
         y = y.transpose(1, 2).reshape(batch, q.shape[2], heads * head_dim)
         return self.out(y), k, v
+
+
+def _attend_past_and_new(q, past_k, past_v, k, v, mask):
+    """Attention over past and new keys without concatenating them: a step reads the past once
+    and copies none of it (only the [S, T+S] scores are joined).
+
+    q: [B, heads, S, Dh]; past_k/v: [B, heads, T, Dh]; k/v: [B, heads, S', Dh]; mask [B, 1, S, T+S']
+    """
+    scale = q.shape[-1] ** -0.5
+    scores = torch.cat([q @ past_k.transpose(-1, -2), q @ k.transpose(-1, -2)], dim=-1) * scale
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    past_len = past_k.shape[2]
+    return probs[..., :past_len] @ past_v + probs[..., past_len:] @ v
 
 
 class FeedForward(nn.Module):

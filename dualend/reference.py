@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .decode import BackboneOutput
+from .decode import BackboneOutput, Generation, SamplingParams, SequenceDecoder, pad_prompt
 from .model import LanguageModel
 
 
@@ -74,3 +74,111 @@ class TorchComponents:
 
     def open_mtp(self, max_steps: int = 0) -> TorchMTPSession:
         return TorchMTPSession(self.model)
+
+
+class TorchBatch:
+    """Many prompts prefilled together and then stepped together on the torch model (evaluation).
+
+    Prompts are left-padded to a common number of pairs, so every row writes its next pair at the
+    same KV column; keys and values live in buffers allocated once and written in place. Every
+    decode run starts again right after the prefill (`restart`), so one prefill serves several
+    thresholds and samples.
+    """
+
+    @torch.no_grad()
+    def __init__(self, model: LanguageModel, prompts: list[list[int]], max_steps: int):
+        cfg = self.cfg = model.cfg
+        self.model = model.eval()
+        padded = [pad_prompt(p, cfg.pair_size, cfg.pad_id) for p in prompts]
+        self.prompt_pairs = np.array([len(p) // cfg.pair_size for p in padded])
+        rows, width = len(prompts), int(self.prompt_pairs.max())
+        self.width, self.max_steps = width, max_steps
+        valid = np.zeros((rows, width + max_steps), dtype=bool)
+        valid[:, width:] = True
+        head_dim = cfg.d_model // cfg.n_heads
+        # keys/values: [L, B, heads, prompt pairs + steps, Dh]
+        self.keys = torch.zeros(cfg.n_layers, rows, cfg.n_heads, width + max_steps, head_dim)
+        self.values = torch.zeros_like(self.keys)
+        self.prefill_hidden = torch.zeros(rows, cfg.d_model)  # [B, D] at each row's last prompt pair
+        for row, prompt in enumerate(padded):  # one row at a time: no padding, attention fits in cache
+            n = int(self.prompt_pairs[row])
+            pairs = torch.tensor(prompt, dtype=torch.long).view(1, n, cfg.pair_size)
+            hidden, k, v = model.backbone(model.latents(pairs), torch.arange(n)[None],
+                                          torch.ones(1, n, dtype=torch.bool), last_only=True)
+            self.keys[:, row, :, width - n:width], self.values[:, row, :, width - n:width] = k[:, 0], v[:, 0]
+            self.prefill_hidden[row] = hidden[0, -1]
+            valid[row, width - n:width] = True
+        self.valid = torch.from_numpy(valid)
+        if cfg.is_dualend:
+            self.mtp_keys = torch.zeros(rows, cfg.n_heads, max_steps, head_dim)
+            self.mtp_values = torch.zeros_like(self.mtp_keys)
+        self.restart()
+
+    @torch.no_grad()
+    def restart(self) -> tuple[np.ndarray, np.ndarray]:
+        """Back to the state right after the prefill; returns its logits [B, V] and hidden [B, D]."""
+        self.steps = self.drafts = 0
+        self.hidden = self.prefill_hidden
+        return self.model.lm_head(self.hidden).numpy(), self.hidden.numpy()
+
+    @torch.no_grad()
+    def step(self, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # pairs: [B, pair_size], one new pair per row -> logits [B, V], hidden [B, D]
+        if self.steps == self.max_steps:
+            raise RuntimeError(f"TorchBatch holds {self.max_steps} decode steps")
+        column = self.width + self.steps
+        positions = torch.from_numpy(self.prompt_pairs + self.steps)[:, None]
+        latents = self.model.latents(torch.from_numpy(np.asarray(pairs, np.int64))[:, None])
+        hidden, k, v = self.model.backbone(latents, positions, torch.ones(len(pairs), 1, dtype=torch.bool),
+                                           self.keys[..., :column, :], self.values[..., :column, :],
+                                           self.valid[:, :column], last_only=True)
+        self.keys[..., column:column + 1, :], self.values[..., column:column + 1, :] = k, v
+        self.steps += 1
+        self.hidden = hidden[:, -1]
+        return self.model.lm_head(self.hidden).numpy(), self.hidden.numpy()
+
+    @torch.no_grad()
+    def draft(self, t1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The MTP head on each row's t1 [B] and last hidden state -> logits [B, V], confidence [B]."""
+        column = self.drafts
+        positions = torch.from_numpy(self.prompt_pairs - 1 + self.steps)[:, None]
+        rows = len(t1)
+        logits, confidence, k, v = self.model.mtp_forward(
+            torch.from_numpy(np.asarray(t1, np.int64))[:, None], self.hidden[:, None], positions,
+            torch.ones(rows, 1, dtype=torch.bool), self.mtp_keys[:, :, :column], self.mtp_values[:, :, :column],
+            torch.ones(rows, column, dtype=torch.bool))
+        self.mtp_keys[:, :, column:column + 1], self.mtp_values[:, :, column:column + 1] = k, v
+        self.drafts += 1
+        return logits[:, 0].numpy(), confidence[:, 0].numpy()
+
+
+def generate_batch(batch: TorchBatch, params: list[SamplingParams], threshold: float) -> list[Generation]:
+    """One generation per row of `batch`, each deciding exactly as `decode.generate` does."""
+    cfg = batch.cfg
+    decoders = [SequenceDecoder(cfg.pair_size, cfg.pad_id, cfg.eos_id, cfg.bos_id, p, threshold, int(n))
+                for p, n in zip(params, batch.prompt_pairs)]
+    results = [Generation() for _ in decoders]
+    running = list(range(len(decoders)))
+    idle_pair = [cfg.pad_id] * cfg.pair_size
+    logits, _ = batch.restart()
+    while running:
+        t1 = np.full(len(decoders), cfg.pad_id)
+        for row in running:
+            t1[row] = decoders[row].first_token(logits[row])
+        wants = {row for row in running if decoders[row].wants_draft(t1[row])}
+        draft_logits, confidence = batch.draft(t1) if wants else (None, None)
+        for row in list(running):
+            step = (decoders[row].complete(t1[row], draft_logits[row], float(confidence[row])) if row in wants
+                    else decoders[row].complete(t1[row]))
+            result = results[row]
+            result.tokens += step.tokens
+            result.steps += 1
+            result.drafts += step.drafted
+            result.accepted += step.accepted
+            if step.finish_reason is not None:
+                result.finish_reason = step.finish_reason
+                running.remove(row)
+        if running:
+            logits, _ = batch.step(np.array([decoders[r].next_pair if r in running else idle_pair
+                                             for r in range(len(decoders))]))
+    return results

@@ -8,12 +8,14 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from .data import FAMILIES, examples, stdlib_chunks
+from .data import FAMILIES, Example, examples, sized_examples, stdlib_chunks
 from .decode import pad_prompt
 from .model import LanguageModel
 from .tokenizer import TextTokenizer
 
 IGNORE = -100
+MAX_COMPLETION_TOKENS = 64  # room left after a long prompt for its answer
+TRAIN_MIX = ("math", "lookup", "lookup", "code", "code")  # families drawn with these weights
 
 
 @dataclass
@@ -22,9 +24,19 @@ class Sample:
     completion: list[int]  # ends with EOS; the only part that carries loss
 
 
+def task_sample(tokenizer: TextTokenizer, example: Example) -> Sample:
+    return Sample(tokenizer.encode_prompt(example.prompt),
+                  tokenizer.encode(example.completion) + [tokenizer.eos_id])
+
+
+def text_sample(tokenizer: TextTokenizer, chunk: str, tokens: int) -> Sample:
+    """A text chunk cut to `tokens` tokens, BOS and EOS included; all of it carries loss."""
+    return Sample([tokenizer.bos_id], tokenizer.encode(chunk)[: tokens - 2] + [tokenizer.eos_id])
+
+
 def sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float, max_tokens: int,
                   text_tokens: int = 96, families: tuple[str, ...] = FAMILIES) -> Iterator[Sample]:
-    """Endless mix of task examples and standard-library text (all text carries loss).
+    """Endless mix of short task examples and standard-library text (all text carries loss).
 
     Text chunks are kept near task length so a batch is not padded out by one long chunk.
     """
@@ -33,14 +45,53 @@ def sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float, max
     text = stdlib_chunks("train", chunk_chars=4 * text_tokens, seed=seed)
     while True:
         if rng.random() < text_fraction:
-            ids = tokenizer.encode(next(text))[: text_tokens - 2]
-            yield Sample([tokenizer.bos_id], ids + [tokenizer.eos_id])
+            yield text_sample(tokenizer, next(text), text_tokens)
             continue
-        example = next(streams[rng.choice(families)])
-        prompt = tokenizer.encode_prompt(example.prompt)
-        completion = tokenizer.encode(example.completion) + [tokenizer.eos_id]
-        if len(prompt) + len(completion) <= max_tokens:
-            yield Sample(prompt, completion)
+        sample = task_sample(tokenizer, next(streams[rng.choice(families)]))
+        if len(sample.prompt) + len(sample.completion) <= max_tokens:
+            yield sample
+
+
+def long_sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float, min_tokens: int,
+                       max_tokens: int, families: tuple[str, ...] = FAMILIES) -> Iterator[Sample]:
+    """Endless samples min_tokens..max_tokens long: long lookups, math and code after solved
+    examples, and text."""
+    rng = random.Random(seed)
+    budget = max_tokens - MAX_COMPLETION_TOKENS
+
+    def count(prompt: str) -> int:
+        return len(tokenizer.encode_prompt(prompt))
+
+    streams = {f: sized_examples(f, "train", seed, count, min_tokens, budget) for f in families}
+    text = stdlib_chunks("train", chunk_chars=5 * max_tokens, seed=seed)
+    while True:
+        if rng.random() < text_fraction:
+            sample = text_sample(tokenizer, next(text), rng.randint(min_tokens, max_tokens))
+            if len(sample.completion) + 1 >= min_tokens:
+                yield sample
+            continue
+        yield task_sample(tokenizer, next(streams[rng.choice(families)]))
+
+
+def batch_stream(tokenizer: TextTokenizer, seed: int, *, batch_size: int, text_fraction: float,
+                 short_tokens: int, context: int, long_fraction: float,
+                 long_buckets: int = 4) -> Iterator[list[Sample]]:
+    """Batches of short samples, and with probability `long_fraction` a batch from one of
+    `long_buckets` length ranges between short_tokens and context, sized to about as many tokens
+    as a short batch holds, so rows of one batch are of similar length."""
+    rng = random.Random(seed)
+    short = sample_stream(tokenizer, seed, text_fraction, short_tokens, families=TRAIN_MIX)
+    edges = [short_tokens + (context - short_tokens) * i // long_buckets for i in range(long_buckets + 1)]
+    long = [long_sample_stream(tokenizer, seed + i, max(text_fraction, 0.25), edges[i] + 1, edges[i + 1],
+                               TRAIN_MIX)
+            for i in range(long_buckets)] if context > short_tokens else []
+    while True:
+        if long and rng.random() < long_fraction:
+            bucket = rng.randrange(long_buckets)
+            rows = max(1, batch_size * short_tokens // (2 * edges[bucket + 1]))
+            yield [next(long[bucket]) for _ in range(rows)]
+        else:
+            yield [next(short) for _ in range(batch_size)]
 
 
 def gated_pairs(completion: list[int], reject_ratio: float, pad_id: int,

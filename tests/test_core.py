@@ -9,11 +9,12 @@ import torch
 from builder.assemble import max_sequence_latents
 from conftest import tiny_model
 from dualend.checkpoint import Checkpoint, load_checkpoint
-from dualend.data import FAMILIES, Example, examples, extract_answer, run_python, split_of
+from dualend.data import FAMILIES, Example, examples, extract_answer, run_python, sized_examples, split_of
 from dualend.decode import (BackboneOutput, InvalidRequest, SamplingParams, TextStream, gate,
                             generate, generate_text, pad_prompt)
-from dualend.evaluation import run_examples
-from dualend.reference import TorchComponents
+from dualend.evaluation import (Outcome, outcome, paired_difference, reliability, summary,
+                                teacher_forced_text)
+from dualend.reference import TorchBatch, TorchComponents, generate_batch
 from dualend.training import (IGNORE, Sample, teacher_targets, baseline_batch, baseline_forward,
                               baseline_loss, dualend_batch, dualend_loss, dualend_row, gated_pairs,
                               split_pairs)
@@ -25,11 +26,35 @@ VOCAB = 10
 # ---- data ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_train_and_eval_splits_are_disjoint(family):
+def test_train_calibration_and_report_splits_are_disjoint(family):
     train = {e.prompt for e in itertools.islice(examples(family, "train", seed=3), 3000)}
-    held_out = {e.prompt for e in itertools.islice(examples(family, "eval", seed=3), 300)}
-    assert train and held_out and not train & held_out
-    assert all(split_of(family, p) == "eval" for p in held_out)
+    calibration = {e.prompt for e in itertools.islice(examples(family, "calibration", seed=3), 200)}
+    report = {e.prompt for e in itertools.islice(examples(family, "report", seed=4), 200)}
+    assert train and calibration and report
+    assert not train & calibration and not train & report and not calibration & report
+    assert all(split_of(family, p) == "report" for p in report)
+
+
+def _question(example: Example) -> str:
+    """The question a long math or code prompt ends with, after its solved examples."""
+    return example.prompt.rsplit("\n\n", 1)[-1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sized_examples_are_in_range_and_keep_their_split(family):
+    def count(prompt):
+        return len(prompt.split())
+
+    long = list(itertools.islice(sized_examples(family, "report", 0, count, 150, 220), 20))
+    assert all(150 <= count(e.prompt) <= 220 for e in long)
+    train_questions = {_question(e) for e in itertools.islice(examples(family, "train", seed=0), 3000)}
+    assert all(split_of(family, _question(e)) == "report" for e in long)
+    assert not {_question(e) for e in long} & train_questions
+    if family == "math":
+        for example in long:  # every solved example in the prompt is worked right
+            for shot in example.prompt.split("\n\n")[:-1]:
+                question, answer = shot.removeprefix("Q: ").split("\nA:")
+                assert extract_answer("math", answer) == str(eval(question))
 
 
 def test_math_answers_are_right():
@@ -47,8 +72,21 @@ def test_code_answers_come_from_running_the_code():
 def test_lookup_answer_is_the_value_of_the_queried_key():
     for example in itertools.islice(examples("lookup", "train", 0), 100):
         context, query = example.prompt.split("\nget ")
-        table = dict(item.split(":") for item in context.split(" "))
+        table = dict(item.split(":") for item in context.removeprefix(" ").split(" "))
         assert table[query.removesuffix("\nA:")] == example.answer
+
+
+def test_lookup_key_is_the_same_tokens_in_context_and_query(tiny_tokenizer):
+    for example in itertools.islice(examples("lookup", "train", 0), 50):
+        key = example.prompt.split("\nget ")[1].removesuffix("\nA:")
+        query_ids = tiny_tokenizer.encode(f"\nget {key}\nA:")
+        key_ids = tiny_tokenizer.encode(f" {key}")
+        context_ids = tiny_tokenizer.encode(example.prompt.split("\nget ")[0])
+        assert _contains(query_ids, key_ids) and _contains(context_ids, key_ids)
+
+
+def _contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
 
 
 # ---- tokenizer and text --------------------------------------------------------------------
@@ -268,14 +306,78 @@ def test_generated_text_never_contains_pad(tiny_tokenizer):
     assert tiny_tokenizer.pad_id not in out.tokens and "<pad>" not in out.text
 
 
-def test_tokens_per_step_counts_eos_as_generated(tiny_tokenizer):
-    """Drafting off is exactly one token per step; accepted drafts add one each."""
+def test_outcome_counts_eos_apart_from_tokens(tiny_tokenizer):
+    """Drafting off is one token per step (EOS counted apart); accepted drafts add one each."""
     example = Example("lookup", "get ab\nA:", " 37", "37")
-    off = run_examples(ScriptedComponents([3, 4, EOS]), tiny_tokenizer, [example], threshold=1.0)
-    assert (off.tokens, off.steps) == (3, 3)
-    on = run_examples(ScriptedComponents([3, 4, EOS], draft=7, confidence=0.9), tiny_tokenizer,
-                      [example], threshold=0.5)
-    assert (on.tokens, on.steps, on.accepted) == (5, 3, 2)
+    params = SamplingParams(max_tokens=8)
+    off = outcome(example, tiny_tokenizer,
+                  [generate_text(ScriptedComponents([3, 4, EOS]), tiny_tokenizer, example.prompt, params, 1.0)])
+    assert (off.tokens, off.eos, off.steps) == (2, 1, 3)
+    scripted = ScriptedComponents([3, 4, EOS], draft=7, confidence=0.9)
+    on = outcome(example, tiny_tokenizer, [generate_text(scripted, tiny_tokenizer, example.prompt, params, 0.5)])
+    assert (on.tokens, on.eos, on.steps, on.accepted) == (4, 1, 3, 2)
+    assert summary([off, on])["tokens_per_step_no_eos"] == 1.0
+
+
+@pytest.mark.parametrize("pair_size,threshold", [(1, 1.0), (2, -1.0), (2, 0.5), (2, 1.0)])
+def test_batched_generation_equals_one_at_a_time(tiny_tokenizer, pair_size, threshold):
+    model = tiny_model(tiny_tokenizer, pair_size, seed=4)
+    prompts = ["Q: 1+2\nA:", "get ab\nA:", " ab:12 cd:34 ef:56 gh:78\nget cd\nA:", "x"]
+    params = [SamplingParams(max_tokens=n, temperature=t, seed=s) for n, t, s in
+              ((12, 0.0, 0), (5, 1.0, 3), (9, 0.7, 5), (1, 0.0, 0))]
+    batch = TorchBatch(model, [tiny_tokenizer.encode_prompt(p) for p in prompts], max_steps=12)
+    batched = generate_batch(batch, params, threshold)
+    again = generate_batch(batch, params, threshold)  # restarts from the same prefill
+    components = TorchComponents(model)
+    for prompt, p, got, repeat in zip(prompts, params, batched, again):
+        want = generate_text(components, tiny_tokenizer, prompt, p, threshold)
+        assert (got.tokens, got.steps, got.accepted, got.finish_reason) == \
+            (want.tokens, want.steps, want.accepted, want.finish_reason)
+        assert repeat.tokens == got.tokens
+
+
+def test_paired_difference_interval_covers_the_mean_and_shrinks_with_agreement():
+    def outcomes(flags):
+        return [Outcome(bool(f), 1, 0, 1, 0, 0) for f in flags]
+
+    control = outcomes([1] * 50 + [0] * 50)
+    worse = paired_difference(outcomes([1] * 40 + [0] * 60), control)
+    assert worse["diff"] == -0.1 and worse["low"] < -0.1 < worse["high"] <= 0
+    same = paired_difference(control, control)
+    assert same == {"diff": 0.0, "low": 0.0, "high": 0.0}
+
+
+def test_reliability_of_a_calibrated_and_an_overconfident_head():
+    rng = np.random.default_rng(0)
+    confidence = rng.uniform(size=20000)
+    calibrated = reliability(list(confidence), list(rng.uniform(size=20000) < confidence))
+    overconfident = reliability(list(confidence), list(rng.uniform(size=20000) < confidence / 2))
+    assert calibrated["ece"] < 0.02 and 0.2 < overconfident["ece"] < 0.3
+
+
+def test_teacher_forced_text_matches_the_training_forward(tiny_tokenizer):
+    """Baseline: the NLL of every token equals the whole-sequence forward's. Dual-end at -1: the
+    backbone's NLLs are those of the training forward over plain pairs; at 1.0 no draft is used."""
+    text = tiny_tokenizer.encode("Q: 7+5-3\nA: 7+5=12 12-3=9 #9 get ab")[:16]
+    baseline = tiny_model(tiny_tokenizer, 1, seed=2)
+    loss = teacher_forced_text(baseline, tiny_tokenizer.bos_id, [text], threshold=1.0)
+    tokens = torch.tensor([[tiny_tokenizer.bos_id, *text]])
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(baseline_forward(baseline, tokens)[0, :-1], tokens[0, 1:],
+                                                 reduction="none")
+    np.testing.assert_allclose(loss.nll[0], want.numpy(), atol=1e-4)
+    dualend = tiny_model(tiny_tokenizer, 2, seed=2)
+    accept_all = teacher_forced_text(dualend, tiny_tokenizer.bos_id, [text], threshold=-1.0)
+    pairs = torch.tensor([tiny_tokenizer.bos_id, PAD, *text]).view(1, -1, 2)
+    with torch.no_grad():
+        hidden, _, _ = dualend.backbone(dualend.latents(pairs), torch.arange(pairs.shape[1])[None],
+                                        torch.ones(1, pairs.shape[1], dtype=torch.bool))
+        logits = dualend.lm_head(hidden)[0, :-1]  # pair i predicts text token 2i
+    want = torch.nn.functional.cross_entropy(logits, torch.tensor(text[0::2]), reduction="none")
+    np.testing.assert_allclose(accept_all.nll[0, 0::2], want.numpy(), atol=1e-4)
+    assert accept_all.by_draft[0, 1::2].all() and accept_all.steps == len(text) // 2
+    drafting_off = teacher_forced_text(dualend, tiny_tokenizer.bos_id, [text], threshold=1.0)
+    assert not drafting_off.by_draft.any() and drafting_off.steps == len(text)
 
 
 # ---- training ------------------------------------------------------------------------------

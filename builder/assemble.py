@@ -29,8 +29,8 @@ SOURCES = ROOT / "model_repository"
 DEFAULTS = dict(
     checkpoints=ROOT / "checkpoints", out=ROOT / "build" / "model_repository", export_dir=ROOT / "build" / "export",
     quality_report=ROOT / "builder" / "reports" / "quality.json", engine="onnxruntime",
-    raw_context_limit=4096, max_new_tokens=1024, kv_block_size=16, kv_capacity_sequences=16,
-    max_concurrent_requests=16, capacity_wait_s=5.0, idle_timeout_s=60.0, batch_delay_us=200,
+    raw_context_limit=0, max_new_tokens=0, kv_block_size=16, kv_capacity_sequences=16,
+    max_concurrent_requests=16, max_queue_size=64, queue_wait_s=30.0, capacity_wait_s=5.0, idle_timeout_s=60.0, batch_delay_us=200,
     engine_threads=2, backbone_instances=1, preprocessing_instances=1,
 )
 DEPLOYMENTS = ("dualend", "baseline")
@@ -85,21 +85,34 @@ def max_sequence_latents(raw_context_limit: int, max_new_tokens: int, pair_size:
     return raw_context_limit // pair_size + max_new_tokens // pair_size
 
 
-def deployment_values(name: str, exported: ExportedModel, args, threshold: float) -> dict:
+def trained_context(checkpoint_dir: Path) -> int:
+    recipe = load_checkpoint(checkpoint_dir).recipe
+    if "context" not in recipe:
+        raise SystemExit(f"{checkpoint_dir}: the recipe does not say the context it was trained at; "
+                         f"pass --raw-context-limit")
+    return int(recipe["context"])
+
+
+def deployment_values(name: str, exported: ExportedModel, args, threshold: float, context: int) -> dict:
+    """Template values; raw_context_limit defaults to the context the checkpoint was trained at and
+    max_new_tokens to the whole limit (prompt + max_tokens <= raw_context_limit is checked per request)."""
     settings = exported.settings
     pair_size = settings["pair_size"]
-    latent_limit = args.raw_context_limit // pair_size
+    raw_context_limit = args.raw_context_limit or context
+    max_new_tokens = args.max_new_tokens or raw_context_limit
+    latent_limit = raw_context_limit // pair_size
     return {
-        "max_sequence_latents": max_sequence_latents(args.raw_context_limit, args.max_new_tokens, pair_size),
+        "max_sequence_latents": max_sequence_latents(raw_context_limit, max_new_tokens, pair_size),
         "deployment": name, "checkpoint_id": exported.checkpoint_id, "pair_size": pair_size,
         "d_model": settings["d_model"],
         "extra_draft_tokens": pair_size - 1,
         "acceptance_threshold": threshold if pair_size == 2 else 1.0,
-        "raw_context_limit": args.raw_context_limit, "effective_latent_limit": latent_limit,
-        "max_new_tokens": args.max_new_tokens, "kv_block_size": args.kv_block_size,
+        "raw_context_limit": raw_context_limit, "effective_latent_limit": latent_limit,
+        "max_new_tokens": max_new_tokens, "kv_block_size": args.kv_block_size,
         "kv_capacity_blocks": args.kv_capacity_sequences * math.ceil(
-            max_sequence_latents(args.raw_context_limit, args.max_new_tokens, pair_size) / args.kv_block_size),
+            max_sequence_latents(raw_context_limit, max_new_tokens, pair_size) / args.kv_block_size),
         "max_concurrent_requests": args.max_concurrent_requests, "capacity_wait_s": args.capacity_wait_s,
+        "max_queue_size": args.max_queue_size, "queue_wait_s": args.queue_wait_s,
         "idle_timeout_s": args.idle_timeout_s, "idle_timeout_us": int(args.idle_timeout_s * 1e6),
         "batch_delay_us": args.batch_delay_us, "engine": args.engine, "engine_threads": args.engine_threads,
         "compressor_engine": "onnxruntime",  # only the backbone is compiled to TensorRT
@@ -117,7 +130,8 @@ def assemble(args) -> Path:
         exported = up_to_date_export(Path(args.checkpoints) / name, Path(args.export_dir) / name)
         if args.engine == "tensorrt" and not (exported.directory / "backbone" / "model.plan").exists():
             raise SystemExit(f"{name}: no TensorRT engine; run `python -m builder.tensorrt_build` first")
-        render_deployment(name, exported, staging, deployment_values(name, exported, args, threshold))
+        context = args.raw_context_limit or trained_context(Path(args.checkpoints) / name)
+        render_deployment(name, exported, staging, deployment_values(name, exported, args, threshold, context))
         print(f"{name}: checkpoint {exported.checkpoint_id}")
     retired = out.with_name(out.name + ".old")
     shutil.rmtree(retired, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Engine benchmark: dual-end vs baseline in-process, interleaved in one run, no server.
 
-    python -m builder.bench_engine --lengths 256 1024 2048 --repeats 5 --new-tokens 64
+    python -m builder.bench_engine --lengths 256 512 960 --repeats 5 --new-tokens 64
 
 Prompts are held-out standard-library source cut to each length in raw tokens; generation is
 greedy at the calibrated threshold with EOS ignored, so every run decodes `--new-tokens` tokens.
@@ -29,12 +29,12 @@ from dualend.reference import TorchComponents
 from .assemble import DEFAULTS as ASSEMBLE_DEFAULTS, calibrated_threshold, up_to_date_export
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULTS = dict(lengths=[256, 1024, 2048], repeats=5, new_tokens=64, threads=2, threshold=None)
+DEFAULTS = dict(lengths=[256, 512, 960], repeats=5, new_tokens=64, threads=2, threshold=None)
 
 
 def long_prompt(tokenizer, length: int) -> list[int]:
     ids: list[int] = []
-    for chunk in stdlib_chunks("eval", 4000, seed=1):
+    for chunk in stdlib_chunks("report", 4000, seed=1):
         ids += tokenizer.encode(chunk)
         if len(ids) >= length:
             return [tokenizer.bos_id] + ids[: length - 1]
@@ -128,10 +128,11 @@ def main(argv=None) -> dict:
         summary[length] = {"ttft_speedup": ttft_ratio, "tpot_speedup": tpot_ratio,
                            "tokens_per_step": median_and_spread(dual["tokens_per_step"])[0]}
 
-    print("\nPer decode step after a 1024-token prompt, ms (median of 24): ONNX Runtime vs torch reference")
+    longest = max(args.lengths)
+    print(f"\nPer decode step after a {longest}-token prompt, ms (median of 24): ONNX Runtime vs torch reference")
     step_costs = {}
     for name in engines:
-        prompt = prompts.get(1024) or long_prompt(tokenizer, 1024)
+        prompt = prompts[longest]
         onnx_ms, torch_ms = step_cost(engines[name], prompt) * 1e3, step_cost(references[name], prompt) * 1e3
         step_costs[name] = {"onnxruntime_ms": onnx_ms, "torch_ms": torch_ms}
         print(f"  {name:8}: onnxruntime {onnx_ms:.2f}  torch {torch_ms:.2f}  -> "

@@ -173,11 +173,12 @@ def cmd_dualend(args) -> None:
     for p in teacher.parameters():
         p.requires_grad_(False)
     torch.manual_seed(args.seed)
-    recipe = _recipe(args, "dualend") | {"augmentation": args.augmentation, "baseline_recipe": teacher_ckpt.recipe}
+    recipe = _recipe(args, "dualend") | {"augmentation": args.augmentation, "teacher": teacher_ckpt.id,
+                                         "baseline_recipe": teacher_ckpt.recipe}
     if args.init_from:
         start = load_checkpoint(args.init_from)
-        if start.recipe.get("converted_from") != teacher_ckpt.id:
-            sys.exit(f"{args.init_from} was not converted from {args.baseline} ({teacher_ckpt.id})")
+        if not start.model.cfg.is_dualend:
+            sys.exit(f"{args.init_from} is not a dual-end checkpoint")
         model = start.model
         recipe |= {k: start.recipe[k] for k in ("converted_from", "compressor_init", "position_stride")}
         recipe["continued_from"] = {"id": start.id, **{k: v for k, v in start.recipe.items()
@@ -194,6 +195,26 @@ def cmd_dualend(args) -> None:
                list(model.parameters()))
 
 
+def cmd_merge(args) -> None:
+    """A dual-end checkpoint moved by what a baseline learned since it was converted (task vectors):
+    every weight the two share gets dual-end + (baseline after - baseline before); the compressor,
+    MTP head and confidence head stay. Used to carry a baseline's longer context into a dual-end
+    model converted from its earlier self, as the start of further dual-end training."""
+    dualend, before, after = (load_checkpoint(p) for p in (args.dualend, args.baseline_before, args.baseline_after))
+    if dualend.recipe.get("converted_from") != before.id:
+        sys.exit(f"{args.dualend} was converted from {dualend.recipe.get('converted_from')}, not {before.id}")
+    merged, old, new = dualend.model.state_dict(), before.model.state_dict(), after.model.state_dict()
+    for name in merged:
+        if name in new:
+            merged[name] = merged[name] + new[name] - old[name]
+    dualend.model.load_state_dict(merged)
+    recipe = {**dualend.recipe, "kind": "dualend", "converted_from": after.id,
+              "merged": {"dualend": dualend.id, "baseline_before": before.id, "baseline_after": after.id},
+              "context": after.recipe.get("context")}
+    ckpt_id = Checkpoint(dualend.model, dualend.tokenizer, recipe).save(args.out)
+    print(f"{args.dualend} + ({args.baseline_after} - {args.baseline_before}) -> {args.out} (checkpoint {ckpt_id})")
+
+
 def cmd_promote(args) -> None:
     """Verify a run's checkpoint and write it, in the current format, where it ships from."""
     checkpoint = load_checkpoint(args.source)
@@ -204,6 +225,9 @@ def cmd_promote(args) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    merge = sub.add_parser("merge")
+    for flag in ("--dualend", "--baseline-before", "--baseline-after", "--out"):
+        merge.add_argument(flag, required=True)
     promote = sub.add_parser("promote")
     promote.add_argument("--source", required=True)
     promote.add_argument("--to", required=True)
@@ -226,7 +250,8 @@ def main(argv=None) -> None:
                                         "(converted from --baseline) instead of converting afresh")
     args = parser.parse_args(argv)
     torch.set_num_threads(getattr(args, "threads", 2))
-    commands = {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend, "promote": cmd_promote}
+    commands = {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend, "merge": cmd_merge,
+                "promote": cmd_promote}
     commands[args.command](args)
 
 

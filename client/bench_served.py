@@ -1,6 +1,6 @@
 """Served vs in-process, dual-end vs baseline: TTFT and TPOT at concurrency 1, interleaved.
 
-    python -m client.bench_served --lengths 256 1024 --repeats 5 --new-tokens 64
+    python -m client.bench_served --lengths 256 960 --repeats 5 --new-tokens 64
 
 Starts a real tritonserver on the assembled repository (or uses --grpc-url), then for each
 repeat, prompt length and deployment runs the same prompt over gRPC streaming and through the
@@ -52,7 +52,7 @@ def print_time_breakdown(http_url: str) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 960])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--grpc-url", default=None, help="use a running server instead of starting one")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import io
 import random
 import string
@@ -28,6 +29,7 @@ FAMILIES = ("math", "lookup", "code")
 SPLITS = ("train", "calibration", "report")
 HELD_OUT_PERCENT = 5  # each of calibration and report
 SHORT_LOOKUP_ENTRIES = (4, 12)
+SHOT_POOL = 256  # solved examples that long math and code prompts draw from
 
 
 @dataclass(frozen=True)
@@ -135,18 +137,23 @@ def sized_examples(family: str, split: str, seed: int, count_tokens: Callable[[s
             target = rng.randint(min_tokens, max_tokens)
             n = max(1, min(len(_LOOKUP_KEYS), round(target / tokens_per_entry)))
             example = _lookup(rng, (n, n))
+            if split_of(family, example.prompt) != split:
+                continue
             length = count_tokens(example.prompt)
             tokens_per_entry = 0.9 * tokens_per_entry + 0.1 * length / n
-            if min_tokens <= length <= max_tokens and split_of(family, example.prompt) == split:
+            if min_tokens <= length <= max_tokens:
                 yield example
-    questions, shots = examples(family, split, seed), examples(family, split, seed + 1)
+    questions = examples(family, split, seed)
+    shots = list(itertools.islice(examples(family, split, seed + 1), SHOT_POOL))
     while True:
         target = rng.randint(min_tokens, max_tokens)
-        query, prefix = next(questions), ""
-        while count_tokens(prefix + query.prompt) < target:
-            shot = next(shots)
-            prefix += f"{shot.prompt}{shot.completion}\n\n"
-        prompt = prefix + query.prompt
+        query = next(questions)
+        parts, estimate = [query.prompt], count_tokens(query.prompt)
+        while estimate < target:  # the sum of the parts' lengths, checked whole below
+            shot = rng.choice(shots)
+            parts.insert(0, f"{shot.prompt}{shot.completion}\n\n")
+            estimate += count_tokens(parts[0]) - 1
+        prompt = "".join(parts)
         if min_tokens <= count_tokens(prompt) <= max_tokens:
             yield Example(family, prompt, query.completion, query.answer)
 

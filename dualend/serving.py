@@ -5,13 +5,16 @@ The Triton models in model_repository/ are thin adapters over these functions.
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
-from .decode import Chunk, InvalidRequest, SamplingParams, pad_prompt
+from .decode import CapacityError, Chunk, InvalidRequest, SamplingParams, pad_prompt
 from .onnx_engine import ExportedModel
 from .tokenizer import TextTokenizer
 
@@ -157,3 +160,50 @@ def responses(chunks: Iterable[Chunk], request: PreparedRequest, num_prompt_late
     if not request.stream:
         yield total
 
+
+
+class Cancelled(Exception):
+    """The client went away (or the server is stopping) before the request finished."""
+
+
+class Admission:
+    """At most `max_running` requests run at once; up to `max_queue` more wait for a place, in
+    arrival order, each for at most `wait_s`. A request is refused only when the queue is full or
+    its wait runs out, and the message says which."""
+
+    def __init__(self, max_running: int, max_queue: int, wait_s: float, clock=time.monotonic):
+        self.max_running, self.max_queue, self.wait_s, self.clock = max_running, max_queue, wait_s, clock
+        self.running = 0
+        self.waiting: deque[object] = deque()
+        self._changed = threading.Condition()
+
+    def acquire(self, is_cancelled=lambda: False) -> float:
+        """Blocks until the request may run; returns the seconds it waited."""
+        with self._changed:
+            if self.running < self.max_running and not self.waiting:
+                self.running += 1
+                return 0.0
+            if len(self.waiting) >= self.max_queue:
+                raise CapacityError(f"server busy: {self.running} requests running and {len(self.waiting)} "
+                                    f"waiting, the queue (max_queue_size {self.max_queue}) is full; retry later")
+            ticket, started = object(), self.clock()
+            self.waiting.append(ticket)
+            try:
+                while not (self.waiting[0] is ticket and self.running < self.max_running):
+                    if is_cancelled():
+                        raise Cancelled()
+                    remaining = started + self.wait_s - self.clock()
+                    if remaining <= 0:
+                        raise CapacityError(f"server busy: waited {self.wait_s:g} s in the queue (queue_wait_s) "
+                                            f"for one of {self.max_running} places; retry later")
+                    self._changed.wait(min(remaining, 0.05))
+                self.running += 1
+                return self.clock() - started
+            finally:
+                self.waiting.remove(ticket)
+                self._changed.notify_all()
+
+    def release(self) -> None:
+        with self._changed:
+            self.running -= 1
+            self._changed.notify_all()

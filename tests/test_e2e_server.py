@@ -127,6 +127,16 @@ def test_eight_concurrent_streams_all_finish_and_free_their_kv(server, engines):
         assert metric(server, "dualend_kv_blocks_used", f"{deployment}_backbone") == 0
 
 
+def test_thirty_two_streams_against_a_limit_of_sixteen_all_complete(server, engines):
+    """Beyond max_concurrent_requests requests wait in the queue; none is refused."""
+    jobs = [(DEPLOYMENTS[i % 2], PROMPTS[i % len(PROMPTS)], 12) for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda job: stream_grpc(server.grpc_url, job[0], job[1], job[2],
+                                                        exclude_input_in_output=True), jobs))
+    for (deployment, prompt, max_tokens), result in zip(jobs, results):
+        assert result.text == engine_text(server, engines, deployment, prompt, max_tokens).text
+
+
 BAD_REQUESTS = [
     ("empty text", dict(prompt="", max_tokens=8), "text_input is empty"),
     ("prompt over the limit", dict(prompt="1+2 " * 400, max_tokens=8), "over raw_context_limit 512.*never truncated"),
@@ -206,21 +216,22 @@ def test_a_backbone_from_another_checkpoint_is_refused_and_the_rest_keeps_servin
 
 
 def test_busy_server_refuses_clearly_and_the_running_stream_loses_nothing(tmp_path):
-    """Room for one long sequence and two requests in flight: a request that needs more KV than is
-    free waits, then fails saying so; one over the in-flight limit is refused at once; a small
-    request still fits beside the long one, which runs to the end."""
+    """Room for one long sequence, two requests running and none queued: a request that needs more
+    KV than is free waits, then fails saying so; one over the limit with the queue full is refused
+    at once; a small request still fits beside the long one, which runs to the end."""
     repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
                                 "--export-dir", str(tmp_path / "export"), "--deployments", "dualend",
                                 "--raw-context-limit", "2048", "--max-new-tokens", "2048",
                                 "--kv-capacity-sequences", "1", "--max-concurrent-requests", "2",
-                                "--capacity-wait-s", "1"])
+                                "--max-queue-size", "0", "--capacity-wait-s", "1"])
     with TritonServer(repository, log_file=tmp_path / "server.log") as busy, ThreadPoolExecutor(2) as pool:
         long_stream = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[0], 2000, ignore_eos=True,
                                   acceptance_threshold=1.0, exclude_input_in_output=True)
         assert wait_for(lambda: metric(busy, "dualend_kv_live_sequences", "dualend_backbone") == 1)
         waiting = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[2], 500)
         time.sleep(0.3)
-        with pytest.raises(RequestError, match="server busy: 2 requests already in flight; retry later"):
+        with pytest.raises(RequestError, match=r"server busy: 2 requests running and 0 waiting, the queue "
+                                               r"\(max_queue_size 0\) is full; retry later"):
             stream_grpc(busy.grpc_url, "dualend", PROMPTS[1], 8)
         with pytest.raises(RequestError, match="KV cache full: the request needs .* retry later or lower max_tokens"):
             waiting.result()

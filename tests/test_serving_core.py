@@ -1,12 +1,14 @@
-"""The serving core without Triton: request validation, response shaping, threshold choice,
+"""The serving core without Triton: request validation, response shaping, admission,
 and the TensorRT path (skipped, with the reason, where there is no GPU)."""
+import threading
+import time
+
 import numpy as np
 import pytest
 
-from builder.evaluate import choose_threshold
 from builder.tensorrt_build import main as tensorrt_main
-from dualend.decode import Chunk, InvalidRequest
-from dualend.serving import Limits, PreparedRequest, prepare_request, responses
+from dualend.decode import CapacityError, Chunk, InvalidRequest
+from dualend.serving import Admission, Cancelled, Limits, PreparedRequest, prepare_request, responses
 from dualend.tensorrt_engine import gpu_available
 
 LIMITS = Limits(raw_context_limit=64, pair_size=2, max_new_tokens=32)
@@ -71,19 +73,6 @@ def test_non_streaming_sends_one_response_with_totals_and_the_prompt_first():
                              "num_prompt_tokens": 3, "num_prompt_latents": 2}
 
 
-def test_threshold_choice_takes_most_tokens_per_step_within_the_gate():
-    baseline = {"math": 0.8, "code": 0.6}
-    sweep = {
-        -1.0: {"pass1": {"math": 0.5, "code": 0.6}, "tokens_per_step": 2.0},
-        0.5: {"pass1": {"math": 0.79, "code": 0.6}, "tokens_per_step": 1.8},
-        0.9: {"pass1": {"math": 0.82, "code": 0.61}, "tokens_per_step": 1.4},
-        1.0: {"pass1": {"math": 0.8, "code": 0.6}, "tokens_per_step": 1.0},
-    }
-    assert choose_threshold(sweep, baseline, gate=0.02) == (0.5, True)
-    failing = {t: {**row, "pass1": {"math": 0.1, "code": 0.6 - t / 10}} for t, row in sweep.items()}
-    assert choose_threshold(failing, baseline, gate=0.02) == (-1.0, False)
-
-
 def test_tensorrt_build_says_why_it_cannot_run_without_a_gpu(capsys):
     if gpu_available():
         pytest.skip("a GPU is present: the refusal path does not apply")
@@ -99,3 +88,82 @@ def test_tensorrt_backbone_matches_onnx_runtime(tmp_path):
     for name in ("dualend", "baseline"):
         up_to_date_export(DEFAULTS["checkpoints"] / name, tmp_path / name)
     assert tensorrt_main(["--export-dir", str(tmp_path)]) == 0
+
+
+# ---- admission -------------------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_admission_runs_up_to_the_limit_then_queues_in_arrival_order():
+    admission = Admission(max_running=2, max_queue=4, wait_s=10)
+    assert admission.acquire() == 0.0 and admission.acquire() == 0.0
+    order = []
+
+    def queued(name):
+        admission.acquire()
+        order.append(name)
+
+    threads = [threading.Thread(target=queued, args=(n,)) for n in ("first", "second")]
+    for thread in threads:
+        thread.start()
+        assert wait_until(lambda: len(admission.waiting) == threads.index(thread) + 1)
+    admission.release()
+    assert wait_until(lambda: order == ["first"])
+    assert admission.running == 2 and len(admission.waiting) == 1
+    admission.release()
+    for thread in threads:
+        thread.join(timeout=5)
+    assert order == ["first", "second"] and admission.running == 2
+
+
+def test_admission_refuses_when_the_queue_is_full_saying_so():
+    admission = Admission(max_running=1, max_queue=0, wait_s=10)
+    admission.acquire()
+    with pytest.raises(CapacityError, match=r"1 requests running and 0 waiting, the queue \(max_queue_size 0\) is full"):
+        admission.acquire()
+    admission.release()
+    assert admission.acquire() == 0.0
+
+
+def test_admission_refuses_after_the_wait_runs_out_saying_so():
+    clock = FakeClock()
+    admission = Admission(max_running=1, max_queue=1, wait_s=2.0, clock=clock)
+    admission.acquire()
+    errors = []
+
+    def queued():
+        try:
+            admission.acquire()
+        except CapacityError as error:
+            errors.append(str(error))
+
+    thread = threading.Thread(target=queued)
+    thread.start()
+    assert wait_until(lambda: len(admission.waiting) == 1)
+    clock.now = 2.5
+    thread.join(timeout=5)
+    assert errors and "waited 2 s in the queue (queue_wait_s) for one of 1 places" in errors[0]
+    assert admission.running == 1 and not admission.waiting
+
+
+def test_a_cancelled_request_leaves_the_queue():
+    admission = Admission(max_running=1, max_queue=1, wait_s=10)
+    admission.acquire()
+    with pytest.raises(Cancelled):
+        admission.acquire(is_cancelled=lambda: True)
+    assert not admission.waiting and admission.running == 1
+
+
+def wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False

@@ -1,6 +1,7 @@
 """Triton adapter: owns a request from prefill to release and streams its tokens.
 
-Decoupled: each request runs in its own thread (bounded by max_concurrent_requests), drives
+Decoupled: each request runs in its own thread; at most max_concurrent_requests run, up to
+max_queue_size more wait (queue_wait_s at most) for a place. A running request drives
 the backbone model over BLS (sequence START / steps / END under one correlation id), runs the
 MTP head and the confidence gate in-process, and sends exactly one FINAL response per request,
 also after an error or a cancellation.
@@ -24,16 +25,13 @@ import triton_python_backend_utils as pb_utils
 from dualend.decode import BackboneOutput, CapacityError, InvalidRequest, stream_chunks
 from dualend.manifest import verify_component, verify_siblings
 from dualend.onnx_engine import MTPComponent
-from dualend.serving import PreparedRequest, model_parameters, resolve_threshold, responses, version_components
+from dualend.serving import (Admission, Cancelled, PreparedRequest, model_parameters, resolve_threshold, responses,
+                             version_components)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
 CAPACITY_MARK = "KV cache full"
-
-
-class Cancelled(Exception):
-    pass
 
 
 class BackboneChanged(RuntimeError):
@@ -140,8 +138,8 @@ class TritonPythonModel:
         self.threshold = float(parameters["acceptance_threshold"])
         self.backbone_model = f"{deployment}_backbone"
         self.capacity_wait_s = float(parameters["capacity_wait_s"])
-        self.slots = threading.BoundedSemaphore(int(parameters["max_concurrent_requests"]))
-        self.max_concurrent = int(parameters["max_concurrent_requests"])
+        self.admission = Admission(int(parameters["max_concurrent_requests"]), int(parameters["max_queue_size"]),
+                                   float(parameters["queue_wait_s"]))
         self.ids = itertools.count(((os.getpid() & 0xFFFF) << 32) + 1)  # also the backbone correlation ids
         self.cancelled_ids, self.in_flight = set(), set()
         self.stopping = threading.Event()
@@ -168,11 +166,6 @@ class TritonPythonModel:
                     self.cancelled_ids.add(int(control["cancel"]))
                 request.get_response_sender().send(flags=FINAL)
                 continue
-            if not self.slots.acquire(blocking=False):
-                request.get_response_sender().send(
-                    _error(f"server busy: {self.max_concurrent} requests already in flight; retry later"),
-                    flags=FINAL)
-                continue
             threading.Thread(target=self._serve, args=(request,), daemon=True).start()
         return None
 
@@ -180,11 +173,13 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         request_id = next(self.ids)
         self.in_flight.add(request_id)
-        chunks, final_sent = None, False
+        chunks, final_sent, admitted = None, False, False
 
         def is_cancelled():
             return request_id in self.cancelled_ids or self.stopping.is_set() or sender.is_cancelled()
         try:
+            self.admission.acquire(is_cancelled)
+            admitted = True
             prepared = PreparedRequest.from_json(
                 pb_utils.get_input_tensor_by_name(request, "request_params").as_numpy()[0].decode())
             prompt_latents = pb_utils.get_input_tensor_by_name(request, "prompt_latents").as_numpy()
@@ -221,7 +216,8 @@ class TritonPythonModel:
             finally:
                 self.in_flight.discard(request_id)
                 self.cancelled_ids.discard(request_id)
-                self.slots.release()
+                if admitted:
+                    self.admission.release()
 
     def finalize(self):
         self.stopping.set()  # in-flight requests stop at their next step and send their FINAL

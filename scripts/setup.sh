@@ -10,3 +10,11 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[test]" -r requirements-serving.txt
 # Only the tritonserver binary of this wheel is used; its Python deps would break onnx (see requirements-serving.txt).
 .venv/bin/python -m pip install -q --no-deps "nvidia-pytriton==0.7.0"
+# perf_analyzer (from the tritonclient wheel) links libb64.so.0d, a Debian/Ubuntu system package.
+if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libb64\.so\.0d'; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+        apt-get install -y -q libb64-0d > /dev/null 2>&1 || { apt-get update -q > /dev/null && apt-get install -y -q libb64-0d > /dev/null; }
+    else
+        echo "setup.sh: perf_analyzer needs libb64.so.0d; run: sudo apt-get install -y libb64-0d" >&2
+    fi
+fi

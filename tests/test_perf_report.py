@@ -1,0 +1,32 @@
+"""perf_analyzer profile exports -> TTFT, token-weighted inter-token latency, throughput."""
+from client.perf_report import experiment_figures
+
+MS = 1_000_000  # nanoseconds
+
+
+def _request(sent_ms, stamps_ms, tokens):
+    return {"timestamp": sent_ms * MS, "response_timestamps": [s * MS for s in stamps_ms],
+            "response_outputs": [{"num_output_tokens": t} for t in tokens]}
+
+
+def test_figures_of_a_hand_built_experiment():
+    # Request A: first response at +10 ms, then a 2-token response 8 ms later (4 ms per token) and a
+    # 1-token one 6 ms later. Request B: first at +20 ms, one more 1-token response 2 ms later.
+    experiment = {"experiment": {"mode": "concurrency", "value": 2},
+                  "window_boundaries": [0, 100 * MS],
+                  "requests": [_request(0, [10, 18, 24], [2, 2, 1]), _request(50, [70, 72], [1, 1])]}
+    figures = experiment_figures(experiment)
+    assert figures["concurrency"] == 2 and figures["requests"] == 2
+    assert figures["ttft_ms"]["p50"] == 15.0  # median of 10 and 20
+    # per-token gaps: 4, 4 (A's pair), 6 (A), 2 (B) -> median 4
+    assert figures["inter_token_ms"]["p50"] == 4.0
+    assert figures["latency_ms"]["p50"] == 23.0  # median of 24 and 22
+    assert figures["output_tokens_per_s"] == 70.0  # 7 tokens in 0.1 s
+    assert figures["requests_per_s"] == 20.0
+
+
+def test_responses_outside_the_window_are_not_counted_as_throughput():
+    experiment = {"experiment": {"mode": "concurrency", "value": 1}, "window_boundaries": [0, 50 * MS],
+                  "requests": [_request(0, [10, 60], [1, 3])]}
+    figures = experiment_figures(experiment)
+    assert figures["output_tokens_per_s"] == 20.0 and figures["requests_per_s"] == 0.0

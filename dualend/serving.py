@@ -91,6 +91,12 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
     texts = np.asarray(text_input, dtype=object).reshape(-1)
     if texts.size != 1:
         raise InvalidRequest(f"text_input must hold exactly one string, got {texts.size}")
+    raw_bytes = len(texts[0].encode() if isinstance(texts[0], str) else bytes(texts[0]))
+    byte_limit = limits.raw_context_limit * tokenizer.max_token_bytes
+    if raw_bytes > byte_limit:  # refused before tokenizing: a huge prompt costs nobody any time
+        raise InvalidRequest(
+            f"prompt is {raw_bytes} bytes, longer than any prompt of raw_context_limit {limits.raw_context_limit} "
+            f"tokens can be ({byte_limit} bytes); prompts are never truncated, shorten it")
     text = _text(texts[0], "text_input")
     if not text.strip():
         raise InvalidRequest("text_input is empty")

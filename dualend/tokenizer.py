@@ -35,6 +35,8 @@ class TextTokenizer:
         self.bos_id = tokenizer.token_to_id(BOS)
         self.eos_id = tokenizer.token_to_id(EOS)
         self.vocab_size = tokenizer.get_vocab_size()
+        # Byte-level BPE: one character of a token's name per byte, so no token covers more bytes.
+        self.max_token_bytes = max(len(name) for name in tokenizer.get_vocab())
 
     @classmethod
     def from_json(cls, json_text: str) -> "TextTokenizer":

@@ -73,6 +73,29 @@ def test_non_streaming_sends_one_response_with_totals_and_the_prompt_first():
                              "num_prompt_tokens": 3, "num_prompt_latents": 2}
 
 
+def test_a_huge_prompt_is_refused_by_its_size_before_tokenizing(tiny_tokenizer, monkeypatch):
+    def never(*_):
+        raise AssertionError("a prompt over the byte bound must not be tokenized")
+
+    monkeypatch.setattr(tiny_tokenizer, "encode_prompt", never)
+    huge = np.array([b"x" * (LIMITS.raw_context_limit * tiny_tokenizer.max_token_bytes + 1)], dtype=object)
+    started = time.perf_counter()
+    with pytest.raises(InvalidRequest, match=r"prompt is \d+ bytes, longer than any prompt of raw_context_limit 64"):
+        prepare(tiny_tokenizer, text_input=huge)
+    assert time.perf_counter() - started < 0.1
+
+
+def test_the_byte_bound_never_refuses_a_prompt_that_fits(tiny_tokenizer):
+    """A prompt of the longest token, as many as fit the token limit, passes the byte bound: the
+    bound is loose only by what the limit itself allows."""
+    longest = max((name for name in tiny_tokenizer.tokenizer.get_vocab() if not name.startswith("<")), key=len)
+    copies = LIMITS.raw_context_limit - 3  # + BOS + pair padding + max_tokens 1 still fit
+    text = tiny_tokenizer.decode([tiny_tokenizer.tokenizer.token_to_id(longest)] * copies)
+    assert len(text.encode()) == copies * tiny_tokenizer.max_token_bytes
+    prepared = prepare(tiny_tokenizer, text_input=np.array([text.encode()], dtype=object), max_tokens=np.array([1]))
+    assert len(prepared.prompt_ids) <= LIMITS.raw_context_limit
+
+
 def test_tensorrt_build_says_why_it_cannot_run_without_a_gpu(capsys):
     if gpu_available():
         pytest.skip("a GPU is present: the refusal path does not apply")

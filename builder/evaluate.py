@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(dualend=ROOT / "checkpoints" / "dualend", baseline=ROOT / "checkpoints" / "baseline",
                 reports=ROOT / "builder" / "reports", report_examples=400, calibration_examples=200,
                 samples=4, temperature=0.7, gate=0.02, interval_floor=0.05, text_chunks=40, seed=0, threads=2)
-THRESHOLDS = (-1.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+THRESHOLDS = (-1.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 CELLS = [(f, b) for f in FAMILIES for b in BUCKETS]
 
 

@@ -64,7 +64,7 @@ def bucket_set(family: str, bucket: str, split: str, count: int, tokenizer: Text
 
 
 def evaluate_settings(model: LanguageModel, tokenizer: TextTokenizer, examples_: list[Example],
-                      settings: dict[str, Setting], seed: int = 0, batch_size: int = 16,
+                      settings: dict[str, Setting], seed: int = 0, batch_size: int = 32,
                       progress=None) -> dict[str, list[Outcome]]:
     """Every example under every setting; outcomes in the order of `examples_`."""
     order = sorted(range(len(examples_)), key=lambda i: len(examples_[i].prompt))

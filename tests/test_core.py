@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from builder.assemble import max_sequence_latents
+from builder.train import convert_baseline, main as train_main
 from conftest import tiny_model
 from dualend.checkpoint import Checkpoint, load_checkpoint
 from dualend.data import FAMILIES, Example, examples, extract_answer, run_python, sized_examples, split_of
@@ -506,3 +507,26 @@ def test_checkpoint_round_trips_and_id_tracks_weights(tiny_tokenizer, tmp_path):
     with torch.no_grad():
         model.backbone.layers[0].ffn.down.weight[0, 0] += 1e-3
     assert Checkpoint(model, tiny_tokenizer).id != ckpt_id
+
+
+def test_merge_moves_the_dual_end_model_by_what_the_baseline_learned(tmp_path, tiny_tokenizer):
+    before = tiny_model(tiny_tokenizer, 1, seed=1)
+    dualend = convert_baseline(before, "sum", position_stride=2)
+    after = tiny_model(tiny_tokenizer, 1, seed=1)
+    with torch.no_grad():
+        for p in after.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    ids = {name: Checkpoint(model, tiny_tokenizer, {"kind": name, "context": 64}).save(tmp_path / name)
+           for name, model in (("before", before), ("after", after))}
+    Checkpoint(dualend, tiny_tokenizer, {"kind": "dualend", "converted_from": ids["before"]}).save(tmp_path / "dual")
+    train_main(["merge", "--dualend", str(tmp_path / "dual"), "--baseline-before", str(tmp_path / "before"),
+                "--baseline-after", str(tmp_path / "after"), "--out", str(tmp_path / "merged")])
+    merged = load_checkpoint(tmp_path / "merged")
+    want = dualend.backbone.layers[0].attn.qkv.weight + after.backbone.layers[0].attn.qkv.weight \
+        - before.backbone.layers[0].attn.qkv.weight
+    torch.testing.assert_close(merged.model.backbone.layers[0].attn.qkv.weight, want)
+    torch.testing.assert_close(merged.model.compressor.up.weight, dualend.compressor.up.weight)
+    assert merged.recipe["converted_from"] == ids["after"] and merged.recipe["context"] == 64
+    with pytest.raises(SystemExit, match="was converted from"):
+        train_main(["merge", "--dualend", str(tmp_path / "merged"), "--baseline-before", str(tmp_path / "before"),
+                    "--baseline-after", str(tmp_path / "after"), "--out", str(tmp_path / "again")])

@@ -30,3 +30,36 @@ def test_responses_outside_the_window_are_not_counted_as_throughput():
                   "requests": [_request(0, [10, 60], [1, 3])]}
     figures = experiment_figures(experiment)
     assert figures["output_tokens_per_s"] == 20.0 and figures["requests_per_s"] == 0.0
+
+
+def test_bench_report_writes_its_table_and_plots_from_earlier_runs(tmp_path):
+    import json
+
+    from client.bench_report import main as bench_report
+
+    def export(folder, name, concurrency, first_ms):
+        folder.mkdir(parents=True, exist_ok=True)
+        experiment = {"experiment": {"mode": "concurrency", "value": concurrency},
+                      "window_boundaries": [0, 100 * MS],
+                      "requests": [_request(0, [first_ms, first_ms + 4], [1, 2])]}
+        (folder / f"{name}_c{concurrency}.json").write_text(json.dumps({"experiments": [experiment]}))
+
+    for concurrency in (1, 16):
+        export(tmp_path / "sweep", "dualend", concurrency, 10)
+        export(tmp_path / "sweep", "baseline", concurrency, 20)
+    for length in (256, 896):
+        export(tmp_path / f"ttft_{length}", "dualend", 1, length // 20)
+        export(tmp_path / f"ttft_{length}", "baseline", 1, length // 10)
+    cell = {"pass": 0.5, "tokens_per_step_no_eos": 1.5}
+    quality = {"threshold": 0.5, "buckets": {"math/short": {"baseline_pass1": 0.6}},
+               "sweep": {str(t): {"tokens_per_step_no_eos": 2 - t, "cells": {"math/short": cell}} for t in (0.5, 1.0)}}
+    (tmp_path / "quality.json").write_text(json.dumps(quality))
+    report = bench_report(["--out", str(tmp_path / "report"), "--sweep", str(tmp_path / "sweep"),
+                           "--ttft", str(tmp_path / "ttft_256"), str(tmp_path / "ttft_896"),
+                           "--quality", str(tmp_path / "quality.json")])
+    text = report.read_text()
+    assert "| dualend_c16 | 16 |" in text and "| baseline_c1 | 1 | 20.0" in text
+    plots = sorted(p.name for p in (tmp_path / "report").glob("*.png"))
+    assert plots == ["latency_vs_concurrency.png", "quality_vs_threshold.png", "throughput_vs_concurrency.png",
+                     "tokens_per_step.png", "ttft_vs_prompt.png"]
+    assert all((tmp_path / "report" / p).read_bytes()[:4] == b"\x89PNG" for p in plots)

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import torch
 
@@ -23,3 +25,12 @@ def tiny_model(tokenizer: TextTokenizer, pair_size: int, seed: int = 0) -> Langu
                       eos_id=tokenizer.eos_id, pair_size=pair_size, d_model=32, n_layers=2, n_heads=2,
                       ffn_hidden=64)
     return LanguageModel(cfg).eval()
+
+
+def wait_for(condition, timeout_s=10.0, poll_s=0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll_s)
+    return condition()

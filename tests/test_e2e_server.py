@@ -14,6 +14,7 @@ import pytest
 
 from builder.assemble import DEFAULTS, main as assemble_main
 from client.api import RequestError, generate_http, metric_value, stream_grpc, stream_http
+from conftest import wait_for
 from dualend.data import FAMILIES, eval_set
 from dualend.decode import SamplingParams, generate_text
 from dualend.launch import TritonServer
@@ -56,15 +57,6 @@ def engine_text(server, engines, deployment, prompt, max_tokens, **params):
 
 def metric(server, name, model):
     return metric_value(server.metrics_url, name, model)
-
-
-def wait_for(condition, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from builder.tensorrt_build import main as tensorrt_main
+from conftest import wait_for
 from dualend.decode import CapacityError, Chunk, InvalidRequest
 from dualend.serving import Admission, Cancelled, Limits, PreparedRequest, prepare_request, responses
 from dualend.tensorrt_engine import gpu_available
@@ -135,9 +136,9 @@ def test_admission_runs_up_to_the_limit_then_queues_in_arrival_order():
     threads = [threading.Thread(target=queued, args=(n,)) for n in ("first", "second")]
     for thread in threads:
         thread.start()
-        assert wait_until(lambda: len(admission.waiting) == threads.index(thread) + 1)
+        assert wait_for(lambda: len(admission.waiting) == threads.index(thread) + 1)
     admission.release()
-    assert wait_until(lambda: order == ["first"])
+    assert wait_for(lambda: order == ["first"])
     assert admission.running == 2 and len(admission.waiting) == 1
     admission.release()
     for thread in threads:
@@ -168,7 +169,7 @@ def test_admission_refuses_after_the_wait_runs_out_saying_so():
 
     thread = threading.Thread(target=queued)
     thread.start()
-    assert wait_until(lambda: len(admission.waiting) == 1)
+    assert wait_for(lambda: len(admission.waiting) == 1)
     clock.now = 2.5
     thread.join(timeout=5)
     assert errors and "waited 2 s in the queue (queue_wait_s) for one of 1 places" in errors[0]
@@ -181,12 +182,3 @@ def test_a_cancelled_request_leaves_the_queue():
     with pytest.raises(Cancelled):
         admission.acquire(is_cancelled=lambda: True)
     assert not admission.waiting and admission.running == 1
-
-
-def wait_until(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False

@@ -21,6 +21,7 @@ from dualend.checkpoint import load_checkpoint
 from dualend.engines import ENGINES
 from dualend.manifest import ManifestError
 from dualend.onnx_engine import ExportedModel
+from dualend.tokenizer import BOS, EOS, PAD
 
 from .export import export_checkpoint
 
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ROOT / "model_repository"
 DEFAULTS = dict(
     checkpoints=ROOT / "checkpoints", out=ROOT / "build" / "model_repository", export_dir=ROOT / "build" / "export",
+    hf_tokenizer=ROOT / "build" / "tokenizer",
     quality_report=ROOT / "builder" / "reports" / "quality.json", engine="onnxruntime",
     raw_context_limit=0, max_new_tokens=0, kv_block_size=16, kv_capacity_sequences=16,
     max_concurrent_requests=16, max_queue_size=64, queue_wait_s=30.0, capacity_wait_s=5.0, idle_timeout_s=60.0, batch_delay_us=200,
@@ -120,6 +122,14 @@ def deployment_values(name: str, exported: ExportedModel, args, threshold: float
     }
 
 
+def write_hf_tokenizer(exported: ExportedModel, folder: Path) -> None:
+    """The tokenizer as a Hugging Face folder, for genai-perf's --tokenizer (token counts match ours)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(exported.path("tokenizer"), folder / "tokenizer.json")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+
+
 def assemble(args) -> Path:
     threshold = calibrated_threshold(Path(args.quality_report)) if args.threshold is None else args.threshold
     out = Path(args.out)
@@ -132,6 +142,8 @@ def assemble(args) -> Path:
             raise SystemExit(f"{name}: no TensorRT engine; run `python -m builder.tensorrt_build` first")
         context = args.raw_context_limit or trained_context(Path(args.checkpoints) / name)
         render_deployment(name, exported, staging, deployment_values(name, exported, args, threshold, context))
+        if name == args.deployments[0]:
+            write_hf_tokenizer(exported, Path(args.hf_tokenizer))
         print(f"{name}: checkpoint {exported.checkpoint_id}")
     retired = out.with_name(out.name + ".old")
     shutil.rmtree(retired, ignore_errors=True)

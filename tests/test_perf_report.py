@@ -50,9 +50,9 @@ def test_bench_report_writes_its_table_and_plots_from_earlier_runs(tmp_path):
     for length in (256, 896):
         export(tmp_path / f"ttft_{length}", "dualend", 1, length // 20)
         export(tmp_path / f"ttft_{length}", "baseline", 1, length // 10)
-    cell = {"pass": 0.5, "tokens_per_step_no_eos": 1.5}
-    quality = {"threshold": 0.5, "buckets": {"math/short": {"baseline_pass1": 0.6}},
-               "sweep": {str(t): {"tokens_per_step_no_eos": 2 - t, "cells": {"math/short": cell}} for t in (0.5, 1.0)}}
+    cell = {"pass": 0.5, "vs_baseline": {"diff": -0.1}}
+    quality = {"threshold": 0.5, "calibration_sweep": {
+        str(t): {"tokens_per_step_no_eos": 2 - t, "cells": {"math/short": cell}} for t in (-1.0, 0.5, 1.0)}}
     (tmp_path / "quality.json").write_text(json.dumps(quality))
     report = bench_report(["--out", str(tmp_path / "report"), "--sweep", str(tmp_path / "sweep"),
                            "--ttft", str(tmp_path / "ttft_256"), str(tmp_path / "ttft_896"),

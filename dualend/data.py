@@ -151,6 +151,8 @@ def sized_examples(family: str, split: str, seed: int, count_tokens: Callable[[s
         parts, estimate = [query.prompt], count_tokens(query.prompt)
         while estimate < target:  # the sum of the parts' lengths, checked whole below
             shot = rng.choice(shots)
+            if shot.prompt == query.prompt:  # never show the question with its answer
+                continue
             parts.insert(0, f"{shot.prompt}{shot.completion}\n\n")
             estimate += count_tokens(parts[0]) - 1
         prompt = "".join(parts)
@@ -163,10 +165,16 @@ def eval_set(family: str, count: int, seed: int = 0, split: str = "calibration")
     return distinct(examples(family, split, seed), count)
 
 
+def question(example: Example) -> str:
+    """What a prompt asks: after any solved examples, the last paragraph."""
+    return example.prompt.rsplit("\n\n", 1)[-1]
+
+
 def distinct(stream: Iterator[Example], count: int) -> list[Example]:
+    """The first `count` examples that ask distinct questions (solved examples before them aside)."""
     seen: dict[str, Example] = {}
     for example in stream:
-        seen.setdefault(example.prompt, example)
+        seen.setdefault(question(example), example)
         if len(seen) == count:
             return list(seen.values())
     raise AssertionError("unreachable")

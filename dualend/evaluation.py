@@ -95,6 +95,8 @@ def summary(outcomes: list[Outcome]) -> dict:
 def paired_difference(treated: list[Outcome], control: list[Outcome], draws: int = 4000,
                       seed: int = 0) -> dict:
     """Mean of treated - control pass (same examples), with a 95% paired bootstrap interval."""
+    if not treated:
+        return {"diff": float("nan"), "low": float("nan"), "high": float("nan")}
     diff = np.array([t.passed for t in treated], float) - np.array([c.passed for c in control], float)
     rng = np.random.default_rng(seed)
     means = diff[rng.integers(0, len(diff), size=(draws, len(diff)))].mean(1)

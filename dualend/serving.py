@@ -194,18 +194,21 @@ class Admission:
                                     f"waiting, the queue (max_queue_size {self.max_queue}) is full; retry later")
             ticket, started = object(), self.clock()
             self.waiting.append(ticket)
-            try:
-                while not (self.waiting[0] is ticket and self.running < self.max_running):
-                    if is_cancelled():
-                        raise Cancelled()
+        try:
+            while True:
+                with self._changed:
+                    if self.waiting[0] is ticket and self.running < self.max_running:
+                        self.running += 1
+                        return self.clock() - started
                     remaining = started + self.wait_s - self.clock()
                     if remaining <= 0:
                         raise CapacityError(f"server busy: waited {self.wait_s:g} s in the queue (queue_wait_s) "
                                             f"for one of {self.max_running} places; retry later")
                     self._changed.wait(min(remaining, 0.05))
-                self.running += 1
-                return self.clock() - started
-            finally:
+                if is_cancelled():  # outside the lock: it may be a round trip to the server
+                    raise Cancelled()
+        finally:
+            with self._changed:
                 self.waiting.remove(ticket)
                 self._changed.notify_all()
 

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
     python3 -m venv .venv-genai
     .venv-genai/bin/pip install -q "genai-perf==0.0.16" "tritonclient[all]==2.51.0"
 }
-[ -f build/tokenizer/tokenizer.json ] || .venv/bin/python -m builder.assemble
+[ -f build/tokenizer/tokenizer.json ] || { echo "genai_perf.sh: no build/tokenizer; run .venv/bin/python -m builder.assemble" >&2; exit 1; }
 source client/perf_env.sh   # perf_analyzer 2.51.0 on PATH, libcudart on LD_LIBRARY_PATH
 out=${OUT:-build/genai-perf/$(date +%Y%m%d-%H%M%S)}
 .venv-genai/bin/genai-perf profile -m "${MODEL:-dualend}" --endpoint-type kserve --backend tensorrtllm \

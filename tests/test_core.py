@@ -10,7 +10,8 @@ from builder.assemble import max_sequence_latents
 from builder.train import convert_baseline, main as train_main
 from conftest import tiny_model
 from dualend.checkpoint import Checkpoint, load_checkpoint
-from dualend.data import FAMILIES, Example, examples, extract_answer, run_python, sized_examples, split_of
+from dualend.data import (FAMILIES, Example, examples, extract_answer, question, run_python, sized_examples,
+                          split_of)
 from dualend.decode import (BackboneOutput, InvalidRequest, SamplingParams, TextStream, gate,
                             generate, generate_text, pad_prompt)
 from dualend.evaluation import (Outcome, outcome, paired_difference, reliability, summary,
@@ -36,11 +37,6 @@ def test_train_calibration_and_report_splits_are_disjoint(family):
     assert all(split_of(family, p) == "report" for p in report)
 
 
-def _question(example: Example) -> str:
-    """The question a long math or code prompt ends with, after its solved examples."""
-    return example.prompt.rsplit("\n\n", 1)[-1]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sized_examples_are_in_range_and_keep_their_split(family):
     def count(prompt):
@@ -48,14 +44,16 @@ def test_sized_examples_are_in_range_and_keep_their_split(family):
 
     long = list(itertools.islice(sized_examples(family, "report", 0, count, 150, 220), 20))
     assert all(150 <= count(e.prompt) <= 220 for e in long)
-    train_questions = {_question(e) for e in itertools.islice(examples(family, "train", seed=0), 3000)}
-    assert all(split_of(family, _question(e)) == "report" for e in long)
-    assert not {_question(e) for e in long} & train_questions
+    train_questions = {question(e) for e in itertools.islice(examples(family, "train", seed=0), 3000)}
+    assert all(split_of(family, question(e)) == "report" for e in long)
+    assert not {question(e) for e in long} & train_questions
+    for example in long:  # the question is never among the solved examples before it
+        assert f"{question(example)}{example.completion}" not in example.prompt
     if family == "math":
         for example in long:  # every solved example in the prompt is worked right
             for shot in example.prompt.split("\n\n")[:-1]:
-                question, answer = shot.removeprefix("Q: ").split("\nA:")
-                assert extract_answer("math", answer) == str(eval(question))
+                asked, answer = shot.removeprefix("Q: ").split("\nA:")
+                assert extract_answer("math", answer) == str(eval(asked))
 
 
 def test_math_answers_are_right():

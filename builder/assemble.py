@@ -95,12 +95,11 @@ def trained_context(checkpoint_dir: Path) -> int:
     return int(recipe["context"])
 
 
-def deployment_values(name: str, exported: ExportedModel, args, threshold: float, context: int) -> dict:
-    """Template values; raw_context_limit defaults to the context the checkpoint was trained at and
-    max_new_tokens to the whole limit (prompt + max_tokens <= raw_context_limit is checked per request)."""
+def deployment_values(name: str, exported: ExportedModel, args, threshold: float, raw_context_limit: int) -> dict:
+    """Template values; max_new_tokens defaults to the whole limit (prompt + max_tokens <=
+    raw_context_limit is checked per request)."""
     settings = exported.settings
     pair_size = settings["pair_size"]
-    raw_context_limit = args.raw_context_limit or context
     max_new_tokens = args.max_new_tokens or raw_context_limit
     latent_limit = raw_context_limit // pair_size
     return {
@@ -140,8 +139,9 @@ def assemble(args) -> Path:
         exported = up_to_date_export(Path(args.checkpoints) / name, Path(args.export_dir) / name)
         if args.engine == "tensorrt" and not (exported.directory / "backbone" / "model.plan").exists():
             raise SystemExit(f"{name}: no TensorRT engine; run `python -m builder.tensorrt_build` first")
-        context = args.raw_context_limit or trained_context(Path(args.checkpoints) / name)
-        render_deployment(name, exported, staging, deployment_values(name, exported, args, threshold, context))
+        # raw_context_limit defaults to the context the checkpoint was trained at
+        limit = args.raw_context_limit or trained_context(Path(args.checkpoints) / name)
+        render_deployment(name, exported, staging, deployment_values(name, exported, args, threshold, limit))
         if name == args.deployments[0]:
             write_hf_tokenizer(exported, Path(args.hf_tokenizer))
         print(f"{name}: checkpoint {exported.checkpoint_id}")

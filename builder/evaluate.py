@@ -152,13 +152,10 @@ def text_losses(models: dict, context: int, chunks: int, threshold: float, seed:
     bos = tokenizer.bos_id
     runs = {"baseline": (models["baseline"], 1.0), "accept_all": (models["dualend"], -1.0),
             "chosen": (models["dualend"], threshold), "drafting_off": (models["dualend"], 1.0)}
-    tables, accept_all = {}, None
-    for name, (model, t) in tqdm(runs.items(), desc="text"):
-        loss = teacher_forced_text(model, bos, texts, t)
-        tables[name] = loss_by_position(loss, context - 1)
-        accept_all = loss if name == "accept_all" else accept_all
-    tables["chunks"] = chunks
-    return tables, reliability(accept_all.confidence, accept_all.draft_right)
+    losses = {name: teacher_forced_text(model, bos, texts, t) for name, (model, t) in tqdm(runs.items(), desc="text")}
+    tables = {name: loss_by_position(loss, context - 1) for name, loss in losses.items()}
+    every_draft = losses["accept_all"]
+    return {**tables, "chunks": chunks}, reliability(every_draft.confidence, every_draft.draft_right)
 
 
 def main(argv=None) -> dict:

@@ -33,7 +33,7 @@ def prompts_of_length(tokenizer, lengths: list[int], seed: int) -> list[str]:
         ids = tokenizer.encode(next(chunks))
         while True:
             text = tokenizer.decode(ids[: length - 1])
-            if len(tokenizer.encode_prompt(text)) == length:
+            if tokenizer.prompt_length(text) == length:
                 texts.append(text)
                 break
             ids = ids[1:]  # a cut that re-tokenizes differently: try one token later

@@ -295,16 +295,19 @@ class Generation:
     accepted: int = 0
     finish_reason: str = ""
 
+    def add(self, tokens: list[int], steps: int, drafts: int, accepted: int, finish_reason: str | None) -> None:
+        self.tokens += tokens
+        self.steps += steps
+        self.drafts += drafts
+        self.accepted += accepted
+        self.finish_reason = finish_reason or self.finish_reason
+
 
 def generate_text(components: Components, tokenizer: TextTokenizer, prompt: str,
                   params: SamplingParams, threshold: float) -> Generation:
     """Whole generation as text, for evaluation, tests and offline checks."""
     result = Generation()
     for chunk in stream_chunks(components, tokenizer, tokenizer.encode_prompt(prompt), params, threshold):
-        result.tokens += chunk.tokens
-        result.steps += chunk.steps
-        result.drafts += chunk.drafts
-        result.accepted += chunk.accepted
-        result.finish_reason = chunk.finish_reason or ""
+        result.add(chunk.tokens, chunk.steps, chunk.drafts, chunk.accepted, chunk.finish_reason)
     result.text = tokenizer.decode(result.tokens)
     return result

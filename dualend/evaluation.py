@@ -53,13 +53,11 @@ def outcome(example: Example, tokenizer: TextTokenizer, generations: list[Genera
 def bucket_set(family: str, bucket: str, split: str, count: int, tokenizer: TextTokenizer,
                context: int, seed: int = 0) -> list[Example]:
     """`count` distinct examples of a held-out split whose prompts fall in a length bucket."""
-    def prompt_tokens(prompt: str) -> int:
-        return len(tokenizer.encode_prompt(prompt))
-
     if bucket == "short":
-        stream = (e for e in examples(family, split, seed) if prompt_tokens(e.prompt) < SHORT_PROMPT_TOKENS)
+        stream = (e for e in examples(family, split, seed) if tokenizer.prompt_length(e.prompt) < SHORT_PROMPT_TOKENS)
     else:
-        stream = sized_examples(family, split, seed, prompt_tokens, context // 2 + 1, context - MAX_ANSWER_TOKENS)
+        stream = sized_examples(family, split, seed, tokenizer.prompt_length, context // 2 + 1,
+                                context - MAX_ANSWER_TOKENS)
     return distinct(stream, count)
 
 

@@ -158,7 +158,7 @@ def generate_batch(batch: TorchBatch, params: list[SamplingParams], threshold: f
     decoders = [SequenceDecoder(cfg.pair_size, cfg.pad_id, cfg.eos_id, cfg.bos_id, p, threshold, int(n))
                 for p, n in zip(params, batch.prompt_pairs)]
     results = [Generation() for _ in decoders]
-    running = list(range(len(decoders)))
+    running = set(range(len(decoders)))
     idle_pair = [cfg.pad_id] * cfg.pair_size
     logits, _ = batch.restart()
     while running:
@@ -170,14 +170,9 @@ def generate_batch(batch: TorchBatch, params: list[SamplingParams], threshold: f
         for row in list(running):
             step = (decoders[row].complete(t1[row], draft_logits[row], float(confidence[row])) if row in wants
                     else decoders[row].complete(t1[row]))
-            result = results[row]
-            result.tokens += step.tokens
-            result.steps += 1
-            result.drafts += step.drafted
-            result.accepted += step.accepted
+            results[row].add(step.tokens, 1, step.drafted, step.accepted, step.finish_reason)
             if step.finish_reason is not None:
-                result.finish_reason = step.finish_reason
-                running.remove(row)
+                running.discard(row)
         if running:
             logits, _ = batch.step(np.array([decoders[r].next_pair if r in running else idle_pair
                                              for r in range(len(decoders))]))

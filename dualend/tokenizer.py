@@ -51,6 +51,10 @@ class TextTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         return [self.bos_id, *self.encode(text)]
 
+    def prompt_length(self, text: str) -> int:
+        """Tokens the prompt holds as served (BOS included), the unit of every length limit."""
+        return len(self.encode_prompt(text))
+
     def decode(self, ids: Iterable[int]) -> str:
         specials = (self.pad_id, self.bos_id, self.eos_id)
         return self.tokenizer.decode([i for i in ids if i not in specials], skip_special_tokens=False)

@@ -16,6 +16,7 @@ from .tokenizer import TextTokenizer
 IGNORE = -100
 MAX_COMPLETION_TOKENS = 64  # room left after a long prompt for its answer
 TRAIN_MIX = ("math", "lookup", "lookup", "code", "code")  # families drawn with these weights
+LONG_TEXT_FRACTION = 0.25  # at least this share of long rows is text, whatever the short mix
 
 
 @dataclass
@@ -58,11 +59,7 @@ def long_sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float
     examples, and text."""
     rng = random.Random(seed)
     budget = max_tokens - MAX_COMPLETION_TOKENS
-
-    def count(prompt: str) -> int:
-        return len(tokenizer.encode_prompt(prompt))
-
-    streams = {f: sized_examples(f, "train", seed, count, min_tokens, budget) for f in families}
+    streams = {f: sized_examples(f, "train", seed, tokenizer.prompt_length, min_tokens, budget) for f in families}
     text = stdlib_chunks("train", chunk_chars=5 * max_tokens, seed=seed)
     while True:
         if rng.random() < text_fraction:
@@ -82,7 +79,7 @@ def batch_stream(tokenizer: TextTokenizer, seed: int, *, batch_size: int, text_f
     rng = random.Random(seed)
     short = sample_stream(tokenizer, seed, text_fraction, short_tokens, families=TRAIN_MIX)
     edges = [short_tokens + (context - short_tokens) * i // long_buckets for i in range(long_buckets + 1)]
-    long = [long_sample_stream(tokenizer, seed + i, max(text_fraction, 0.25), edges[i] + 1, edges[i + 1],
+    long = [long_sample_stream(tokenizer, seed + i, max(text_fraction, LONG_TEXT_FRACTION), edges[i] + 1, edges[i + 1],
                                TRAIN_MIX)
             for i in range(long_buckets)] if context > short_tokens else []
     while True:

@@ -31,9 +31,9 @@ DEFAULTS = dict(
     checkpoints=ROOT / "checkpoints", out=ROOT / "build" / "model_repository", export_dir=ROOT / "build" / "export",
     hf_tokenizer=ROOT / "build" / "tokenizer",
     quality_report=ROOT / "builder" / "reports" / "quality.json", engine="onnxruntime",
-    raw_context_limit=0, max_new_tokens=0, kv_block_size=16, kv_capacity_sequences=16,
-    max_concurrent_requests=16, max_queue_size=64, queue_wait_s=30.0, capacity_wait_s=5.0, idle_timeout_s=60.0, batch_delay_us=200,
-    engine_threads=2, backbone_instances=1, preprocessing_instances=1,
+    raw_context_limit=0, max_new_tokens=0, kv_block_size=16, kv_capacity_sequences=32,
+    max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
+    engine_threads=2, preprocessing_instances=1,
 )
 DEPLOYMENTS = ("dualend", "baseline")
 # Triton model suffix -> (source folder, components copied into its version folder)
@@ -103,21 +103,21 @@ def deployment_values(name: str, exported: ExportedModel, args, threshold: float
     max_new_tokens = args.max_new_tokens or raw_context_limit
     latent_limit = raw_context_limit // pair_size
     return {
-        "max_sequence_latents": max_sequence_latents(raw_context_limit, max_new_tokens, pair_size),
         "deployment": name, "checkpoint_id": exported.checkpoint_id, "pair_size": pair_size,
-        "d_model": settings["d_model"],
+        "d_model": settings["d_model"], "vocab_size": settings["vocab_size"],
         "extra_draft_tokens": pair_size - 1,
         "acceptance_threshold": threshold if pair_size == 2 else 1.0,
         "raw_context_limit": raw_context_limit, "effective_latent_limit": latent_limit,
         "max_new_tokens": max_new_tokens, "kv_block_size": args.kv_block_size,
         "kv_capacity_blocks": args.kv_capacity_sequences * math.ceil(
             max_sequence_latents(raw_context_limit, max_new_tokens, pair_size) / args.kv_block_size),
-        "max_concurrent_requests": args.max_concurrent_requests, "capacity_wait_s": args.capacity_wait_s,
+        "max_concurrent_requests": args.max_concurrent_requests,
+        "prefill_chunk_latents": max(1, args.prefill_chunk_tokens // pair_size),
         "max_queue_size": args.max_queue_size, "queue_wait_s": args.queue_wait_s,
-        "idle_timeout_s": args.idle_timeout_s, "idle_timeout_us": int(args.idle_timeout_s * 1e6),
-        "batch_delay_us": args.batch_delay_us, "engine": args.engine, "engine_threads": args.engine_threads,
+        "idle_timeout_s": args.idle_timeout_s,
+        "engine": args.engine, "engine_threads": args.engine_threads,
         "compressor_engine": "onnxruntime",  # only the backbone is compiled to TensorRT
-        "backbone_instances": args.backbone_instances, "preprocessing_instances": args.preprocessing_instances,
+        "preprocessing_instances": args.preprocessing_instances,
     }
 
 

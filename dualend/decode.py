@@ -244,6 +244,15 @@ class TextStream:
         released, self.pending = ([] if self.stopped else self.pending), []
         return released
 
+    def chunk(self, step: "Step") -> "Chunk":
+        """What one decode step shows the user; the last chunk (finished, or a stop word) carries
+        everything still held back."""
+        chunk = Chunk(self.push(step.tokens), 1, int(step.drafted), int(step.accepted),
+                      "stop" if self.stopped else step.finish_reason)
+        if chunk.finish_reason is not None:
+            chunk.tokens += self.finish()
+        return chunk
+
     def _take(self, limit: int, final: bool) -> list[int]:
         """Releases the longest prefix of pending tokens whose text fits in `limit` characters."""
         count = 0
@@ -275,10 +284,7 @@ def stream_chunks(components: Components, tokenizer: TextTokenizer, prompt_ids: 
     steps = generate(components, prompt_ids, params, threshold, prompt_latents)
     try:
         for step in steps:
-            chunk = Chunk(text.push(step.tokens), 1, int(step.drafted), int(step.accepted),
-                          "stop" if text.stopped else step.finish_reason)
-            if chunk.finish_reason is not None:
-                chunk.tokens += text.finish()
+            chunk = text.chunk(step)
             yield chunk
             if chunk.finish_reason is not None:
                 return

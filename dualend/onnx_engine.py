@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .decode import BackboneOutput
-from .kv_pool import KVPool, gather_past
+from .decode import BackboneOutput, CapacityError
+from .kv_pool import KVPool, UnknownSequence, gather_past
 from .manifest import Manifest, verify_component, verify_siblings
 from .tokenizer import TextTokenizer
 
@@ -68,11 +68,33 @@ class ExportedModel:
         return TextTokenizer.from_json(self.path("tokenizer").read_text(encoding="utf-8"))
 
 
+@dataclass
+class BackboneBatch:
+    """One call to the backbone: new latents of several sequences, one segment each.
+
+    A segment with `reserve_slots` > 0 starts its sequence (its first prefill chunk); a decode
+    step is a segment of one latent. `releases` are freed before anything runs.
+    """
+    sequence_ids: list[int]
+    latents: np.ndarray          # [sum(counts), D], the segments one after the other
+    counts: list[int]            # new latents per sequence
+    reserve_slots: list[int]     # per sequence: KV slots to reserve at its start, else 0
+    releases: list[int]
+
+
+@dataclass
+class BackboneResult:
+    logits: np.ndarray           # [B, V] at each segment's last latent
+    hidden: np.ndarray           # [B, D]
+    errors: list[str]            # per sequence, "" when it ran
+
+
 class BackboneRunner:
     """Prefill and batched decode steps over the backbone engine; KV lives in `pool`."""
 
-    def __init__(self, session, pool: KVPool):
+    def __init__(self, session, pool: KVPool, vocab_size: int, d_model: int):
         self.session, self.pool = session, pool
+        self.vocab_size, self.d_model = vocab_size, d_model
 
     def prefill(self, seq_id: int, latents: np.ndarray, reserve_slots: int) -> BackboneOutput:
         # latents: [n, D]
@@ -90,6 +112,44 @@ class BackboneRunner:
     def release(self, seq_id: int) -> bool:
         return self.pool.release(seq_id)
 
+    def run_batch(self, batch: BackboneBatch) -> BackboneResult:
+        """Every single-latent segment in one engine call; each longer prefill chunk in its own.
+        A sequence that fails (cache full, unknown) fails alone, with its message in `errors`."""
+        for seq_id in batch.releases:
+            self.pool.release(seq_id)
+        size = len(batch.sequence_ids)
+        result = BackboneResult(np.zeros((size, self.vocab_size), np.float32),
+                                np.zeros((size, self.d_model), np.float32), [""] * size)
+        starts = np.concatenate([[0], np.cumsum(batch.counts)]).astype(int)
+        singles, chunks, started = [], [], []
+        for row, (seq_id, reserve) in enumerate(zip(batch.sequence_ids, batch.reserve_slots)):
+            try:
+                if reserve > 0:
+                    self.pool.reserve(seq_id, max(reserve, batch.counts[row]))
+                    started.append(row)
+                else:
+                    self.pool.get(seq_id)
+            except (CapacityError, UnknownSequence, ValueError) as error:
+                result.errors[row] = str(error).strip("'\"")
+                continue
+            (singles if batch.counts[row] == 1 else chunks).append(row)
+        latents = np.asarray(batch.latents, np.float32)
+        groups = ([singles] if singles else []) + [[row] for row in chunks]
+        for rows in groups:
+            segments = np.stack([latents[starts[r]:starts[r + 1]] for r in rows])  # [b, S, D]
+            try:
+                outputs = self._run([batch.sequence_ids[r] for r in rows], segments)
+            except Exception as error:  # noqa: BLE001 - the group fails, the other groups run
+                for row in rows:
+                    result.errors[row] = f"backbone engine failed: {error}"
+                continue
+            for row, out in zip(rows, outputs):
+                result.logits[row], result.hidden[row] = out.logits, out.hidden
+        for row in started:  # a sequence whose first chunk failed holds nothing
+            if result.errors[row]:
+                self.pool.release(batch.sequence_ids[row])
+        return result
+
     def _run(self, seq_ids: list[int], latents: np.ndarray) -> list[BackboneOutput]:
         # latents: [B, S, D]
         past_keys, past_values, past_valid, lengths = gather_past(self.pool, seq_ids)
@@ -104,18 +164,26 @@ class BackboneRunner:
 
 
 class MTPRunner:
-    """One MTP head step per call; its own one-layer KV cache per sequence lives in `pool`."""
+    """MTP head steps, one or a batch of sequences per call; its own one-layer KV cache per
+    sequence lives in `pool`."""
 
     def __init__(self, session, pool: KVPool):
         self.session, self.pool = session, pool
 
     def step(self, seq_id: int, t1: int, hidden: np.ndarray, position: int) -> tuple[np.ndarray, float]:
-        past_keys, past_values, past_valid, _ = gather_past(self.pool, [seq_id])
-        feeds = dict(zip(MTP_INPUTS, (np.array([[t1]], np.int64), np.asarray(hidden, np.float32)[None, None],
-                                      np.array([[position]], np.int64), past_keys, past_values, past_valid)))
-        logits, confidence, present_keys, present_values = self.session.run(MTP_OUTPUTS, feeds)
-        self.pool.append(seq_id, present_keys[0], present_values[0])
+        logits, confidence = self.step_batch([seq_id], np.array([t1]), np.asarray(hidden)[None], np.array([position]))
         return logits[0], float(confidence[0])
+
+    def step_batch(self, seq_ids: list[int], t1: np.ndarray, hidden: np.ndarray,
+                   positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # t1: [B]; hidden: [B, D]; positions: [B] -> logits [B, V], confidence [B]
+        past_keys, past_values, past_valid, _ = gather_past(self.pool, seq_ids)
+        feeds = dict(zip(MTP_INPUTS, (np.asarray(t1, np.int64)[:, None], np.asarray(hidden, np.float32)[:, None],
+                                      np.asarray(positions, np.int64)[:, None], past_keys, past_values, past_valid)))
+        logits, confidence, present_keys, present_values = self.session.run(MTP_OUTPUTS, feeds)
+        for row, seq_id in enumerate(seq_ids):
+            self.pool.append(seq_id, present_keys[row], present_values[row])
+        return logits, confidence
 
 
 def kv_slot_shape(settings: dict, layers: int) -> tuple[int, int, int]:
@@ -172,6 +240,9 @@ class MTPComponent:
     def open_mtp(self, max_steps: int) -> _MTPSession:
         return _MTPSession(self.mtp, next(self._ids), max_steps)
 
+    def mtp_pool_sequences(self) -> int:
+        return 0 if self.mtp is None else len(self.mtp.pool.sequences)
+
 
 class OnnxComponents(MTPComponent):
     """The in-process engine: every component on ONNX Runtime, no server."""
@@ -183,7 +254,8 @@ class OnnxComponents(MTPComponent):
         pool = KVPool(kv_slot_shape(exported.settings, exported.settings["n_layers"]),
                       capacity_blocks=kv_capacity_blocks)
         # The only multi-threaded session in this process, so its threads may spin between steps.
-        self.backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning=True), pool)
+        self.backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning=True), pool,
+                                       exported.settings["vocab_size"], exported.settings["d_model"])
 
     def open_backbone(self) -> _BackboneSession:
         return _BackboneSession(self.backbone, next(self._ids))

@@ -5,13 +5,8 @@ The Triton models in model_repository/ are thin adapters over these functions.
 from __future__ import annotations
 
 import json
-import threading
-import time
-from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
-
 import numpy as np
 
 from .decode import CapacityError, Chunk, InvalidRequest, SamplingParams, pad_prompt
@@ -145,74 +140,28 @@ class Response:
         return out
 
 
-def responses(chunks: Iterable[Chunk], request: PreparedRequest, num_prompt_latents: int) -> Iterator[Response]:
-    """Streaming: one response per chunk. Otherwise one response with everything.
+class ResponseStream:
+    """One request's chunks -> its responses: one per chunk when streaming, otherwise one with
+    everything when the last chunk arrives. The prompt, unless excluded, leads the first response;
+    it is not counted as output."""
 
-    The prompt, unless excluded, leads the first response; it is not counted as output.
-    """
-    prompt_echo = [] if request.exclude_input_in_output else list(request.prompt_ids)
-    fixed = {"num_prompt_tokens": len(request.prompt_ids), "num_prompt_latents": num_prompt_latents}
-    total = Response(prompt_echo, {name: 0 for name in COUNTERS[:4]} | fixed, None)
-    for chunk in chunks:
+    def __init__(self, request: PreparedRequest, num_prompt_latents: int):
+        self.stream = request.stream
+        self.prompt_echo = [] if request.exclude_input_in_output else list(request.prompt_ids)
+        self.fixed = {"num_prompt_tokens": len(request.prompt_ids), "num_prompt_latents": num_prompt_latents}
+        self.total = Response([], {name: 0 for name in COUNTERS[:4]} | self.fixed, None)
+
+    def add(self, chunk: Chunk) -> Response | None:
         part = {"num_output_tokens": len(chunk.tokens), "num_drafts": chunk.drafts,
                 "num_accepted_drafts": chunk.accepted, "num_steps": chunk.steps}
-        if request.stream:
-            yield Response(prompt_echo + chunk.tokens, part | fixed, chunk.finish_reason)
-            prompt_echo = []
-        else:
-            total.output_ids += chunk.tokens
-            total.counters = {k: total.counters[k] + part.get(k, 0) for k in total.counters}
-            total.finish_reason = chunk.finish_reason
-    if not request.stream:
-        yield total
-
-
-
-class Cancelled(Exception):
-    """The client went away (or the server is stopping) before the request finished."""
-
-
-class Admission:
-    """At most `max_running` requests run at once; up to `max_queue` more wait for a place, in
-    arrival order, each for at most `wait_s`. A request is refused only when the queue is full or
-    its wait runs out, and the message says which."""
-
-    def __init__(self, max_running: int, max_queue: int, wait_s: float, clock=time.monotonic):
-        self.max_running, self.max_queue, self.wait_s, self.clock = max_running, max_queue, wait_s, clock
-        self.running = 0
-        self.waiting: deque[object] = deque()
-        self._changed = threading.Condition()
-
-    def acquire(self, is_cancelled=lambda: False) -> float:
-        """Blocks until the request may run; returns the seconds it waited."""
-        with self._changed:
-            if self.running < self.max_running and not self.waiting:
-                self.running += 1
-                return 0.0
-            if len(self.waiting) >= self.max_queue:
-                raise CapacityError(f"server busy: {self.running} requests running and {len(self.waiting)} "
-                                    f"waiting, the queue (max_queue_size {self.max_queue}) is full; retry later")
-            ticket, started = object(), self.clock()
-            self.waiting.append(ticket)
-        try:
-            while True:
-                with self._changed:
-                    if self.waiting[0] is ticket and self.running < self.max_running:
-                        self.running += 1
-                        return self.clock() - started
-                    remaining = started + self.wait_s - self.clock()
-                    if remaining <= 0:
-                        raise CapacityError(f"server busy: waited {self.wait_s:g} s in the queue (queue_wait_s) "
-                                            f"for one of {self.max_running} places; retry later")
-                    self._changed.wait(min(remaining, 0.05))
-                if is_cancelled():  # outside the lock: it may be a round trip to the server
-                    raise Cancelled()
-        finally:
-            with self._changed:
-                self.waiting.remove(ticket)
-                self._changed.notify_all()
-
-    def release(self) -> None:
-        with self._changed:
-            self.running -= 1
-            self._changed.notify_all()
+        if self.stream:
+            response = Response(self.prompt_echo + chunk.tokens, part | self.fixed, chunk.finish_reason)
+            self.prompt_echo = []
+            return response
+        self.total.output_ids += chunk.tokens
+        self.total.counters = {k: self.total.counters[k] + part.get(k, 0) for k in self.total.counters}
+        if chunk.finish_reason is None:
+            return None
+        self.total.finish_reason = chunk.finish_reason
+        self.total.output_ids = self.prompt_echo + self.total.output_ids
+        return self.total

@@ -3,6 +3,8 @@ import time
 import pytest
 import torch
 
+from builder.export import export_checkpoint
+from dualend.checkpoint import Checkpoint
 from dualend.data import FAMILIES, eval_set
 from dualend.model import LanguageModel, ModelConfig
 from dualend.tokenizer import TextTokenizer, train_tokenizer
@@ -25,6 +27,18 @@ def tiny_model(tokenizer: TextTokenizer, pair_size: int, seed: int = 0) -> Langu
                       eos_id=tokenizer.eos_id, pair_size=pair_size, d_model=32, n_layers=2, n_heads=2,
                       ffn_hidden=64)
     return LanguageModel(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def exported(tiny_tokenizer, tmp_path_factory):
+    """An untrained baseline and dual-end model, exported: {name: (checkpoint, directory)}."""
+    root = tmp_path_factory.mktemp("export")
+    out = {}
+    for name, pair_size in (("baseline", 1), ("dualend", 2)):
+        checkpoint = Checkpoint(tiny_model(tiny_tokenizer, pair_size, seed=pair_size), tiny_tokenizer)
+        export_checkpoint(checkpoint, root / name)
+        out[name] = (checkpoint, root / name)
+    return out
 
 
 def wait_for(condition, timeout_s=10.0, poll_s=0.05) -> bool:

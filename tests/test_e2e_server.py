@@ -15,7 +15,7 @@ import pytest
 from builder.assemble import DEFAULTS, main as assemble_main
 from client.api import RequestError, generate_http, metric_value, stream_grpc, stream_http
 from conftest import wait_for
-from dualend.data import FAMILIES, eval_set
+from dualend.data import FAMILIES, eval_set, sized_examples
 from dualend.decode import SamplingParams, generate_text
 from dualend.launch import TritonServer
 from dualend.onnx_engine import OnnxComponents
@@ -30,8 +30,9 @@ DEPLOYMENTS = ("dualend", "baseline")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
     repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(root / "repository"),
-                                "--export-dir", str(root / "export"), "--capacity-wait-s", "0.5",
-                                "--raw-context-limit", "512", "--max-new-tokens", "256"])
+                                "--export-dir", str(root / "export"), "--max-concurrent-requests", "16",
+                                "--raw-context-limit", "512", "--max-new-tokens", "256",
+                                "--prefill-chunk-tokens", "64"])
     with TritonServer(repository, log_file=root / "server.log") as triton:
         triton.export_dir = root / "export"
         triton.repository = repository
@@ -208,30 +209,49 @@ def test_a_backbone_from_another_checkpoint_is_refused_and_the_rest_keeps_servin
 
 
 def test_busy_server_refuses_clearly_and_the_running_stream_loses_nothing(tmp_path):
-    """Room for one long sequence, two requests running and none queued: a request that needs more
-    KV than is free waits, then fails saying so; one over the limit with the queue full is refused
-    at once; a small request still fits beside the long one, which runs to the end."""
+    """Room in the KV cache for one long sequence, one place in the queue: a request that needs more
+    KV than is free waits, then is refused saying why; one more while it waits finds the queue full;
+    a small request fits beside the long one once the queue is clear, and the long one runs to the end."""
     repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
                                 "--export-dir", str(tmp_path / "export"), "--deployments", "dualend",
                                 "--raw-context-limit", "2048", "--max-new-tokens", "2048",
                                 "--kv-capacity-sequences", "1", "--max-concurrent-requests", "2",
-                                "--max-queue-size", "0", "--capacity-wait-s", "1"])
+                                "--max-queue-size", "1", "--queue-wait-s", "1"])
     with TritonServer(repository, log_file=tmp_path / "server.log") as busy, ThreadPoolExecutor(2) as pool:
         long_stream = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[0], 2000, ignore_eos=True,
                                   acceptance_threshold=1.0, exclude_input_in_output=True)
         assert wait_for(lambda: metric(busy, "dualend_kv_live_sequences", "dualend_backbone") == 1)
         waiting = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[2], 500)
         time.sleep(0.3)
-        with pytest.raises(RequestError, match=r"server busy: 2 requests running and 0 waiting, the queue "
-                                               r"\(max_queue_size 0\) is full; retry later"):
+        with pytest.raises(RequestError, match=r"server busy: 1 requests running and 1 waiting, the queue "
+                                               r"\(max_queue_size 1\) is full; retry later"):
             stream_grpc(busy.grpc_url, "dualend", PROMPTS[1], 8)
-        with pytest.raises(RequestError, match="KV cache full: the request needs .* retry later or lower max_tokens"):
+        with pytest.raises(RequestError, match=r"waited 1 s in the queue \(queue_wait_s\) for a place \(1 of 2 "
+                                               r"taken\) and room in the KV cache .* retry later or lower max_tokens"):
             waiting.result()
         assert not long_stream.done(), "the long stream must still be running for this test to mean anything"
         assert stream_grpc(busy.grpc_url, "dualend", PROMPTS[1], 8).output_tokens > 0  # fits the free blocks
         result = long_stream.result()
         assert result.finish_reason == "length" and result.output_tokens == 2000
         assert busy.is_ready()
+
+
+def test_a_long_prompt_arriving_during_decoding_streams_beside_the_others(server, engines):
+    """A prompt near the limit is prefilled in chunks of 64 tokens between decode steps: the streams
+    already running keep their text, and the newcomer's text equals the engine's."""
+    tokenizer = engines["dualend"].exported.tokenizer()
+    long_prompt = next(sized_examples("lookup", "report", 11, tokenizer.prompt_length, 400, 440)).prompt
+    jobs = [(PROMPTS[i % len(PROMPTS)], 120) for i in range(4)]
+    with ThreadPoolExecutor(5) as pool:
+        running = [pool.submit(stream_grpc, server.grpc_url, "dualend", p, n, ignore_eos=True,
+                               exclude_input_in_output=True) for p, n in jobs]
+        assert wait_for(lambda: metric(server, "dualend_kv_live_sequences", "dualend_backbone") >= 4)
+        newcomer = stream_grpc(server.grpc_url, "dualend", long_prompt, 32, exclude_input_in_output=True)
+        assert not all(job.done() for job in running), "the others must still be decoding"
+        results = [job.result() for job in running]
+    assert newcomer.text == engine_text(server, engines, "dualend", long_prompt, 32).text
+    for (prompt, max_tokens), result in zip(jobs, results):
+        assert result.text == engine_text(server, engines, "dualend", prompt, max_tokens, ignore_eos=True).text
 
 
 def test_hot_reload_drains_swaps_the_checkpoint_and_refuses_an_inconsistent_repository(tmp_path):

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_model
 from builder.export import export_checkpoint
 from dualend.checkpoint import Checkpoint
 from dualend.decode import CapacityError, SamplingParams, generate_text
@@ -16,17 +15,6 @@ from dualend.onnx_engine import ExportedModel, OnnxComponents
 from dualend.reference import TorchComponents
 
 PROMPTS = ["Q: 1+2+3\nA:", "get ab\nA:", "def f(x):\n    return x + 1\nprint(f(2))\n# output:"]
-
-
-@pytest.fixture(scope="module")
-def exported(tiny_tokenizer, tmp_path_factory):
-    root = tmp_path_factory.mktemp("export")
-    out = {}
-    for name, pair_size in (("baseline", 1), ("dualend", 2)):
-        checkpoint = Checkpoint(tiny_model(tiny_tokenizer, pair_size, seed=pair_size), tiny_tokenizer)
-        export_checkpoint(checkpoint, root / name)
-        out[name] = (checkpoint, root / name)
-    return out
 
 
 @pytest.mark.parametrize("name", ["baseline", "dualend"])

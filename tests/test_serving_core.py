@@ -1,15 +1,12 @@
-"""The serving core without Triton: request validation, response shaping, admission,
-and the TensorRT path (skipped, with the reason, where there is no GPU)."""
-import threading
+"""The serving core without Triton: request validation, response shaping, and the TensorRT path (skipped, with the reason, where there is no GPU)."""
 import time
 
 import numpy as np
 import pytest
 
 from builder.tensorrt_build import main as tensorrt_main
-from conftest import wait_for
-from dualend.decode import CapacityError, Chunk, InvalidRequest
-from dualend.serving import Admission, Cancelled, Limits, PreparedRequest, prepare_request, responses
+from dualend.decode import Chunk, InvalidRequest
+from dualend.serving import Limits, PreparedRequest, ResponseStream, prepare_request
 from dualend.tensorrt_engine import gpu_available
 
 LIMITS = Limits(raw_context_limit=64, pair_size=2, max_new_tokens=32)
@@ -60,7 +57,8 @@ CHUNKS = [Chunk([7, 8], 1, 1, 1), Chunk([9], 1, 1, 0), Chunk([], 1, 0, 0, "eos")
 
 
 def test_streaming_sends_one_response_per_step_and_marks_the_last():
-    out = list(responses(iter(CHUNKS), _request(stream=True), num_prompt_latents=2))
+    stream = ResponseStream(_request(stream=True), num_prompt_latents=2)
+    out = [stream.add(chunk) for chunk in CHUNKS]
     assert [r.output_ids for r in out] == [[7, 8], [9], []]
     assert [r.finish_reason for r in out] == [None, None, "eos"]
     assert [r.counters["num_output_tokens"] for r in out] == [2, 1, 0]
@@ -68,7 +66,9 @@ def test_streaming_sends_one_response_per_step_and_marks_the_last():
 
 
 def test_non_streaming_sends_one_response_with_totals_and_the_prompt_first():
-    (only,) = responses(iter(CHUNKS), _request(stream=False, exclude=False), num_prompt_latents=2)
+    stream = ResponseStream(_request(stream=False, exclude=False), num_prompt_latents=2)
+    *nothing_yet, only = [stream.add(chunk) for chunk in CHUNKS]
+    assert nothing_yet == [None, None]
     assert only.output_ids == [1, 5, 6, 7, 8, 9] and only.finish_reason == "eos"
     assert only.counters == {"num_output_tokens": 3, "num_drafts": 2, "num_accepted_drafts": 1, "num_steps": 3,
                              "num_prompt_tokens": 3, "num_prompt_latents": 2}
@@ -112,73 +112,3 @@ def test_tensorrt_backbone_matches_onnx_runtime(tmp_path):
     for name in ("dualend", "baseline"):
         up_to_date_export(DEFAULTS["checkpoints"] / name, tmp_path / name)
     assert tensorrt_main(["--export-dir", str(tmp_path)]) == 0
-
-
-# ---- admission -------------------------------------------------------------------------------
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-def test_admission_runs_up_to_the_limit_then_queues_in_arrival_order():
-    admission = Admission(max_running=2, max_queue=4, wait_s=10)
-    assert admission.acquire() == 0.0 and admission.acquire() == 0.0
-    order = []
-
-    def queued(name):
-        admission.acquire()
-        order.append(name)
-
-    threads = [threading.Thread(target=queued, args=(n,)) for n in ("first", "second")]
-    for thread in threads:
-        thread.start()
-        assert wait_for(lambda: len(admission.waiting) == threads.index(thread) + 1)
-    admission.release()
-    assert wait_for(lambda: order == ["first"])
-    assert admission.running == 2 and len(admission.waiting) == 1
-    admission.release()
-    for thread in threads:
-        thread.join(timeout=5)
-    assert order == ["first", "second"] and admission.running == 2
-
-
-def test_admission_refuses_when_the_queue_is_full_saying_so():
-    admission = Admission(max_running=1, max_queue=0, wait_s=10)
-    admission.acquire()
-    with pytest.raises(CapacityError, match=r"1 requests running and 0 waiting, the queue \(max_queue_size 0\) is full"):
-        admission.acquire()
-    admission.release()
-    assert admission.acquire() == 0.0
-
-
-def test_admission_refuses_after_the_wait_runs_out_saying_so():
-    clock = FakeClock()
-    admission = Admission(max_running=1, max_queue=1, wait_s=2.0, clock=clock)
-    admission.acquire()
-    errors = []
-
-    def queued():
-        try:
-            admission.acquire()
-        except CapacityError as error:
-            errors.append(str(error))
-
-    thread = threading.Thread(target=queued)
-    thread.start()
-    assert wait_for(lambda: len(admission.waiting) == 1)
-    clock.now = 2.5
-    thread.join(timeout=5)
-    assert errors and "waited 2 s in the queue (queue_wait_s) for one of 1 places" in errors[0]
-    assert admission.running == 1 and not admission.waiting
-
-
-def test_a_cancelled_request_leaves_the_queue():
-    admission = Admission(max_running=1, max_queue=1, wait_s=10)
-    admission.acquire()
-    with pytest.raises(Cancelled):
-        admission.acquire(is_cancelled=lambda: True)
-    assert not admission.waiting and admission.running == 1

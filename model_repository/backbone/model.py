@@ -1,21 +1,18 @@
-"""Triton adapter: the stateful backbone engine behind a sequence batcher.
+"""Triton adapter: the stateful backbone engine, called once per decode-loop iteration.
 
-One request per sequence step, keyed by correlation id: START prefills the prompt latents
-(reserving KV for `reserve_slots` pairs), END releases the sequence, anything else is one
-decode step; the decode steps of one execute() call run as one batch. The prefill response names
-the checkpoint this backbone serves, so a caller from another checkpoint (mid-reload) can refuse it;
-a sequence then stays on this copy of the model or is lost with it.
+A request is one iteration of its deployment's mtp_verify loop: the new latents of several
+sequences, one segment each (`sequence_ids`, `new_latents`), with `reserve_slots` > 0 on a
+sequence's first prefill chunk and `release_ids` to free first. It answers the logits and hidden
+state at each segment's last latent, a per-sequence error ("" when it ran) and the checkpoint it
+serves, so a caller from another checkpoint (mid-reload) refuses the answer.
 """
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dualend.engines import open_engine
 from dualend.kv_pool import KVPool
-from dualend.onnx_engine import BackboneRunner, kv_slot_shape
+from dualend.onnx_engine import BackboneBatch, BackboneRunner, kv_slot_shape
 from dualend.serving import model_parameters, version_components
-
-START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
-END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
 
 
 class TritonPythonModel:
@@ -28,8 +25,8 @@ class TritonPythonModel:
                            capacity_blocks=int(parameters["kv_capacity_blocks"]),
                            idle_timeout_s=float(parameters["idle_timeout_s"]))
         engine = open_engine(exported, "backbone", parameters["engine"], int(parameters["threads"]))
-        self.runner = BackboneRunner(engine, self.pool)
-        self.checkpoint_id = np.asarray([[exported.checkpoint_id.encode()]], dtype=object)
+        self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"])
+        self.checkpoint_id = np.asarray([exported.checkpoint_id.encode()], dtype=object)
         self._warm_up(settings["d_model"])
         self.metrics = _PoolMetrics(args["model_name"], self.pool)
         pb_utils.Logger.log_info(f"{args['model_name']}: backbone of checkpoint {exported.checkpoint_id} on "
@@ -37,55 +34,38 @@ class TritonPythonModel:
                                  f"{self.pool.block_size} pair slots")
 
     def _warm_up(self, d_model):
-        warm_id = -1
-        self.runner.prefill(warm_id, np.zeros((8, d_model), np.float32), 9)
-        self.runner.step([warm_id], np.zeros((1, d_model), np.float32))
-        self.runner.release(warm_id)
+        latents = np.zeros((9, d_model), np.float32)
+        for batch in (BackboneBatch([-1], latents[:8], [8], [9], []), BackboneBatch([-1], latents[:1], [1], [0], [])):
+            errors = [e for e in self.runner.run_batch(batch).errors if e]
+            if errors:
+                raise RuntimeError(f"backbone warm-up failed: {errors[0]}")
+        self.pool.release(-1)
 
     def execute(self, requests):
         self.pool.evict_idle()
-        responses = [None] * len(requests)
-        steps = []
-        for index, request in enumerate(requests):
-            seq_id, flags = request.correlation_id(), request.flags()
-            latents = pb_utils.get_input_tensor_by_name(request, "latents").as_numpy()[0]  # [S, D]
+        responses = []
+        for request in requests:
+            inputs = {name: _input(request, name)
+                      for name in ("latents", "sequence_ids", "new_latents", "reserve_slots", "release_ids")}
             try:
-                if flags & START:
-                    reserve = int(pb_utils.get_input_tensor_by_name(request, "reserve_slots").as_numpy().item())
-                    responses[index] = _outputs(self.runner.prefill(seq_id, latents, reserve), self.checkpoint_id)
-                elif flags & END:
-                    self.runner.release(seq_id)
-                    responses[index] = _outputs(None)
-                else:
-                    self.pool.get(seq_id)  # an unknown sequence fails alone, not the whole batch
-                    steps.append((index, seq_id, latents[-1]))
-            except Exception as error:  # noqa: BLE001 - one request's failure is that request's error
-                responses[index] = _error(error)
-        if steps:
-            try:
-                outputs = self.runner.step([s for _, s, _ in steps], np.stack([x for _, _, x in steps]))
-                for (index, _, _), out in zip(steps, outputs):
-                    responses[index] = _outputs(out)
-            except Exception as error:  # noqa: BLE001
-                for index, _, _ in steps:
-                    responses[index] = _error(error)
+                result = self.runner.run_batch(BackboneBatch(
+                    inputs["sequence_ids"].tolist(), inputs["latents"], inputs["new_latents"].tolist(),
+                    inputs["reserve_slots"].tolist(),
+                    [] if inputs["release_ids"] is None else inputs["release_ids"].tolist()))
+            except Exception as error:  # noqa: BLE001 - a malformed batch fails alone
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))))
+                continue
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("logits", result.logits), pb_utils.Tensor("hidden", result.hidden),
+                pb_utils.Tensor("errors", np.asarray([e.encode() for e in result.errors], dtype=object)),
+                pb_utils.Tensor("checkpoint_id", self.checkpoint_id)]))
         self.metrics.update()
         return responses
 
 
-def _outputs(out, checkpoint_id=None):
-    if out is None:
-        logits, hidden = np.zeros((1, 0), np.float32), np.zeros((1, 0), np.float32)
-    else:
-        logits, hidden = out.logits[None], out.hidden[None]
-    tensors = [pb_utils.Tensor("logits", logits), pb_utils.Tensor("hidden", hidden)]
-    if checkpoint_id is not None:
-        tensors.append(pb_utils.Tensor("checkpoint_id", checkpoint_id))
-    return pb_utils.InferenceResponse(tensors)
-
-
-def _error(error):
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error).strip("'\"")))
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
 
 
 class _PoolMetrics:

@@ -1,0 +1,294 @@
+"""The batched decode loop: one per deployment, every live sequence in every iteration.
+
+An iteration admits waiting requests (`scheduler.Scheduler`), makes one backbone call that carries
+every decoding sequence's next latent and this iteration's prefill chunks, one batched MTP head +
+confidence gate call for the sequences that may draft, and sends each sequence's tokens out through
+its `Output`. Each sequence decides exactly as `decode.generate` does (`decode.SequenceDecoder`).
+
+The loop runs on one thread; other threads only `submit` and `cancel`. It reaches the engines
+through an `Executor`, so the same loop runs in-process (tests, benchmarks) and inside mtp_verify,
+where the backbone is a Triton model reached over BLS.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .decode import CapacityError, InvalidRequest, SequenceDecoder, TextStream
+from .onnx_engine import BackboneBatch, BackboneResult, MTPComponent, OnnxComponents
+from .scheduler import Scheduler
+from .serving import PreparedRequest, Response, ResponseStream
+from .tokenizer import TextTokenizer
+
+SEQUENCE_LOST = "holds no KV cache"
+
+
+class Output(Protocol):
+    """Where one request's responses go (a Triton response sender, or a list in tests)."""
+
+    def send(self, response: Response) -> None: ...   # the last one has a finish_reason
+    def fail(self, message: str) -> None: ...         # an error, and the request is over
+    def end(self) -> None: ...                        # over without a response (cancelled)
+    def is_cancelled(self) -> bool: ...
+
+
+class Backbone(Protocol):
+    def run_batch(self, batch: BackboneBatch) -> BackboneResult: ...
+
+
+class Observer(Protocol):
+    def response(self, response: Response, seconds: float) -> None: ...
+    def cancelled(self) -> None: ...
+
+
+class NoObserver:
+    def response(self, response: Response, seconds: float) -> None:
+        pass
+
+    def cancelled(self) -> None:
+        pass
+
+
+class Executor:
+    """Runs the engines of one deployment: the backbone (in-process or over BLS), and the
+    compressor and MTP head in-process, each batched over the sequences of an iteration."""
+
+    def __init__(self, backbone: Backbone, local: MTPComponent, d_model: int):
+        self.backbone, self.local, self.d_model = backbone, local, d_model
+
+    @classmethod
+    def in_process(cls, engine: OnnxComponents) -> "Executor":
+        return cls(engine.backbone, engine, engine.exported.settings["d_model"])
+
+    def run_backbone(self, batch: BackboneBatch) -> BackboneResult:
+        return self.backbone.run_batch(batch)
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.backbone.run_batch(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], seq_ids))
+
+    def compress(self, pairs: np.ndarray) -> np.ndarray:
+        # pairs: [B, pair_size] -> latents [B, D]
+        return self.local.compress(pairs)
+
+    def open_drafts(self, seq_id: int, max_steps: int) -> None:
+        self.local.mtp.pool.reserve(seq_id, max_steps)
+
+    def draft(self, seq_ids: list[int], t1: np.ndarray, hidden: np.ndarray,
+              positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # t1: [B]; hidden: [B, D]; positions: [B] -> draft logits [B, V], confidence [B]
+        return self.local.mtp.step_batch(seq_ids, t1, hidden, positions)
+
+    def close_drafts(self, seq_id: int) -> None:
+        self.local.mtp.pool.release(seq_id)
+
+
+@dataclass(eq=False)
+class LiveSequence:
+    request_id: int
+    request: PreparedRequest
+    prompt_latents: np.ndarray  # [n, D]
+    decoder: SequenceDecoder
+    text: TextStream
+    responses: ResponseStream
+    output: Output
+    prefilled: int = 0          # prompt latents already in the backbone's cache
+    started: bool = False       # the backbone holds a cache for it
+    drafting: bool = False      # the MTP head holds a cache for it
+    last_sent: float = 0.0
+    next_cancel_check: float = 0.0
+
+    @property
+    def num_latents(self) -> int:
+        return len(self.prompt_latents)
+
+    @property
+    def reserve_slots(self) -> int:
+        # One slot per prompt pair and at most one per generated token.
+        return self.num_latents + self.request.params.max_tokens
+
+
+@dataclass
+class _Inbox:
+    submitted: list[LiveSequence] = field(default_factory=list)
+    cancelled: set[int] = field(default_factory=set)
+
+
+class DecodeLoop:
+    def __init__(self, executor: Executor, tokenizer: TextTokenizer, scheduler: Scheduler, threshold: float,
+                 observer: Observer | None = None, cancel_check_s: float = 0.5, clock=time.monotonic):
+        self.executor, self.tokenizer, self.scheduler = executor, tokenizer, scheduler
+        self.threshold, self.observer = threshold, observer or NoObserver()
+        self.cancel_check_s, self.clock = cancel_check_s, clock
+        local = executor.local
+        self.pair_size, self.pad_id, self.eos_id, self.bos_id = local.pair_size, local.pad_id, local.eos_id, local.bos_id
+        self.live: dict[int, LiveSequence] = {}
+        self.releases: list[int] = []
+        self._inbox = _Inbox()
+        self._wake = threading.Condition()
+
+    # --- any thread ---------------------------------------------------------------------------
+
+    def submit(self, request_id: int, request: PreparedRequest, prompt_latents: np.ndarray, output: Output,
+               threshold: float | None = None) -> None:
+        threshold = self.threshold if threshold is None else threshold
+        sequence = LiveSequence(
+            request_id, request, prompt_latents,
+            SequenceDecoder(self.pair_size, self.pad_id, self.eos_id, self.bos_id, request.params, threshold,
+                            len(prompt_latents)),
+            TextStream(self.tokenizer, request.params.stop_words), ResponseStream(request, len(prompt_latents)),
+            output)
+        with self._wake:
+            self._inbox.submitted.append(sequence)
+            self._wake.notify()
+
+    def cancel(self, request_id: int) -> None:
+        with self._wake:
+            self._inbox.cancelled.add(request_id)
+            self._wake.notify()
+
+    # --- the loop's thread --------------------------------------------------------------------
+
+    def serve_forever(self, stopping: threading.Event, idle_wait_s: float = 0.05) -> None:
+        while not stopping.is_set():
+            if not self.run_once():
+                with self._wake:
+                    if not self._inbox.submitted and not self._inbox.cancelled:
+                        self._wake.wait(idle_wait_s)
+
+    def run_once(self) -> bool:
+        """One iteration; False when there was nothing to do."""
+        self._take_inbox()
+        self._check_cancelled()
+        _, expired = self.scheduler.admit()
+        for sequence, error in expired:
+            self._end(sequence, error=str(error))
+        plan = self.scheduler.plan()
+        if not plan:
+            if self.releases:  # idle: free the caches now rather than with the next request
+                releases, self.releases = self.releases, []
+                try:
+                    self.executor.release(releases)
+                except Exception:  # noqa: BLE001 - the backbone's idle eviction frees them instead
+                    pass
+            return False
+        rows = plan.decode + [chunk.sequence for chunk in plan.prefill]
+        parts = []
+        if plan.decode:
+            pairs = np.asarray([s.decoder.next_pair for s in plan.decode], dtype=np.int64)  # [b, pair_size]
+            parts.append(self.executor.compress(pairs))
+        parts += [chunk.sequence.prompt_latents[chunk.start:chunk.stop] for chunk in plan.prefill]
+        batch = BackboneBatch(
+            [s.request_id for s in rows], np.concatenate(parts), [1] * len(plan.decode)
+            + [c.stop - c.start for c in plan.prefill],
+            [0] * len(plan.decode) + [0 if c.start else c.sequence.reserve_slots for c in plan.prefill],
+            self.releases)
+        self.releases = []
+        try:
+            result = self.executor.run_backbone(batch)
+        except Exception as error:  # noqa: BLE001 - the iteration's sequences fail, the loop goes on
+            for sequence in rows:
+                self._end(sequence, error=_backbone_message(str(error)))
+            return True
+        ready = []
+        for row, sequence in enumerate(rows):
+            if result.errors[row]:
+                self._end(sequence, error=_backbone_message(result.errors[row]))
+                continue
+            sequence.started = True
+            if row >= len(plan.decode):
+                chunk = plan.prefill[row - len(plan.decode)]
+                sequence.prefilled = chunk.stop
+                if not chunk.completes_prompt:
+                    continue
+            ready.append((row, sequence))
+        if ready:
+            self._decode(ready, result)
+        return True
+
+    def _decode(self, ready: list[tuple[int, LiveSequence]], result: BackboneResult) -> None:
+        t1 = np.array([s.decoder.first_token(result.logits[row]) for row, s in ready])
+        drafting = [i for i, (_, s) in enumerate(ready) if s.decoder.wants_draft(int(t1[i]))]
+        draft_logits, confidence = {}, {}
+        if drafting:
+            for i in drafting:
+                sequence = ready[i][1]
+                if not sequence.drafting:
+                    self.executor.open_drafts(sequence.request_id, sequence.request.params.max_tokens)
+                    sequence.drafting = True
+            logits, conf = self.executor.draft(
+                [ready[i][1].request_id for i in drafting], t1[drafting],
+                result.hidden[[ready[i][0] for i in drafting]],
+                np.array([ready[i][1].decoder.position for i in drafting]))
+            draft_logits = {i: logits[k] for k, i in enumerate(drafting)}
+            confidence = {i: float(conf[k]) for k, i in enumerate(drafting)}
+        now = self.clock()
+        for i, (_, sequence) in enumerate(ready):
+            step = (sequence.decoder.complete(int(t1[i]), draft_logits[i], confidence[i]) if i in draft_logits
+                    else sequence.decoder.complete(int(t1[i])))
+            chunk = sequence.text.chunk(step)
+            response = sequence.responses.add(chunk)
+            if response is not None:
+                sequence.output.send(response)
+                self.observer.response(response, now - sequence.last_sent)
+                sequence.last_sent = now
+            if chunk.finish_reason is not None:
+                self._end(sequence)
+
+    def _take_inbox(self) -> None:
+        with self._wake:
+            submitted, self._inbox.submitted = self._inbox.submitted, []
+            cancelled, self._inbox.cancelled = self._inbox.cancelled, set()
+        now = self.clock()
+        for sequence in submitted:
+            try:
+                self.scheduler.submit(sequence)
+            except (CapacityError, InvalidRequest) as error:
+                sequence.output.fail(str(error))
+                continue
+            sequence.last_sent = now
+            sequence.next_cancel_check = now + self.cancel_check_s
+            self.live[sequence.request_id] = sequence
+        for request_id in cancelled:
+            if request_id in self.live:
+                self._end(self.live[request_id], cancelled=True)
+
+    def _check_cancelled(self) -> None:
+        """Asking the server costs a round trip, so each sequence is asked every cancel_check_s."""
+        now = self.clock()
+        for sequence in list(self.live.values()):
+            if now >= sequence.next_cancel_check:
+                sequence.next_cancel_check = now + self.cancel_check_s
+                if sequence.output.is_cancelled():
+                    self._end(sequence, cancelled=True)
+
+    def _end(self, sequence: LiveSequence, error: str | None = None, cancelled: bool = False) -> None:
+        """Frees everything the sequence holds; a request that did not finish gets its last word."""
+        if self.live.pop(sequence.request_id, None) is None:
+            return
+        self.scheduler.finish(sequence)
+        if sequence.started:
+            self.releases.append(sequence.request_id)
+        if sequence.drafting:
+            self.executor.close_drafts(sequence.request_id)
+        if error is not None:
+            sequence.output.fail(error)
+        elif cancelled:
+            self.observer.cancelled()
+            sequence.output.end()
+
+    def close(self, message: str) -> None:
+        """Ends every request still here with `message` (the server is stopping)."""
+        self._take_inbox()
+        for sequence in list(self.live.values()):
+            self._end(sequence, error=message)
+
+
+def _backbone_message(error: str) -> str:
+    if SEQUENCE_LOST in error:
+        return (f"the backbone lost this stream's sequence (the model was reloaded, or it evicted the sequence "
+                f"after idling); the stream ends here, retry: {error}")
+    return error

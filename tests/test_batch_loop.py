@@ -1,0 +1,221 @@
+"""The batched decode loop without a server: the scheduler's decisions on hand-built cases, and
+the loop on the exported tiny models against the one-at-a-time decoder."""
+import numpy as np
+import pytest
+
+from dualend.batch_loop import DecodeLoop, Executor
+from dualend.decode import CapacityError, InvalidRequest, SamplingParams, generate_text
+from dualend.onnx_engine import OnnxComponents
+from dualend.scheduler import Scheduler
+from dualend.serving import PreparedRequest
+
+PROMPTS = ["Q: 1+2+3\nA:", "get ab\nA:", "def f(x):\n    return x + 1\nprint(f(2))\n# output:",
+           "Q: 4*5-6\nA:", "x = 3\ny = x * 2\nprint(y)\n# output:"]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class Seq:
+    def __init__(self, num_latents, max_tokens=8):
+        self.num_latents, self.reserve_slots, self.prefilled = num_latents, num_latents + max_tokens, 0
+
+
+def scheduler(**overrides):
+    settings = dict(max_running=2, max_queue=2, wait_s=10.0, prefill_chunk=8, kv_blocks=100, kv_block_size=4,
+                    clock=FakeClock())
+    settings.update(overrides)
+    return Scheduler(**settings)
+
+
+def test_admission_runs_up_to_the_limit_then_queues_in_arrival_order():
+    s = scheduler()
+    first, second, third, fourth = (Seq(2) for _ in range(4))
+    for sequence in (first, second, third, fourth):
+        s.submit(sequence)
+    assert s.running == [first, second] and [q for q, _ in s.waiting] == [third, fourth]
+    s.finish(first)
+    assert s.admit() == ([third], [])
+
+
+def test_a_full_queue_refuses_saying_so():
+    s = scheduler(max_running=1, max_queue=1)
+    s.submit(Seq(2))
+    s.submit(Seq(2))
+    with pytest.raises(CapacityError, match=r"1 requests running and 1 waiting, the queue \(max_queue_size 1\) is full"):
+        s.submit(Seq(2))
+
+
+def test_a_wait_that_runs_out_is_refused_saying_so():
+    s = scheduler(max_running=1, wait_s=2.0)
+    s.submit(Seq(2))
+    late = Seq(2)
+    s.submit(late)
+    s.clock.now = 2.5
+    admitted, expired = s.admit()
+    assert not admitted and expired[0][0] is late
+    assert "waited 2 s in the queue (queue_wait_s) for a place (1 of 1 taken)" in str(expired[0][1])
+    assert late not in s
+
+
+def test_kv_blocks_hold_back_a_sequence_that_would_not_fit():
+    s = scheduler(max_running=4, kv_blocks=5, kv_block_size=4)
+    big, small = Seq(8, max_tokens=8), Seq(2, max_tokens=2)   # 16 slots = 4 blocks, 4 slots = 1 block
+    s.submit(big), s.submit(Seq(8, max_tokens=8)), s.submit(small)
+    assert s.running == [big] and len(s.waiting) == 2  # arrival order: the small one waits its turn
+    s.finish(big)
+    assert len(s.admit()[0]) == 2 and s.used_blocks == 5
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused_at_once():
+    with pytest.raises(InvalidRequest, match="more than the whole cache"):
+        scheduler(kv_blocks=2, kv_block_size=4).submit(Seq(8))
+
+
+def test_prefill_is_chunked_under_the_budget_while_every_decoder_steps():
+    s = scheduler(max_running=3, prefill_chunk=8)
+    decoding, long_one, short_one = Seq(4), Seq(20), Seq(3)
+    decoding.prefilled = 4
+    for sequence in (decoding, long_one, short_one):
+        s.submit(sequence)
+    plan = s.plan()
+    assert plan.decode == [decoding]
+    assert [(c.sequence, c.start, c.stop) for c in plan.prefill] == [(long_one, 0, 8)]
+    long_one.prefilled = 16
+    plan = s.plan()
+    assert [(c.sequence, c.start, c.stop, c.completes_prompt) for c in plan.prefill] == [
+        (long_one, 16, 20, True), (short_one, 0, 3, True)]
+
+
+class ListOutput:
+    def __init__(self):
+        self.responses, self.error, self.ended, self.cancel_asked = [], None, False, False
+
+    def send(self, response):
+        assert not self.finished, "a response after the last one"
+        self.responses.append(response)
+
+    def fail(self, message):
+        assert not self.finished
+        self.error = message
+
+    def end(self):
+        assert not self.finished
+        self.ended = True
+
+    def is_cancelled(self):
+        return self.cancel_asked
+
+    @property
+    def finished(self):
+        return self.error is not None or self.ended or any(r.finish_reason for r in self.responses)
+
+    @property
+    def tokens(self):
+        return [t for r in self.responses for t in r.output_ids]
+
+
+def make_loop(directory, tokenizer, threshold, **overrides):
+    engine = OnnxComponents(directory)
+    settings = dict(max_running=16, max_queue=16, wait_s=30.0, prefill_chunk=4, kv_blocks=1000, kv_block_size=16)
+    settings.update(overrides)
+    return engine, DecodeLoop(Executor.in_process(engine), tokenizer, Scheduler(**settings), threshold)
+
+
+def submit(loop, engine, tokenizer, request_id, prompt, max_tokens=24):
+    prepared = PreparedRequest(tokenizer.encode_prompt(prompt), SamplingParams(max_tokens=max_tokens), True, True)
+    prompt_ids = prepared.prompt_ids + [engine.pad_id] * (-len(prepared.prompt_ids) % engine.pair_size)
+    output = ListOutput()
+    loop.submit(request_id, prepared, engine.compress(np.asarray(prompt_ids).reshape(-1, engine.pair_size)), output)
+    return output
+
+
+def run_until_idle(loop, limit=500):
+    for _ in range(limit):
+        if not loop.run_once():
+            return
+    raise AssertionError("the loop never went idle")
+
+
+@pytest.mark.parametrize("name, threshold", [("baseline", 1.0), ("dualend", -1.0), ("dualend", 0.5),
+                                             ("dualend", 1.0)])
+def test_batched_chunked_decoding_equals_one_at_a_time(exported, tiny_tokenizer, name, threshold):
+    _, directory = exported[name]
+    engine, loop = make_loop(directory, tiny_tokenizer, threshold)
+    outputs = [submit(loop, engine, tiny_tokenizer, i + 1, p) for i, p in enumerate(PROMPTS)]
+    run_until_idle(loop)
+    for prompt, output in zip(PROMPTS, outputs):
+        alone = generate_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), threshold)
+        assert output.tokens == alone.tokens and output.error is None
+        assert sum(r.counters["num_accepted_drafts"] for r in output.responses) == alone.accepted
+        assert output.responses[-1].finish_reason == alone.finish_reason
+    assert not engine.backbone.pool.sequences and not engine.mtp_pool_sequences()
+
+
+def test_requests_beyond_the_places_queue_and_all_complete(exported, tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, 0.5, max_running=2, max_queue=8)
+    outputs = [submit(loop, engine, tiny_tokenizer, i + 1, PROMPTS[i % len(PROMPTS)]) for i in range(8)]
+    loop.run_once()
+    assert len(loop.scheduler.running) == 2 and len(loop.scheduler.waiting) == 6
+    run_until_idle(loop)
+    assert all(o.responses and o.responses[-1].finish_reason for o in outputs)
+
+
+def test_a_full_queue_refuses_and_the_others_go_on(exported, tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, 0.5, max_running=1, max_queue=1)
+    outputs = [submit(loop, engine, tiny_tokenizer, i + 1, PROMPTS[i]) for i in range(3)]
+    run_until_idle(loop)
+    assert "the queue (max_queue_size 1) is full" in outputs[2].error
+    assert all(o.responses[-1].finish_reason for o in outputs[:2])
+
+
+def test_cancelling_frees_every_cache_at_once(exported, tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, -1.0)
+    by_id, by_sender = (submit(loop, engine, tiny_tokenizer, i, PROMPTS[i], max_tokens=200) for i in (1, 2))
+    for _ in range(4):
+        loop.run_once()
+    assert len(engine.backbone.pool.sequences) == 2
+    loop.cancel(1)
+    by_sender.cancel_asked = True
+    for sequence in loop.live.values():
+        sequence.next_cancel_check = 0.0  # due now
+    loop.run_once()
+    assert not loop.live
+    assert by_id.ended and by_sender.ended and not by_id.error
+    assert not engine.backbone.pool.sequences and not engine.mtp_pool_sequences()
+
+
+def test_a_long_prompt_prefills_in_chunks_while_the_others_keep_streaming(exported, tiny_tokenizer):
+    _, directory = exported["baseline"]
+    engine, loop = make_loop(directory, tiny_tokenizer, 1.0, prefill_chunk=4)
+    running = submit(loop, engine, tiny_tokenizer, 1, PROMPTS[0], max_tokens=40)
+    while not running.responses:
+        loop.run_once()
+    long_prompt = " ".join(["x = 1"] * 12)
+    newcomer = submit(loop, engine, tiny_tokenizer, 2, long_prompt, max_tokens=4)
+    prompt_tokens = len(tiny_tokenizer.encode_prompt(long_prompt))
+    iterations = 0
+    while not newcomer.responses:
+        before = len(running.responses)
+        loop.run_once()
+        iterations += 1
+        assert len(running.responses) == before + 1  # the running stream got its token in this iteration
+    assert iterations == -(-prompt_tokens // 4)  # one chunk of 4 latents per iteration
+
+
+def test_stopping_ends_every_request_with_the_reason(exported, tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, -1.0, max_running=1)
+    outputs = [submit(loop, engine, tiny_tokenizer, i, PROMPTS[i], max_tokens=100) for i in (1, 2)]
+    loop.run_once()
+    loop.close("the server is shutting down")
+    assert all(o.error == "the server is shutting down" for o in outputs)
+    assert not loop.live and not loop.scheduler.running

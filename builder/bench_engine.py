@@ -1,12 +1,16 @@
 """Engine benchmark: dual-end vs baseline in-process, interleaved in one run, no server.
 
     python -m builder.bench_engine --lengths 256 512 960 --repeats 5 --new-tokens 64
+    python -m builder.bench_engine --batch-sizes 1 4 16 32 --lengths 256 --repeats 3
 
 Prompts are held-out standard-library source cut to each length in raw tokens; generation is
 greedy at the calibrated threshold with EOS ignored, so every run decodes `--new-tokens` tokens.
 TTFT = first step's tokens ready minus call; TPOT = (last - first) / (tokens - 1). Prints median
 and 10th-90th percentile spread of each, the dual-end / baseline speedups, and the per-step cost
-of ONNX Runtime against the torch reference.
+of ONNX Runtime against the torch reference. `--batch-sizes` instead measures the batched decode
+loop in-process (the served loop without a server: `batch_loop.DecodeLoop` on the same engines):
+that many requests of the first prompt length submitted at once, output tokens/s from submission
+to the last token; the ceiling for served throughput at that concurrency.
 """
 from __future__ import annotations
 
@@ -16,20 +20,64 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from client.api import median_and_spread
+from dualend.batch_loop import DecodeLoop, Executor
 from dualend.checkpoint import load_checkpoint
 from dualend.data import stdlib_chunks
-from dualend.decode import SamplingParams, generate
+from dualend.decode import SamplingParams, generate, pad_prompt
 from dualend.onnx_engine import OnnxComponents
 from dualend.reference import TorchComponents
+from dualend.scheduler import Scheduler
+from dualend.serving import PreparedRequest
 
 from .assemble import DEFAULTS as ASSEMBLE_DEFAULTS, calibrated_threshold, up_to_date_export
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(lengths=[256, 512, 960], repeats=5, new_tokens=64, threads=2, threshold=None)
+
+
+class _Counter:
+    """A request's output in the batched benchmark: only its token count matters."""
+
+    def __init__(self):
+        self.tokens, self.done, self.error = 0, False, None
+
+    def send(self, response):
+        self.tokens += response.counters["num_output_tokens"]
+        self.done = response.finish_reason is not None
+
+    def fail(self, message):
+        self.error, self.done = message, True
+
+    def end(self):
+        self.done = True
+
+    def is_cancelled(self):
+        return False
+
+
+def batched_throughput(components: OnnxComponents, prompt: list[int], params: SamplingParams, threshold: float,
+                       batch: int) -> float:
+    """Output tokens/s of `batch` requests submitted together to the in-process batched loop."""
+    loop = DecodeLoop(Executor.in_process(components), components.exported.tokenizer(),
+                      Scheduler(max_running=batch, max_queue=0, wait_s=60, prefill_chunk=128, kv_blocks=10 ** 6,
+                                kv_block_size=16), threshold)
+    pairs = np.asarray(pad_prompt(prompt, components.pair_size, components.pad_id)).reshape(-1, components.pair_size)
+    request = PreparedRequest(list(prompt), params, True, True)
+    started = time.perf_counter()
+    outputs = []
+    for seq_id in range(batch):
+        outputs.append(_Counter())
+        loop.submit(seq_id + 1, request, components.compress(pairs), outputs[-1])
+    while loop.run_once():
+        pass
+    elapsed = time.perf_counter() - started
+    assert all(o.done and o.error is None for o in outputs), [o.error for o in outputs if o.error]
+    return sum(o.tokens for o in outputs) / elapsed
 
 
 def long_prompt(tokenizer, length: int) -> list[int]:
@@ -57,8 +105,6 @@ def step_cost(components, prompt: list[int], steps: int = 24) -> float:
     """Median seconds of one backbone decode step after a prefill of `prompt`."""
     pair = components.pair_size
     tokens = prompt + [components.pad_id] * (-len(prompt) % pair)
-    import numpy as np
-
     latents = components.compress(np.asarray(tokens).reshape(-1, pair))
     session = components.open_backbone()
     session.prefill(latents, len(latents) + steps)
@@ -86,6 +132,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", type=str, default=None, help="also write the raw figures here")
     parser.add_argument("--checkpoints", default=str(ASSEMBLE_DEFAULTS["checkpoints"]))
     parser.add_argument("--export-dir", default=str(ASSEMBLE_DEFAULTS["export_dir"]))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="measure the batched decode loop's throughput at these batch sizes instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     threshold = args.threshold if args.threshold is not None else calibrated_threshold(
@@ -99,6 +147,8 @@ def main(argv=None) -> dict:
     tokenizer = load_checkpoint(checkpoints / "dualend").tokenizer
     prompts = {length: long_prompt(tokenizer, length) for length in args.lengths}
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    if args.batch_sizes:
+        return batched_sweep(engines, prompts[args.lengths[0]], params, threshold, args.batch_sizes, args.repeats)
 
     figures = {(n, L): {"ttft": [], "tpot": [], "tokens_per_step": []} for n in engines for L in args.lengths}
     for name, length in itertools.product(engines, args.lengths):  # warm-up, not measured
@@ -140,6 +190,24 @@ def main(argv=None) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "step_costs": step_costs,
                                                "raw": {f"{n}@{L}": v for (n, L), v in figures.items()}}, indent=2))
+    return summary
+
+
+def batched_sweep(engines: dict, prompt: list[int], params: SamplingParams, threshold: float, sizes: list[int],
+                  repeats: int) -> dict:
+    rates = {(n, b): [] for n in engines for b in sizes}
+    for name in engines:  # warm-up
+        batched_throughput(engines[name], prompt, SamplingParams(max_tokens=4, ignore_eos=True), threshold, 2)
+    for _, size, name in tqdm(list(itertools.product(range(repeats), sizes, engines)), desc="batched runs"):
+        rates[(name, size)].append(batched_throughput(engines[name], prompt, params, threshold, size))
+    print(f"\nIn-process batched decode loop, {len(prompt)}-token prompts, {params.max_tokens} new tokens, threshold "
+          f"{threshold}; output tokens/s, median (p10-p90) of {repeats}")
+    summary = {}
+    for size in sizes:
+        row = {name: median_and_spread(rates[(name, size)])[0] for name in engines}
+        summary[size] = row
+        print(f"batch {size:>3} | " + " | ".join(f"{n} {fmt(rates[(n, size)], 1)}" for n in engines)
+              + f" | dual-end/baseline x{row['dualend'] / row['baseline']:.2f}")
     return summary
 
 

@@ -18,8 +18,8 @@ from torch import nn
 from dualend.checkpoint import Checkpoint, load_checkpoint
 from dualend.manifest import write_manifest
 from dualend.model import LanguageModel
-from dualend.onnx_engine import (BACKBONE_INPUTS, BACKBONE_OUTPUTS, MODEL_FILE, MTP_INPUTS,
-                                 MTP_OUTPUTS, TOKENIZER_FILE)
+from dualend.onnx_engine import (BACKBONE_OUTPUTS, EXPORT_FORMAT, MODEL_FILE, MTP_INPUTS, MTP_OUTPUTS,
+                                 TOKENIZER_FILE, backbone_inputs)
 
 OPSET = 17  # ONNX Runtime 1.23 (Python 3.10, the Triton 24.10 container) runs it
 
@@ -35,21 +35,23 @@ class CompressorGraph(nn.Module):
 
 
 class BackboneGraph(nn.Module):
-    """Prefill (S > 1, empty past) and decode (S = 1) in one graph; output only at the last position."""
+    """Prefill chunks (S > 1) and decode steps (S = 1) in one graph; output only at the last position.
+
+    The past comes as one keys and one values input per layer, [B, heads, T, Dh], the layout
+    attention reads, so the engine gets views of the KV cache and copies none of it.
+    """
 
     def __init__(self, model: LanguageModel):
         super().__init__()
         self.model = model
 
-    def forward(self, latents, positions, new_valid, past_keys, past_values, past_valid):
-        # latents: [B, S, D]; past_keys/values: [B, T, L, H, Dh] -> the model's [L, B, H, T, Dh]
-        hidden, keys, values = self.model.backbone(
-            latents, positions, new_valid, past_keys.permute(2, 0, 3, 1, 4),
-            past_values.permute(2, 0, 3, 1, 4), past_valid, last_only=True)
+    def forward(self, latents, positions, new_valid, past_valid, *past):
+        # latents: [B, S, D]; past: L keys then L values, each [B, heads, T, Dh]
+        layers = len(past) // 2
+        hidden, keys, values = self.model.backbone(latents, positions, new_valid, list(past[:layers]),
+                                                   list(past[layers:]), past_valid, last_only=True)
         hidden = hidden[:, -1]
-        # present: [L, B, H, S, Dh] -> [B, S, L, H, Dh]
-        return (self.model.lm_head(hidden), hidden, keys.permute(1, 3, 0, 2, 4),
-                values.permute(1, 3, 0, 2, 4))
+        return self.model.lm_head(hidden), hidden, keys, values  # present: [L, B, heads, S, Dh]
 
 
 class MTPGraph(nn.Module):
@@ -57,14 +59,13 @@ class MTPGraph(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, t1, hidden, positions, past_keys, past_values, past_valid):
-        # t1: [B, 1]; hidden: [B, 1, D]; past_keys/values: [B, T, 1, H, Dh]
+    def forward(self, t1, hidden, positions, past_valid, past_keys, past_values):
+        # t1: [B, 1]; hidden: [B, 1, D]; past_keys/values: [B, heads, T, Dh]
         new_valid = torch.ones_like(t1, dtype=torch.bool)
         logits, confidence, keys, values = self.model.mtp_forward(
-            t1, hidden, positions, new_valid, past_keys[:, :, 0].transpose(1, 2),
-            past_values[:, :, 0].transpose(1, 2), past_valid)
-        # present: [B, H, 1, Dh] -> [B, 1, 1, H, Dh]
-        return logits[:, -1], confidence[:, -1], keys.transpose(1, 2)[:, :, None], values.transpose(1, 2)[:, :, None]
+            t1, hidden, positions, new_valid, past_keys, past_values, past_valid)
+        # present: [B, heads, 1, Dh] -> [1, B, heads, 1, Dh], the cache's [L, B, heads, S, Dh]
+        return logits[:, -1], confidence[:, -1], keys[None], values[None]
 
 
 def _export(graph: nn.Module, args: tuple, path: Path, inputs, outputs, dynamic: dict) -> None:
@@ -80,7 +81,7 @@ def settings_of(checkpoint: Checkpoint) -> dict:
     cfg = checkpoint.config
     return {"d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "pair_size": cfg.pair_size,
             "pad_id": cfg.pad_id, "bos_id": cfg.bos_id, "eos_id": cfg.eos_id,
-            "n_layers": cfg.n_layers, "n_heads": cfg.n_heads}
+            "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "export_format": EXPORT_FORMAT}
 
 
 def export_checkpoint(checkpoint: Checkpoint, out: Path) -> str:
@@ -100,26 +101,25 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path) -> str:
     write_manifest(out / "compressor", ckpt_id, "compressor", "onnx", settings)
 
     batch, new, past = 2, 3, 4
+    cache = torch.randn(batch, heads, past, head_dim)
     example = (torch.randn(batch, new, dim), torch.arange(past, past + new).repeat(batch, 1),
-               torch.ones(batch, new, dtype=torch.bool), torch.randn(batch, past, layers, heads, head_dim),
-               torch.randn(batch, past, layers, heads, head_dim), torch.ones(batch, past, dtype=torch.bool))
-    dynamic = {"latents": {0: "batch", 1: "new"}, "positions": {0: "batch", 1: "new"},
-               "new_valid": {0: "batch", 1: "new"}, "past_keys": {0: "batch", 1: "past"},
-               "past_values": {0: "batch", 1: "past"}, "past_valid": {0: "batch", 1: "past"},
-               "logits": {0: "batch"}, "hidden": {0: "batch"},
-               "present_keys": {0: "batch", 1: "new"}, "present_values": {0: "batch", 1: "new"}}
-    _export(BackboneGraph(model), example, out / "backbone" / MODEL_FILE, BACKBONE_INPUTS,
-            BACKBONE_OUTPUTS, dynamic)
+               torch.ones(batch, new, dtype=torch.bool), torch.ones(batch, past, dtype=torch.bool),
+               *[cache.clone() for _ in range(2 * layers)])
+    inputs = backbone_inputs(layers)
+    dynamic = {name: {0: "batch", 1: "new"} for name in inputs[:3]}
+    dynamic |= {"past_valid": {0: "batch", 1: "past"}} | {name: {0: "batch", 2: "past"} for name in inputs[4:]}
+    dynamic |= {"logits": {0: "batch"}, "hidden": {0: "batch"},
+                "present_keys": {1: "batch", 3: "new"}, "present_values": {1: "batch", 3: "new"}}
+    _export(BackboneGraph(model), example, out / "backbone" / MODEL_FILE, inputs, BACKBONE_OUTPUTS, dynamic)
     write_manifest(out / "backbone", ckpt_id, "backbone", "onnx", settings)
 
     if cfg.is_dualend:
         example = (torch.randint(3, cfg.vocab_size, (batch, 1)), torch.randn(batch, 1, dim),
-                   torch.full((batch, 1), past), torch.randn(batch, past, 1, heads, head_dim),
-                   torch.randn(batch, past, 1, heads, head_dim), torch.ones(batch, past, dtype=torch.bool))
+                   torch.full((batch, 1), past), torch.ones(batch, past, dtype=torch.bool), cache, cache.clone())
         dynamic = {"t1": {0: "batch"}, "hidden": {0: "batch"}, "positions": {0: "batch"},
-                   "past_keys": {0: "batch", 1: "past"}, "past_values": {0: "batch", 1: "past"},
-                   "past_valid": {0: "batch", 1: "past"}, "logits": {0: "batch"}, "confidence": {0: "batch"},
-                   "present_keys": {0: "batch"}, "present_values": {0: "batch"}}
+                   "past_valid": {0: "batch", 1: "past"}, "past_keys": {0: "batch", 2: "past"},
+                   "past_values": {0: "batch", 2: "past"}, "logits": {0: "batch"}, "confidence": {0: "batch"},
+                   "present_keys": {1: "batch"}, "present_values": {1: "batch"}}
         _export(MTPGraph(model), example, out / "mtp" / MODEL_FILE, MTP_INPUTS, MTP_OUTPUTS, dynamic)
         write_manifest(out / "mtp", ckpt_id, "mtp", "onnx", settings)
     return ckpt_id

@@ -2,11 +2,12 @@
 
     python -m builder.tensorrt_build --export-dir build/export --fp16
 
-FP16 with two optimisation profiles: prefill (batch 1, up to the prompt's latents, empty past)
-and decode (up to `--max-batch` sequences, one new latent, a past up to the most latents a
-sequence can hold under the repository's limits, see builder.assemble.max_sequence_latents). Checks parity against ONNX Runtime (logits on random inputs
-and whole greedy generations) and records the plan in the component's manifest. Without an
-NVIDIA GPU and `tensorrt` it says so and exits with status 2.
+FP16 with two optimisation profiles: prefill chunks (batch 1, up to a chunk of latents) and decode
+(up to `--max-batch` cache rows, one new latent), both with a past as wide as the KV cache can
+grow under the repository's limits (builder.assemble.max_sequence_latents, rounded up to the
+cache's bucket). Checks parity against ONNX Runtime (logits on random inputs and whole greedy
+generations) and records the plan in the component's manifest. Without an NVIDIA GPU and
+`tensorrt` it says so and exits with status 2.
 """
 from __future__ import annotations
 
@@ -18,17 +19,18 @@ import numpy as np
 
 from dualend.decode import SamplingParams, generate
 from dualend.manifest import Manifest, write_manifest
-from dualend.onnx_engine import ExportedModel, OnnxComponents, ort_session
+from dualend.kv_pool import KVCache
+from dualend.onnx_engine import ExportedModel, OnnxComponents, backbone_inputs, ort_session
 from dualend.tensorrt_engine import PLAN_FILE, TensorRTSession, gpu_available
 
-from .assemble import DEFAULTS as ASSEMBLE, max_sequence_latents
+from .assemble import DEFAULTS as ASSEMBLE, max_sequence_latents, trained_context
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULTS = dict(export_dir=ROOT / "build" / "export", max_batch=16)
+DEFAULTS = dict(export_dir=ROOT / "build" / "export", max_batch=ASSEMBLE["max_concurrent_requests"] + 1)
 NO_GPU = "TensorRT needs an NVIDIA GPU with CUDA, and none is visible here; the ONNX Runtime engine is the CPU path"
 
 
-def build_backbone_plan(onnx_path: Path, settings: dict, max_prompt: int, max_latents: int, max_batch: int,
+def build_backbone_plan(onnx_path: Path, settings: dict, max_chunk: int, max_latents: int, max_batch: int,
                         fp16: bool) -> bytes:
     import tensorrt as trt
 
@@ -46,13 +48,15 @@ def build_backbone_plan(onnx_path: Path, settings: dict, max_prompt: int, max_la
     heads = settings["n_heads"]
     head_dim = dim // heads
 
-    def shapes(batch, new, past):
-        return {"latents": (batch, new, dim), "positions": (batch, new), "new_valid": (batch, new),
-                "past_keys": (batch, past, layers, heads, head_dim), "past_values": (batch, past, layers, heads, head_dim),
-                "past_valid": (batch, past)}
+    width = KVCache.bucket_default * -(-max_latents // KVCache.bucket_default)
 
-    for low, best, high in (((1, 1, 0), (1, max_prompt // 2, 0), (1, max_prompt, 0)),                 # prefill
-                            ((1, 1, 1), (max_batch // 2, 1, max_latents // 2), (max_batch, 1, max_latents))):  # decode
+    def shapes(batch, new, past):
+        caches = {name: (batch, heads, past, head_dim) for name in backbone_inputs(layers)[4:]}
+        return {"latents": (batch, new, dim), "positions": (batch, new), "new_valid": (batch, new),
+                "past_valid": (batch, past)} | caches
+
+    for low, best, high in (((1, 1, 1), (1, max_chunk // 2, width // 2), (1, max_chunk, width)),          # prefill
+                            ((1, 1, 1), (max_batch // 2, 1, width // 2), (max_batch, 1, width))):        # decode
         profile = builder.create_optimization_profile()
         lo, mid, hi = shapes(*low), shapes(*best), shapes(*high)
         for name in lo:
@@ -72,9 +76,9 @@ def check_parity(directory: Path, session: TensorRTSession) -> dict:
     head_dim = s["d_model"] // s["n_heads"]
     feeds = {"latents": rng.standard_normal((2, 1, s["d_model"]), dtype=np.float32),
              "positions": np.array([[7], [7]], np.int64), "new_valid": np.ones((2, 1), bool),
-             "past_keys": rng.standard_normal((2, 7, s["n_layers"], s["n_heads"], head_dim), dtype=np.float32),
-             "past_values": rng.standard_normal((2, 7, s["n_layers"], s["n_heads"], head_dim), dtype=np.float32),
-             "past_valid": np.ones((2, 7), bool)}
+             "past_valid": np.arange(64)[None].repeat(2, 0) < 7}
+    feeds |= {name: rng.standard_normal((2, s["n_heads"], 64, head_dim), dtype=np.float32)
+              for name in backbone_inputs(s["n_layers"])[4:]}
     ours, theirs = session.run(["logits"], feeds)[0], reference.run(["logits"], feeds)[0]
     engine = OnnxComponents(directory)
     onnx_tokens = _greedy(engine, exported)
@@ -97,7 +101,8 @@ def main(argv=None) -> int:
     parser.add_argument("--deployments", nargs="+", default=["dualend", "baseline"])
     parser.add_argument("--raw-context-limit", type=int, default=ASSEMBLE["raw_context_limit"])
     parser.add_argument("--max-new-tokens", type=int, default=ASSEMBLE["max_new_tokens"])
-    parser.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"])
+    parser.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"], help="KV cache rows in one step")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=ASSEMBLE["prefill_chunk_tokens"])
     parser.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
     if not gpu_available():
@@ -112,9 +117,10 @@ def main(argv=None) -> int:
         directory = Path(args.export_dir) / name
         exported = ExportedModel.open(directory)
         pair_size = exported.settings["pair_size"]
+        limit = args.raw_context_limit or trained_context(ASSEMBLE["checkpoints"] / name)
         plan = build_backbone_plan(directory / "backbone" / "model.onnx", exported.settings,
-                                   args.raw_context_limit // pair_size,
-                                   max_sequence_latents(args.raw_context_limit, args.max_new_tokens, pair_size),
+                                   max(1, args.prefill_chunk_tokens // pair_size),
+                                   max_sequence_latents(limit, args.max_new_tokens or limit, pair_size),
                                    args.max_batch, args.fp16)
         parity = check_parity(directory, TensorRTSession(plan))
         print(f"{name}: backbone plan {len(plan) / 1e6:.1f} MB; parity vs ONNX Runtime: {parity}")

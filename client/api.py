@@ -70,6 +70,16 @@ class Result:
         return (with_tokens[-1] - with_tokens[0]) / (self.output_tokens - 1)
 
     @property
+    def inter_token_s(self) -> list[float]:
+        """Token-weighted inter-token latencies: a response carrying n tokens after a gap counts
+        n tokens of gap / n each (a dual-end response may carry two)."""
+        with_tokens = [(t, n) for t, n in self.arrivals if n > 0]
+        gaps = []
+        for (before, _), (after, n) in zip(with_tokens, with_tokens[1:]):
+            gaps += [(after - before) / n] * n
+        return gaps
+
+    @property
     def acceptance_rate(self) -> float:
         drafts = self.counters["num_drafts"]
         return self.counters["num_accepted_drafts"] / drafts if drafts else 0.0

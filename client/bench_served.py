@@ -1,18 +1,28 @@
-"""Served vs in-process, dual-end vs baseline: TTFT and TPOT at concurrency 1, interleaved.
+"""Served vs in-process, dual-end vs baseline: TTFT and TPOT at concurrency 1, interleaved;
+a concurrency sweep; and what a long prompt arriving does to running streams.
 
     python -m client.bench_served --lengths 256 960 --repeats 5 --new-tokens 64
+    python -m client.bench_served --sweep 1 4 16 32 --lengths 256 --repeats 2
+    python -m client.bench_served --interference --repeats 3
 
-Starts a real tritonserver on the assembled repository (or uses --grpc-url), then for each
-repeat, prompt length and deployment runs the same prompt over gRPC streaming and through the
-in-process ONNX Runtime engine, back to back. Prints medians with the 10th-90th percentile
-spread, served/engine overhead ratios and served dual-end/baseline speedups, and, from Triton's
-statistics, where the served time goes (queue and compute per execution of each model).
+Starts a real tritonserver on the assembled repository (or uses --grpc-url). The default mode,
+for each repeat, prompt length and deployment, runs the same prompt over gRPC streaming and
+through the in-process ONNX Runtime engine, back to back; it prints medians with the 10th-90th
+percentile spread, served/engine overhead ratios, served dual-end/baseline speedups and, from
+Triton's statistics, where the served time goes. `--sweep` runs closed-loop clients (each sends its
+next request when the last ends) at each concurrency, deployments alternating, and prints output
+tokens/s, TTFT and token-weighted inter-token latency (p50, p99) and errors. `--interference`
+runs 8 decoding streams alone and then with 960-token prompts arriving back to back, and prints
+their p99 inter-token latency in both.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import itertools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm import tqdm
@@ -23,7 +33,7 @@ from dualend.decode import SamplingParams
 from dualend.launch import TritonServer
 from dualend.onnx_engine import OnnxComponents
 
-from .api import median_and_spread, stream_grpc
+from .api import RequestError, median_and_spread, stream_grpc
 
 DEPLOYMENTS = ("dualend", "baseline")
 
@@ -50,6 +60,99 @@ def print_time_breakdown(http_url: str) -> None:
     client.close()
 
 
+def percentile(values: list[float], q: float) -> float:
+    clean = sorted(v for v in values if v == v)
+    return clean[min(len(clean) - 1, int(q * len(clean)))] if clean else float("nan")
+
+
+def closed_loop(url: str, model: str, prompt: str, new_tokens: int, clients: int, requests_per_client: int) -> dict:
+    """`clients` threads, each sending its next request as soon as its last one ends."""
+    results, errors = [], []
+
+    def client():
+        for _ in range(requests_per_client):
+            try:
+                results.append(stream_grpc(url, model, prompt, new_tokens, ignore_eos=True,
+                                           exclude_input_in_output=True))
+            except RequestError as error:
+                errors.append(str(error))
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for future in [pool.submit(client) for _ in range(clients)]:
+            future.result()
+    elapsed = time.perf_counter() - started
+    gaps = [g for r in results for g in r.inter_token_s]
+    ttfts = [r.ttft_s for r in results]
+    return {"tokens_per_s": sum(r.output_tokens for r in results) / elapsed,
+            "requests_per_s": len(results) / elapsed, "errors": len(errors), "error_sample": errors[:1],
+            "ttft_p50": percentile(ttfts, 0.5), "ttft_p99": percentile(ttfts, 0.99),
+            "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99)}
+
+
+def sweep(url: str, prompt: str, levels: list[int], new_tokens: int, repeats: int) -> dict:
+    runs = {}
+    for _, clients, name in tqdm(list(itertools.product(range(repeats), levels, DEPLOYMENTS)), desc="sweep"):
+        run = closed_loop(url, name, prompt, new_tokens, clients, requests_per_client=max(2, 32 // clients))
+        runs.setdefault((name, clients), []).append(run)
+    print(f"\nClosed-loop clients, {new_tokens} new tokens (ignore_eos), median over {repeats} repeats; "
+          "ms for latencies")
+    print(f"{'clients':>7} | {'model':8} | {'tokens/s':>8} | {'req/s':>6} | {'TTFT p50':>8} | {'TTFT p99':>8} | "
+          f"{'ITL p50':>7} | {'ITL p99':>7} | errors")
+    table = {}
+    for clients in levels:
+        for name in DEPLOYMENTS:
+            rows = runs[(name, clients)]
+            row = {k: med([r[k] for r in rows]) for k in rows[0] if k != "error_sample"}
+            row["errors"] = sum(r["errors"] for r in rows)
+            table[f"{name}@c{clients}"] = row
+            print(f"{clients:>7} | {name:8} | {row['tokens_per_s']:8.1f} | {row['requests_per_s']:6.2f} | "
+                  f"{row['ttft_p50'] * 1e3:8.1f} | {row['ttft_p99'] * 1e3:8.1f} | {row['itl_p50'] * 1e3:7.2f} | "
+                  f"{row['itl_p99'] * 1e3:7.2f} | {row['errors']}"
+                  + (f" ({rows[0]['error_sample'][0]})" if rows[0]["error_sample"] else ""))
+        dual, base = table[f"dualend@c{clients}"], table[f"baseline@c{clients}"]
+        print(f"{clients:>7} | dual-end/baseline tokens/s x{dual['tokens_per_s'] / base['tokens_per_s']:.2f}")
+    for name in DEPLOYMENTS:
+        if 1 in levels:
+            top = max(levels)
+            print(f"{name}: tokens/s at c{top} / c1 = "
+                  f"x{table[f'{name}@c{top}']['tokens_per_s'] / table[f'{name}@c1']['tokens_per_s']:.2f}")
+    return table
+
+
+def interference(url: str, model: str, short_prompt: str, long_prompt: str, repeats: int,
+                 streams: int = 8, new_tokens: int = 160) -> dict:
+    """p99 inter-token latency of `streams` decoding streams, alone and with long prompts arriving."""
+    alone, disturbed, arrivals = [], [], []
+    for _ in tqdm(range(repeats), desc=f"interference {model}"):
+        for gaps, disturb in ((alone, False), (disturbed, True)):
+            stop = threading.Event()
+
+            def newcomers():
+                while not stop.is_set():
+                    arrivals.append(stream_grpc(url, model, long_prompt, 16, ignore_eos=True).ttft_s)
+
+            with ThreadPoolExecutor(streams + 1) as pool:
+                jobs = [pool.submit(stream_grpc, url, model, short_prompt, new_tokens, ignore_eos=True)
+                        for _ in range(streams)]
+                if disturb:
+                    time.sleep(0.3)
+                    pool.submit(newcomers)
+                for job in jobs:
+                    gaps += job.result().inter_token_s
+                stop.set()
+    result = {"p99_alone": percentile(alone, 0.99), "p99_with_long_prompts": percentile(disturbed, 0.99),
+              "p50_alone": percentile(alone, 0.5), "p50_with_long_prompts": percentile(disturbed, 0.5),
+              "long_prompts": len(arrivals), "long_prompt_ttft_p50": percentile(arrivals, 0.5)}
+    print(f"\n{model}: {streams} streams decoding {new_tokens} tokens; inter-token latency ms alone vs with "
+          f"{len(long_prompt)}-character prompts arriving back to back ({result['long_prompts']} arrived, their TTFT "
+          f"p50 {result['long_prompt_ttft_p50'] * 1e3:.0f} ms):")
+    print(f"  p50 {result['p50_alone'] * 1e3:.2f} -> {result['p50_with_long_prompts'] * 1e3:.2f}; "
+          f"p99 {result['p99_alone'] * 1e3:.2f} -> {result['p99_with_long_prompts'] * 1e3:.2f} "
+          f"(x{result['p99_with_long_prompts'] / result['p99_alone']:.2f})")
+    return result
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 960])
@@ -58,6 +161,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--grpc-url", default=None, help="use a running server instead of starting one")
     parser.add_argument("--http-url", default=None, help="its HTTP endpoint, for the time breakdown")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sweep", type=int, nargs="+", default=None, metavar="CLIENTS",
+                        help="concurrency sweep at the first of --lengths instead of the concurrency-1 comparison")
+    parser.add_argument("--interference", action="store_true",
+                        help="8 streams of 256-token prompts, alone and with 960-token prompts arriving")
     args = parser.parse_args(argv)
     repository = Path(ASSEMBLE["out"])
     if not repository.exists():
@@ -75,6 +182,11 @@ def main(argv=None) -> dict:
         url = args.grpc_url or triton.grpc_url
         for name, length in itertools.product(DEPLOYMENTS, args.lengths):  # warm-up
             stream_grpc(url, name, prompts[length], 4, ignore_eos=True)
+        if args.sweep:
+            return sweep(url, prompts[args.lengths[0]], args.sweep, args.new_tokens, args.repeats)
+        if args.interference:
+            long = tokenizer.decode(long_prompt(tokenizer, 960))
+            return {name: interference(url, name, prompts[args.lengths[0]], long, args.repeats) for name in DEPLOYMENTS}
         runs = list(itertools.product(range(args.repeats), args.lengths, DEPLOYMENTS))
         for _, length, name in tqdm(runs, desc="interleaved runs"):
             served = stream_grpc(url, name, prompts[length], args.new_tokens, ignore_eos=True,

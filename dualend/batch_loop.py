@@ -75,7 +75,7 @@ class Executor:
         return self.local.compress(pairs)
 
     def open_drafts(self, seq_id: int, max_steps: int) -> None:
-        self.local.mtp.pool.reserve(seq_id, max_steps)
+        self.local.mtp.cache.reserve(seq_id, max_steps)
 
     def draft(self, seq_ids: list[int], t1: np.ndarray, hidden: np.ndarray,
               positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -83,7 +83,7 @@ class Executor:
         return self.local.mtp.step_batch(seq_ids, t1, hidden, positions)
 
     def close_drafts(self, seq_id: int) -> None:
-        self.local.mtp.pool.release(seq_id)
+        self.local.mtp.cache.release(seq_id)
 
 
 @dataclass(eq=False)

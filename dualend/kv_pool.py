@@ -1,8 +1,16 @@
-"""A bounded pool of per-sequence KV caches, one slot per pair, accounted in blocks.
+"""The KV cache of every live sequence: preallocated rows, written in place, read without a copy.
 
-A sequence reserves, at prefill, the slots it may need (prompt pairs + max new tokens), so a
-request is admitted or refused up front and never runs out of cache halfway. Sequences idle past
-`idle_timeout_s` are evicted, so a caller that vanished cannot hold the pool forever.
+Each layer's keys (and values) are one array [rows, heads, T, Dh], the layout the engine's
+attention reads. A live sequence owns a row, and rows in use are kept dense (0..n-1), so the past
+of every live sequence is the view [:n] of each array: contiguous, handed to the engine as it is.
+A step writes only its new keys and values. T grows in buckets as the longest sequence grows (one
+re-layout every `bucket` steps, not a copy every step) and shrinks back when the long ones leave;
+a release moves the last row into the freed one.
+
+A sequence reserves, at its start, the slots it may need (prompt pairs + max new tokens),
+accounted in blocks, so a request is admitted or refused up front and never runs out of cache
+halfway. Sequences idle past `idle_timeout_s` are evicted, so a caller that vanished cannot hold
+the cache forever.
 """
 from __future__ import annotations
 
@@ -16,30 +24,53 @@ import numpy as np
 from .decode import CapacityError
 
 
-@dataclass
-class SequenceCache:
-    keys: np.ndarray     # [reserved_slots, L, H, Dh]
-    values: np.ndarray   # [reserved_slots, L, H, Dh]
-    blocks: int
-    length: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-
-
 class UnknownSequence(KeyError):
     pass
 
 
-class KVPool:
-    def __init__(self, slot_shape: tuple[int, int, int], block_size: int = 16,
-                 capacity_blocks: int | None = None, idle_timeout_s: float = 60.0, clock=time.monotonic):
-        self.slot_shape = slot_shape
-        self.block_size = block_size
-        self.capacity_blocks = capacity_blocks
-        self.idle_timeout_s = idle_timeout_s
-        self.clock = clock
-        self.sequences: dict[int, SequenceCache] = {}
+@dataclass
+class _Sequence:
+    row: int
+    blocks: int
+    reserved_slots: int
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Past:
+    keys: list[np.ndarray]    # per layer [n, heads, T, Dh], views of the cache
+    values: list[np.ndarray]
+    valid: np.ndarray         # [n, T] bool
+    lengths: np.ndarray       # [n] filled slots per row
+
+
+class KVCache:
+    bucket_default = 64
+
+    def __init__(self, layers: int, heads: int, head_dim: int, max_sequences: int, block_size: int = 16,
+                 capacity_blocks: int | None = None, idle_timeout_s: float = 60.0, bucket: int = bucket_default,
+                 clock=time.monotonic):
+        self.layers, self.heads, self.head_dim = layers, heads, head_dim
+        self.max_sequences, self.block_size, self.capacity_blocks = max_sequences, block_size, capacity_blocks
+        self.idle_timeout_s, self.bucket, self.clock = idle_timeout_s, bucket, clock
+        self.sequences: dict[int, _Sequence] = {}
+        self.row_owner: list[int] = []  # sequence id of each row in use
+        self.lengths = np.zeros(max_sequences, np.int64)
+        self.keys: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+        self.relayout_bytes = 0  # bytes copied by bucket changes and row moves, for the record
+        self._allocate(bucket)
         self.evicted_total = 0
         self._lock = threading.Lock()
+
+    @property
+    def capacity_slots(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of keys and values one pair slot takes over all layers."""
+        return 2 * self.layers * self.heads * self.head_dim * 4
 
     @property
     def used_blocks(self) -> int:
@@ -49,7 +80,8 @@ class KVPool:
     def free_blocks(self) -> int | None:
         return None if self.capacity_blocks is None else self.capacity_blocks - self.used_blocks
 
-    def reserve(self, seq_id: int, slots: int) -> None:
+    def reserve(self, seq_id: int, slots: int) -> int:
+        """Gives the sequence a row and `slots` slots of budget; returns its row."""
         blocks = max(1, math.ceil(slots / self.block_size))
         with self._lock:
             if seq_id in self.sequences:
@@ -60,64 +92,104 @@ class KVPool:
                 raise CapacityError(
                     f"KV cache full: the request needs {blocks} blocks of {self.block_size} pair slots, "
                     f"{free} of {self.capacity_blocks} are free; retry later or lower max_tokens")
-            shape = (blocks * self.block_size, *self.slot_shape)
-            self.sequences[seq_id] = SequenceCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32),
-                                                   blocks, last_used=self.clock())
+            if len(self.row_owner) == self.max_sequences:
+                raise CapacityError(f"KV cache full: all {self.max_sequences} sequence rows are taken; retry later")
+            row = len(self.row_owner)
+            self.row_owner.append(seq_id)
+            self.lengths[row] = 0
+            self.sequences[seq_id] = _Sequence(row, blocks, slots, last_used=self.clock())
+            return row
 
-    def get(self, seq_id: int) -> SequenceCache:
-        cache = self.sequences.get(seq_id)
-        if cache is None:
+    def row(self, seq_id: int) -> int:
+        sequence = self.sequences.get(seq_id)
+        if sequence is None:
             raise UnknownSequence(f"sequence {seq_id} holds no KV cache (released, evicted after "
                                   f"{self.idle_timeout_s:.0f} s idle, lost in a model reload, or never started)")
-        cache.last_used = self.clock()
-        return cache
+        sequence.last_used = self.clock()
+        return sequence.row
 
-    def past(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """Contiguous views [T, L, H, Dh] of the filled slots."""
-        cache = self.get(seq_id)
-        return cache.keys[: cache.length], cache.values[: cache.length]
+    def length(self, seq_id: int) -> int:
+        return int(self.lengths[self.row(seq_id)])
 
-    def append(self, seq_id: int, keys: np.ndarray, values: np.ndarray) -> None:
-        # keys, values: [S, L, H, Dh]
-        cache = self.get(seq_id)
-        end = cache.length + len(keys)
-        if end > len(cache.keys):
-            raise CapacityError(f"sequence {seq_id} outgrew its reservation of {len(cache.keys)} pair slots")
-        cache.keys[cache.length:end] = keys
-        cache.values[cache.length:end] = values
-        cache.length = end
+    def make_room(self, rows: list[int], new_slots: int) -> None:
+        """Before `rows` get `new_slots` more slots each: checks their reservations and grows T
+        to the next bucket when the longest would not fit."""
+        for row in rows:
+            sequence = self.sequences[self.row_owner[row]]
+            if self.lengths[row] + new_slots > sequence.reserved_slots:
+                raise CapacityError(f"sequence {self.row_owner[row]} outgrew its reservation of "
+                                    f"{sequence.reserved_slots} pair slots")
+        needed = int(max(self.lengths[row] for row in rows)) + new_slots
+        if needed > self.capacity_slots:
+            self._allocate(self.bucket * math.ceil(needed / self.bucket))
+
+    def past(self, one: int | None = None) -> Past:
+        """The past of every row in use, or of row `one` alone: views, no copy."""
+        span = slice(0, len(self.row_owner)) if one is None else slice(one, one + 1)
+        lengths = self.lengths[span]
+        return Past([k[span] for k in self.keys], [v[span] for v in self.values],
+                    np.arange(self.capacity_slots)[None] < lengths[:, None], lengths)
+
+    def compact(self) -> None:
+        """Shrinks T back to the bucket that holds the longest sequence, once the long ones left."""
+        longest = int(self.lengths[:len(self.row_owner)].max()) if self.row_owner else 0
+        width = self.bucket * max(1, math.ceil(longest / self.bucket))
+        if width + 2 * self.bucket <= self.capacity_slots:  # well below, so sizes do not flap at an edge
+            self._allocate(width)
+
+    def write(self, rows: list[int], keys: np.ndarray, values: np.ndarray) -> None:
+        # keys, values: [L, B, heads, S, Dh], row i of the batch goes to cache row rows[i]
+        new = keys.shape[3]
+        for index, row in enumerate(rows):
+            start = int(self.lengths[row])
+            for layer in range(self.layers):
+                self.keys[layer][row, :, start:start + new] = keys[layer, index]
+                self.values[layer][row, :, start:start + new] = values[layer, index]
+            self.lengths[row] = start + new
 
     def release(self, seq_id: int) -> bool:
         with self._lock:
-            return self.sequences.pop(seq_id, None) is not None
+            return self._release_locked(seq_id)
 
     def evict_idle(self) -> list[int]:
         with self._lock:
             return self._evict_idle_locked()
 
+    def _release_locked(self, seq_id: int) -> bool:
+        sequence = self.sequences.pop(seq_id, None)
+        if sequence is None:
+            return False
+        last = len(self.row_owner) - 1
+        if sequence.row != last:  # keep rows dense: the last row moves into the freed one
+            moved = self.row_owner[last]
+            length = int(self.lengths[last])
+            for arrays in (self.keys, self.values):
+                for array in arrays:
+                    array[sequence.row, :, :length] = array[last, :, :length]
+            self.relayout_bytes += length * self.slot_bytes
+            self.lengths[sequence.row] = length
+            self.row_owner[sequence.row] = moved
+            self.sequences[moved].row = sequence.row
+        self.row_owner.pop()
+        self.lengths[last] = 0
+        return True
+
     def _evict_idle_locked(self) -> list[int]:
         now = self.clock()
         idle = [k for k, s in self.sequences.items() if now - s.last_used > self.idle_timeout_s]
         for seq_id in idle:
-            del self.sequences[seq_id]
+            self._release_locked(seq_id)
         self.evicted_total += len(idle)
         return idle
 
-
-def gather_past(pool: KVPool, seq_ids: list[int]):
-    """Batched past for the engine: keys/values [B, T, L, H, Dh], valid [B, T], lengths [B].
-
-    One sequence is passed without a copy; several are right-padded to the longest.
-    """
-    pasts = [pool.past(s) for s in seq_ids]
-    lengths = np.array([len(k) for k, _ in pasts], dtype=np.int64)
-    if len(pasts) == 1:
-        keys, values = pasts[0]
-        return keys[None], values[None], np.ones((1, len(keys)), dtype=bool), lengths
-    longest = int(lengths.max())
-    shape = (len(pasts), longest, *pool.slot_shape)
-    keys, values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-    valid = np.zeros((len(pasts), longest), dtype=bool)
-    for row, (k, v) in enumerate(pasts):
-        keys[row, : len(k)], values[row, : len(v)], valid[row, : len(k)] = k, v, True
-    return keys, values, valid, lengths
+    def _allocate(self, width: int) -> None:
+        shape = (self.max_sequences, self.heads, width, self.head_dim)
+        rows = len(self.row_owner)
+        keep = min(width, self.keys[0].shape[2]) if self.keys else 0
+        for arrays in ("keys", "values"):
+            old = getattr(self, arrays)
+            new = [np.zeros(shape, np.float32) for _ in range(self.layers)]
+            for layer, array in enumerate(old):
+                new[layer][:rows, :, :keep] = array[:rows, :, :keep]
+            setattr(self, arrays, new)
+        self.relayout_bytes += rows * keep * self.slot_bytes

@@ -1,7 +1,8 @@
 """The exported components on ONNX Runtime: batched cached runners and the in-process engine.
 
-The runners own nothing but an ONNX Runtime session and a KV pool; the Triton backbone model and
-the in-process engine both drive the same runners, and the decode loop is `decode.generate`.
+The runners own nothing but an engine session and a KV cache (`kv_pool.KVCache`); the Triton
+backbone model and the in-process engine both drive the same runners. A step hands the engine
+views of the cache rows (no copy) and writes back only its new keys and values.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from .decode import BackboneOutput, CapacityError
-from .kv_pool import KVPool, UnknownSequence, gather_past
-from .manifest import Manifest, verify_component, verify_siblings
+from .kv_pool import KVCache, UnknownSequence
+from .manifest import Manifest, ManifestError, verify_component, verify_siblings
 from .tokenizer import TextTokenizer
 
 COMPONENTS_DUALEND = ("tokenizer", "compressor", "backbone", "mtp")
@@ -21,10 +22,16 @@ COMPONENTS_BASELINE = ("tokenizer", "compressor", "backbone")
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 
-BACKBONE_INPUTS = ("latents", "positions", "new_valid", "past_keys", "past_values", "past_valid")
+EXPORT_FORMAT = 2  # 2: the past as one [B, heads, T, Dh] input per layer
+DEFAULT_MAX_SEQUENCES = 64  # KV cache rows of an in-process engine
 BACKBONE_OUTPUTS = ("logits", "hidden", "present_keys", "present_values")
-MTP_INPUTS = ("t1", "hidden", "positions", "past_keys", "past_values", "past_valid")
+MTP_INPUTS = ("t1", "hidden", "positions", "past_valid", "past_keys", "past_values")
 MTP_OUTPUTS = ("logits", "confidence", "present_keys", "present_values")
+
+
+def backbone_inputs(layers: int) -> list[str]:
+    return (["latents", "positions", "new_valid", "past_valid"] + [f"past_keys_{i}" for i in range(layers)]
+            + [f"past_values_{i}" for i in range(layers)])
 
 
 def ort_session(path: Path, threads: int | None = None, spinning: bool = False):
@@ -55,6 +62,10 @@ class ExportedModel:
             components = COMPONENTS_DUALEND if (directory / "mtp").exists() else COMPONENTS_BASELINE
         manifests = {name: verify_component(directory / name) for name in components}
         checkpoint_id = verify_siblings(list(manifests.values()))
+        found = next(iter(manifests.values())).settings.get("export_format", 1)
+        if found != EXPORT_FORMAT:
+            raise ManifestError(f"{directory} was exported in format {found}, this code reads format {EXPORT_FORMAT}; "
+                                f"export it again (python -m builder.assemble does)")
         return cls(directory, manifests, checkpoint_id)
 
     @property
@@ -90,85 +101,109 @@ class BackboneResult:
 
 
 class BackboneRunner:
-    """Prefill and batched decode steps over the backbone engine; KV lives in `pool`."""
+    """Prefill chunks and batched decode steps over the backbone engine; KV lives in `cache`."""
 
-    def __init__(self, session, pool: KVPool, vocab_size: int, d_model: int):
-        self.session, self.pool = session, pool
+    def __init__(self, session, cache: KVCache, vocab_size: int, d_model: int):
+        self.session, self.cache = session, cache
         self.vocab_size, self.d_model = vocab_size, d_model
+        self.input_names = backbone_inputs(cache.layers)
 
     def prefill(self, seq_id: int, latents: np.ndarray, reserve_slots: int) -> BackboneOutput:
         # latents: [n, D]
-        self.pool.reserve(seq_id, max(reserve_slots, len(latents)))
-        try:
-            return self._run([seq_id], np.asarray(latents, np.float32)[None])[0]
-        except BaseException:
-            self.pool.release(seq_id)
-            raise
+        return self._single(self.run_batch(BackboneBatch([seq_id], latents, [len(latents)],
+                                                         [max(reserve_slots, len(latents))], [])))
 
     def step(self, seq_ids: list[int], latents: np.ndarray) -> list[BackboneOutput]:
         # latents: [B, D], one new pair per sequence
-        return self._run(seq_ids, np.asarray(latents, np.float32)[:, None])
+        result = self.run_batch(BackboneBatch(seq_ids, latents, [1] * len(seq_ids), [0] * len(seq_ids), []))
+        if any(result.errors):
+            raise RuntimeError(next(e for e in result.errors if e))
+        return [BackboneOutput(result.logits[i], result.hidden[i]) for i in range(len(seq_ids))]
 
     def release(self, seq_id: int) -> bool:
-        return self.pool.release(seq_id)
+        return self.cache.release(seq_id)
+
+    @staticmethod
+    def _single(result: BackboneResult) -> BackboneOutput:
+        if result.errors[0]:
+            raise (CapacityError if result.errors[0].startswith("KV cache full") else RuntimeError)(result.errors[0])
+        return BackboneOutput(result.logits[0], result.hidden[0])
 
     def run_batch(self, batch: BackboneBatch) -> BackboneResult:
-        """Every single-latent segment in one engine call; each longer prefill chunk in its own.
-        A sequence that fails (cache full, unknown) fails alone, with its message in `errors`."""
+        """Every single-latent segment in one engine call over all cache rows; each longer prefill
+        chunk in its own. A sequence that fails (cache full, unknown) fails alone, with its message
+        in `errors`."""
         for seq_id in batch.releases:
-            self.pool.release(seq_id)
+            self.cache.release(seq_id)
+        self.cache.compact()
         size = len(batch.sequence_ids)
         result = BackboneResult(np.zeros((size, self.vocab_size), np.float32),
                                 np.zeros((size, self.d_model), np.float32), [""] * size)
         starts = np.concatenate([[0], np.cumsum(batch.counts)]).astype(int)
         singles, chunks, started = [], [], []
-        for row, (seq_id, reserve) in enumerate(zip(batch.sequence_ids, batch.reserve_slots)):
+        for index, (seq_id, reserve) in enumerate(zip(batch.sequence_ids, batch.reserve_slots)):
             try:
                 if reserve > 0:
-                    self.pool.reserve(seq_id, max(reserve, batch.counts[row]))
-                    started.append(row)
+                    self.cache.reserve(seq_id, max(reserve, batch.counts[index]))
+                    started.append(index)
                 else:
-                    self.pool.get(seq_id)
+                    self.cache.row(seq_id)
             except (CapacityError, UnknownSequence, ValueError) as error:
-                result.errors[row] = str(error).strip("'\"")
+                result.errors[index] = str(error).strip("'\"")
                 continue
-            (singles if batch.counts[row] == 1 else chunks).append(row)
+            (singles if batch.counts[index] == 1 else chunks).append(index)
         latents = np.asarray(batch.latents, np.float32)
-        groups = ([singles] if singles else []) + [[row] for row in chunks]
-        for rows in groups:
-            segments = np.stack([latents[starts[r]:starts[r + 1]] for r in rows])  # [b, S, D]
+        groups = ([singles] if singles else []) + [[index] for index in chunks]
+        for indices in groups:
             try:
-                outputs = self._run([batch.sequence_ids[r] for r in rows], segments)
+                rows = [self.cache.row(batch.sequence_ids[i]) for i in indices]
+                segments = [latents[starts[i]:starts[i + 1]] for i in indices]
+                outputs = self._decode(rows, segments) if len(segments[0]) == 1 else [self._chunk(rows[0], segments[0])]
             except Exception as error:  # noqa: BLE001 - the group fails, the other groups run
-                for row in rows:
-                    result.errors[row] = f"backbone engine failed: {error}"
+                for index in indices:
+                    result.errors[index] = f"backbone engine failed: {error}"
                 continue
-            for row, out in zip(rows, outputs):
-                result.logits[row], result.hidden[row] = out.logits, out.hidden
-        for row in started:  # a sequence whose first chunk failed holds nothing
-            if result.errors[row]:
-                self.pool.release(batch.sequence_ids[row])
+            for index, (logits, hidden) in zip(indices, outputs):
+                result.logits[index], result.hidden[index] = logits, hidden
+        for index in started:  # a sequence whose first chunk failed holds nothing
+            if result.errors[index]:
+                self.cache.release(batch.sequence_ids[index])
         return result
 
-    def _run(self, seq_ids: list[int], latents: np.ndarray) -> list[BackboneOutput]:
-        # latents: [B, S, D]
-        past_keys, past_values, past_valid, lengths = gather_past(self.pool, seq_ids)
-        batch, new_len = latents.shape[:2]
-        positions = lengths[:, None] + np.arange(new_len, dtype=np.int64)[None]
-        feeds = dict(zip(BACKBONE_INPUTS, (latents, positions, np.ones((batch, new_len), bool),
-                                           past_keys, past_values, past_valid)))
-        logits, hidden, present_keys, present_values = self.session.run(BACKBONE_OUTPUTS, feeds)
-        for row, seq_id in enumerate(seq_ids):
-            self.pool.append(seq_id, present_keys[row], present_values[row])
-        return [BackboneOutput(logits[row], hidden[row]) for row in range(batch)]
+    def _decode(self, rows: list[int], segments: list[np.ndarray]):
+        """One new latent for each of `rows`, in one call over every row in use: the rows not
+        stepping (mid-prefill) get a dummy latent, and their outputs and keys are dropped."""
+        cache = self.cache
+        cache.make_room(rows, 1)
+        past = cache.past()
+        latents = np.zeros((len(past.lengths), 1, self.d_model), np.float32)  # [n, 1, D]
+        latents[rows, 0] = np.concatenate(segments)
+        outputs = self._run(latents, past.lengths[:, None], past)
+        cache.write(rows, outputs[2][:, rows], outputs[3][:, rows])
+        return [(outputs[0][row], outputs[1][row]) for row in rows]
+
+    def _chunk(self, row: int, latents: np.ndarray):
+        # latents: [S, D], the next chunk of one sequence's prompt
+        self.cache.make_room([row], len(latents))
+        past = self.cache.past(one=row)
+        positions = past.lengths[:, None] + np.arange(len(latents))[None]
+        logits, hidden, keys, values = self._run(latents[None], positions, past)
+        self.cache.write([row], keys, values)
+        return logits[0], hidden[0]
+
+    def _run(self, latents: np.ndarray, positions: np.ndarray, past) -> list[np.ndarray]:
+        # latents: [B, S, D]; positions: [B, S]; past: views of the cache rows
+        feeds = dict(zip(self.input_names, (latents, positions.astype(np.int64), np.ones(latents.shape[:2], bool),
+                                            past.valid, *past.keys, *past.values)))
+        return self.session.run(BACKBONE_OUTPUTS, feeds)
 
 
 class MTPRunner:
-    """MTP head steps, one or a batch of sequences per call; its own one-layer KV cache per
-    sequence lives in `pool`."""
+    """MTP head steps for a batch of sequences per call; its one-layer KV cache per sequence
+    lives in `cache`, read the same way as the backbone's."""
 
-    def __init__(self, session, pool: KVPool):
-        self.session, self.pool = session, pool
+    def __init__(self, session, cache: KVCache):
+        self.session, self.cache = session, cache
 
     def step(self, seq_id: int, t1: int, hidden: np.ndarray, position: int) -> tuple[np.ndarray, float]:
         logits, confidence = self.step_batch([seq_id], np.array([t1]), np.asarray(hidden)[None], np.array([position]))
@@ -177,17 +212,24 @@ class MTPRunner:
     def step_batch(self, seq_ids: list[int], t1: np.ndarray, hidden: np.ndarray,
                    positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # t1: [B]; hidden: [B, D]; positions: [B] -> logits [B, V], confidence [B]
-        past_keys, past_values, past_valid, _ = gather_past(self.pool, seq_ids)
-        feeds = dict(zip(MTP_INPUTS, (np.asarray(t1, np.int64)[:, None], np.asarray(hidden, np.float32)[:, None],
-                                      np.asarray(positions, np.int64)[:, None], past_keys, past_values, past_valid)))
-        logits, confidence, present_keys, present_values = self.session.run(MTP_OUTPUTS, feeds)
-        for row, seq_id in enumerate(seq_ids):
-            self.pool.append(seq_id, present_keys[row], present_values[row])
-        return logits, confidence
+        cache = self.cache
+        cache.compact()
+        rows = [cache.row(s) for s in seq_ids]
+        cache.make_room(rows, 1)
+        past = cache.past()
+        n = len(past.lengths)
+        t1_all, hidden_all, positions_all = (np.zeros((n, 1), np.int64), np.zeros((n, 1, hidden.shape[-1]), np.float32),
+                                             np.zeros((n, 1), np.int64))
+        t1_all[rows, 0], hidden_all[rows, 0], positions_all[rows, 0] = t1, hidden, positions
+        feeds = dict(zip(MTP_INPUTS, (t1_all, hidden_all, positions_all, past.valid, past.keys[0], past.values[0])))
+        logits, confidence, keys, values = self.session.run(MTP_OUTPUTS, feeds)
+        cache.write(rows, keys[:, rows], values[:, rows])
+        return logits[rows], confidence[rows]
 
 
-def kv_slot_shape(settings: dict, layers: int) -> tuple[int, int, int]:
-    return (layers, settings["n_heads"], settings["d_model"] // settings["n_heads"])
+def kv_cache(settings: dict, layers: int, max_sequences: int, **options) -> KVCache:
+    heads = settings["n_heads"]
+    return KVCache(layers, heads, settings["d_model"] // heads, max_sequences, **options)
 
 
 class _BackboneSession:
@@ -207,22 +249,22 @@ class _BackboneSession:
 class _MTPSession:
     def __init__(self, runner: MTPRunner, seq_id: int, max_steps: int):
         self.runner, self.seq_id = runner, seq_id
-        runner.pool.reserve(seq_id, max_steps)
+        runner.cache.reserve(seq_id, max_steps)
 
     def step(self, t1: int, hidden: np.ndarray, position: int) -> tuple[np.ndarray, float]:
         return self.runner.step(self.seq_id, t1, hidden, position)
 
     def close(self) -> None:
-        self.runner.pool.release(self.seq_id)
+        self.runner.cache.release(self.seq_id)
 
 
 class MTPComponent:
     """Compressor and MTP head in-process: what mtp_verify and the engine both hold.
 
-    Both graphs are tiny (one pair, one layer), so they run on one thread without a pool.
+    Both graphs are tiny (one pair, one layer), so they run on one thread.
     """
 
-    def __init__(self, exported: ExportedModel):
+    def __init__(self, exported: ExportedModel, max_sequences: int = DEFAULT_MAX_SEQUENCES):
         settings = exported.settings
         self.pair_size, self.pad_id = settings["pair_size"], settings["pad_id"]
         self.eos_id, self.bos_id = settings["eos_id"], settings["bos_id"]
@@ -230,7 +272,7 @@ class MTPComponent:
         self.mtp = None
         if "mtp" in exported.manifests:
             self.mtp = MTPRunner(ort_session(exported.path("mtp"), threads=1),
-                                 KVPool(kv_slot_shape(settings, 1)))
+                                 kv_cache(settings, 1, max_sequences))
         self._ids = itertools.count(1)
 
     def compress(self, tokens: np.ndarray) -> np.ndarray:
@@ -241,21 +283,22 @@ class MTPComponent:
         return _MTPSession(self.mtp, next(self._ids), max_steps)
 
     def mtp_pool_sequences(self) -> int:
-        return 0 if self.mtp is None else len(self.mtp.pool.sequences)
+        return 0 if self.mtp is None else len(self.mtp.cache.sequences)
 
 
 class OnnxComponents(MTPComponent):
     """The in-process engine: every component on ONNX Runtime, no server."""
 
-    def __init__(self, directory: str | Path, threads: int | None = None, kv_capacity_blocks: int | None = None):
+    def __init__(self, directory: str | Path, threads: int | None = None, kv_capacity_blocks: int | None = None,
+                 max_sequences: int = DEFAULT_MAX_SEQUENCES):
         exported = ExportedModel.open(directory)
-        super().__init__(exported)
+        super().__init__(exported, max_sequences)
         self.exported = exported
-        pool = KVPool(kv_slot_shape(exported.settings, exported.settings["n_layers"]),
-                      capacity_blocks=kv_capacity_blocks)
+        settings = exported.settings
+        cache = kv_cache(settings, settings["n_layers"], max_sequences, capacity_blocks=kv_capacity_blocks)
         # The only multi-threaded session in this process, so its threads may spin between steps.
-        self.backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning=True), pool,
-                                       exported.settings["vocab_size"], exported.settings["d_model"])
+        self.backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning=True), cache,
+                                       settings["vocab_size"], settings["d_model"])
 
     def open_backbone(self) -> _BackboneSession:
         return _BackboneSession(self.backbone, next(self._ids))

@@ -7,7 +7,7 @@ Engine-free and clock-injected, so it is tested without a server, as vLLM keeps 
 - chunked prefill: each iteration prefills at most `prefill_chunk` prompt latents, spread over the
   sequences still prefilling in arrival order, so a long prompt never stalls the decoding ones;
 - decode: every sequence past its prefill takes one step in every iteration.
-The KV memory itself lives with the backbone engine (`kv_pool.KVPool`); the scheduler only counts
+The KV memory itself lives with the backbone engine (`kv_pool.KVCache`); the scheduler only counts
 blocks, so it never admits a sequence the cache could not hold.
 """
 from __future__ import annotations

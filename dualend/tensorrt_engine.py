@@ -1,8 +1,8 @@
 """A TensorRT engine behind ONNX Runtime's `run(output_names, feeds)` interface.
 
 Needs an NVIDIA GPU, `tensorrt` and a CUDA build of torch (used for device buffers). The plan
-holds two optimisation profiles, prefill (one sequence, empty past) and decode (a batch of
-sequences with a past, one new latent each); `run` picks the profile from the past's length.
+holds two optimisation profiles, prefill chunks (one sequence, several new latents) and decode
+(a batch of cache rows, one new latent each); `run` picks the profile from the new latents.
 """
 from __future__ import annotations
 
@@ -51,8 +51,7 @@ class TensorRTSession:
 
     def run(self, output_names, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         torch = self.torch
-        past = feeds.get("past_keys")
-        decode = past is not None and past.shape[1] > 0
+        decode = feeds["latents"].shape[1] == 1
         context = self.contexts[DECODE_PROFILE if decode and len(self.contexts) > 1 else PREFILL_PROFILE]
         keep = []
         with torch.cuda.stream(self.stream):

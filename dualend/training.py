@@ -17,6 +17,7 @@ IGNORE = -100
 MAX_COMPLETION_TOKENS = 64  # room left after a long prompt for its answer
 TRAIN_MIX = ("math", "lookup", "lookup", "code", "code")  # families drawn with these weights
 LONG_TEXT_FRACTION = 0.25  # at least this share of long rows is text, whatever the short mix
+LOOKUP_EXTRA_QUERIES = 4  # a training lookup row asks up to this many more keys of the same context
 
 
 @dataclass
@@ -28,6 +29,23 @@ class Sample:
 def task_sample(tokenizer: TextTokenizer, example: Example) -> Sample:
     return Sample(tokenizer.encode_prompt(example.prompt),
                   tokenizer.encode(example.completion) + [tokenizer.eos_id])
+
+
+def with_more_queries(example: Example, rng: random.Random, extra: int) -> Example:
+    """A lookup whose completion goes on to ask `extra` more keys of the same context, in the
+    format of the first question, so one row teaches several retrievals instead of one."""
+    context = example.prompt.split("\nget ")[0]
+    entries = [entry.split(":") for entry in context.split()]
+    completion = example.completion
+    for key, value in (rng.choice(entries) for _ in range(extra)):
+        completion += f"\nget {key}\nA: {value}"
+    return Example(example.family, example.prompt, completion, example.answer)
+
+
+def training_example(example: Example, rng: random.Random) -> Example:
+    if example.family != "lookup":
+        return example
+    return with_more_queries(example, rng, rng.randint(0, LOOKUP_EXTRA_QUERIES))
 
 
 def text_sample(tokenizer: TextTokenizer, chunk: str, tokens: int) -> Sample:
@@ -48,7 +66,7 @@ def sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float, max
         if rng.random() < text_fraction:
             yield text_sample(tokenizer, next(text), text_tokens)
             continue
-        sample = task_sample(tokenizer, next(streams[rng.choice(families)]))
+        sample = task_sample(tokenizer, training_example(next(streams[rng.choice(families)]), rng))
         if len(sample.prompt) + len(sample.completion) <= max_tokens:
             yield sample
 
@@ -67,7 +85,7 @@ def long_sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float
             if len(sample.completion) + 1 >= min_tokens:
                 yield sample
             continue
-        yield task_sample(tokenizer, next(streams[rng.choice(families)]))
+        yield task_sample(tokenizer, training_example(next(streams[rng.choice(families)]), rng))
 
 
 def batch_stream(tokenizer: TextTokenizer, seed: int, *, batch_size: int, text_fraction: float,

@@ -154,7 +154,7 @@ def test_batched_chunked_decoding_equals_one_at_a_time(exported, tiny_tokenizer,
         assert output.tokens == alone.tokens and output.error is None
         assert sum(r.counters["num_accepted_drafts"] for r in output.responses) == alone.accepted
         assert output.responses[-1].finish_reason == alone.finish_reason
-    assert not engine.backbone.pool.sequences and not engine.mtp_pool_sequences()
+    assert not engine.backbone.cache.sequences and not engine.mtp_pool_sequences()
 
 
 def test_requests_beyond_the_places_queue_and_all_complete(exported, tiny_tokenizer):
@@ -182,7 +182,7 @@ def test_cancelling_frees_every_cache_at_once(exported, tiny_tokenizer):
     by_id, by_sender = (submit(loop, engine, tiny_tokenizer, i, PROMPTS[i], max_tokens=200) for i in (1, 2))
     for _ in range(4):
         loop.run_once()
-    assert len(engine.backbone.pool.sequences) == 2
+    assert len(engine.backbone.cache.sequences) == 2
     loop.cancel(1)
     by_sender.cancel_asked = True
     for sequence in loop.live.values():
@@ -190,7 +190,7 @@ def test_cancelling_frees_every_cache_at_once(exported, tiny_tokenizer):
     loop.run_once()
     assert not loop.live
     assert by_id.ended and by_sender.ended and not by_id.error
-    assert not engine.backbone.pool.sequences and not engine.mtp_pool_sequences()
+    assert not engine.backbone.cache.sequences and not engine.mtp_pool_sequences()
 
 
 def test_a_long_prompt_prefills_in_chunks_while_the_others_keep_streaming(exported, tiny_tokenizer):

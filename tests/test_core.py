@@ -1,6 +1,7 @@
 """Fast unit tests of the core: data, tokenizer, model, decode loop, training, checkpoints."""
 import itertools
 import random
+import re
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from dualend.evaluation import (Outcome, outcome, paired_difference, reliability
 from dualend.reference import TorchBatch, TorchComponents, generate_batch
 from dualend.training import (IGNORE, Sample, teacher_targets, baseline_batch, baseline_forward,
                               baseline_loss, dualend_batch, dualend_loss, dualend_row, gated_pairs,
-                              split_pairs)
+                              split_pairs, with_more_queries)
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 10
@@ -73,6 +74,16 @@ def test_lookup_answer_is_the_value_of_the_queried_key():
         context, query = example.prompt.split("\nget ")
         table = dict(item.split(":") for item in context.removeprefix(" ").split(" "))
         assert table[query.removesuffix("\nA:")] == example.answer
+
+
+def test_extra_lookup_queries_answer_from_the_same_context():
+    rng = random.Random(0)
+    for example in itertools.islice(examples("lookup", "train", 0), 50):
+        longer = with_more_queries(example, rng, 3)
+        table = dict(item.split(":") for item in example.prompt.split("\nget ")[0].split())
+        assert longer.prompt == example.prompt and longer.completion.startswith(example.completion)
+        asked = re.findall(r"\nget (\w+)\nA: (\d\d)", longer.completion)
+        assert len(asked) == 3 and all(table[key] == value for key, value in asked)
 
 
 def test_lookup_key_is_the_same_tokens_in_context_and_query(tiny_tokenizer):

@@ -9,7 +9,7 @@ import torch
 from builder.export import export_checkpoint
 from dualend.checkpoint import Checkpoint
 from dualend.decode import CapacityError, SamplingParams, generate_text
-from dualend.kv_pool import KVPool, UnknownSequence, gather_past
+from dualend.kv_pool import KVCache, UnknownSequence
 from dualend.manifest import ManifestError
 from dualend.onnx_engine import ExportedModel, OnnxComponents
 from dualend.reference import TorchComponents
@@ -92,36 +92,62 @@ def test_components_from_two_checkpoints_are_refused(exported, tmp_path):
     assert manifest["checkpoint_id"] != json.loads((copy / "mtp" / "manifest.json").read_text())["checkpoint_id"]
 
 
-def test_kv_pool_reserves_refuses_and_frees():
-    pool = KVPool((1, 1, 2), block_size=4, capacity_blocks=3)
-    pool.reserve(1, 8)  # 2 blocks
+def cache(**options):
+    settings = dict(layers=1, heads=1, head_dim=2, max_sequences=3, block_size=4, bucket=4)
+    settings.update(options)
+    return KVCache(**settings)
+
+
+def filled(value, slots):
+    return np.full((1, 1, 1, slots, 2), value, np.float32)  # [L, B, heads, S, Dh]
+
+
+def test_kv_cache_reserves_refuses_and_frees():
+    kv = cache(capacity_blocks=3)
+    kv.reserve(1, 8)  # 2 blocks
     with pytest.raises(CapacityError, match="KV cache full.*2 blocks.*1 of 3 are free"):
-        pool.reserve(2, 5)
-    pool.reserve(3, 2)
-    assert pool.free_blocks == 0
-    pool.append(1, np.ones((3, 1, 1, 2)), np.ones((3, 1, 1, 2)))
-    keys, _ = pool.past(1)
-    assert keys.shape == (3, 1, 1, 2)
-    assert pool.release(1) and pool.free_blocks == 2
+        kv.reserve(2, 5)
+    kv.reserve(3, 2)
+    assert kv.free_blocks == 0
+    kv.make_room([kv.row(1)], 3)
+    kv.write([kv.row(1)], filled(1, 3), filled(1, 3))
+    assert kv.length(1) == 3
+    with pytest.raises(CapacityError, match="outgrew its reservation of 8"):
+        kv.make_room([kv.row(1)], 6)
+    assert kv.release(1) and kv.free_blocks == 2
     with pytest.raises(UnknownSequence):
-        pool.past(1)
+        kv.row(1)
 
 
-def test_kv_pool_evicts_idle_sequences():
+def test_kv_cache_runs_out_of_rows_with_a_clear_error():
+    kv = cache(max_sequences=1)
+    kv.reserve(1, 2)
+    with pytest.raises(CapacityError, match="all 1 sequence rows are taken"):
+        kv.reserve(2, 2)
+
+
+def test_kv_cache_evicts_idle_sequences():
     now = [0.0]
-    pool = KVPool((1, 1, 2), block_size=4, capacity_blocks=2, idle_timeout_s=10, clock=lambda: now[0])
-    pool.reserve(1, 8)
+    kv = cache(capacity_blocks=2, idle_timeout_s=10, clock=lambda: now[0])
+    kv.reserve(1, 8)
     now[0] = 11.0
-    pool.reserve(2, 8)  # the idle one is evicted to make room
-    assert 1 not in pool.sequences and pool.evicted_total == 1
+    kv.reserve(2, 8)  # the idle one is evicted to make room
+    assert 1 not in kv.sequences and kv.evicted_total == 1
 
 
-def test_gather_past_pads_to_the_longest():
-    pool = KVPool((1, 1, 1), block_size=4)
-    for seq_id, length in ((1, 2), (2, 3)):
-        pool.reserve(seq_id, 4)
-        pool.append(seq_id, np.full((length, 1, 1, 1), seq_id), np.zeros((length, 1, 1, 1)))
-    keys, _, valid, lengths = gather_past(pool, [1, 2])
-    assert keys.shape == (2, 3, 1, 1, 1) and lengths.tolist() == [2, 3]
-    assert valid.tolist() == [[True, True, False], [True, True, True]]
-    assert keys[0, :, 0, 0, 0].tolist() == [1, 1, 0]
+def test_the_past_is_a_view_of_the_cache_and_rows_stay_dense():
+    kv = cache(max_sequences=4)
+    for seq_id, length in ((1, 2), (2, 13), (3, 1)):
+        row = kv.reserve(seq_id, 16)
+        kv.make_room([row], length)
+        kv.write([row], filled(seq_id, length), filled(-seq_id, length))
+    past = kv.past()
+    assert np.shares_memory(past.keys[0], kv.keys[0]) and past.keys[0].flags.c_contiguous
+    assert past.keys[0].shape == (3, 1, 16, 2) and past.lengths.tolist() == [2, 13, 1]  # T grew to 4 buckets
+    assert past.valid[0].tolist() == [True] * 2 + [False] * 14
+    kv.release(1)  # the last row (sequence 3) moves into row 0
+    assert kv.row(3) == 0 and kv.row(2) == 1 and kv.length(3) == 1
+    assert kv.past().keys[0][0, 0, 0, 0] == 3 and kv.past().values[0][1, 0, 4, 0] == -2
+    kv.release(2)
+    kv.compact()  # the long one left: back to one bucket (well below 4), the short one's keys kept
+    assert kv.capacity_slots == 4 and kv.past().keys[0][0, 0, 0, 0] == 3

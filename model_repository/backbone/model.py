@@ -10,8 +10,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dualend.engines import open_engine
-from dualend.kv_pool import KVPool
-from dualend.onnx_engine import BackboneBatch, BackboneRunner, kv_slot_shape
+from dualend.onnx_engine import BackboneBatch, BackboneRunner, kv_cache
 from dualend.serving import model_parameters, version_components
 
 
@@ -20,10 +19,10 @@ class TritonPythonModel:
         parameters = model_parameters(args)
         exported = version_components(args, ("backbone",))
         settings = exported.settings
-        self.pool = KVPool(kv_slot_shape(settings, settings["n_layers"]),
-                           block_size=int(parameters["kv_block_size"]),
-                           capacity_blocks=int(parameters["kv_capacity_blocks"]),
-                           idle_timeout_s=float(parameters["idle_timeout_s"]))
+        self.pool = kv_cache(settings, settings["n_layers"], int(parameters["max_sequences"]) + 1,  # + warm-up
+                             block_size=int(parameters["kv_block_size"]),
+                             capacity_blocks=int(parameters["kv_capacity_blocks"]),
+                             idle_timeout_s=float(parameters["idle_timeout_s"]))
         engine = open_engine(exported, "backbone", parameters["engine"], int(parameters["threads"]))
         self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"])
         self.checkpoint_id = np.asarray([exported.checkpoint_id.encode()], dtype=object)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import secrets
 import shutil
 import string
 from pathlib import Path
@@ -21,6 +22,7 @@ from dualend.checkpoint import load_checkpoint
 from dualend.engines import ENGINES
 from dualend.manifest import ManifestError
 from dualend.onnx_engine import ExportedModel
+from dualend.serving import PIPELINE_SECRET_FILE
 from dualend.tokenizer import BOS, EOS, PAD
 
 from .export import export_checkpoint
@@ -145,6 +147,10 @@ def assemble(args) -> Path:
         if name == args.deployments[0]:
             write_hf_tokenizer(exported, Path(args.hf_tokenizer))
         print(f"{name}: checkpoint {exported.checkpoint_id}")
+    secret = staging / PIPELINE_SECRET_FILE  # kept across rebuilds: models loaded before and after share it
+    old_secret = out / PIPELINE_SECRET_FILE
+    secret.write_text(old_secret.read_text() if old_secret.exists() else secrets.token_hex(24) + "\n")
+    secret.chmod(0o600)
     retired = out.with_name(out.name + ".old")
     shutil.rmtree(retired, ignore_errors=True)
     if out.exists():

@@ -4,7 +4,7 @@
     result = stream_grpc("127.0.0.1:8001", "dualend", "Q: 3+4-2\\nA:", max_tokens=32)
     print(result.text, result.ttft_s, result.tpot_s)
 
-Every call returns a `Result` with the text, the per-response timings (TTFT, TPOT counted in
+Behind the gateway, pass `api_key` or set $DUALEND_API_KEY. Every call returns a `Result` with the text, the per-response timings (TTFT, TPOT counted in
 tokens, not responses) and the server's counters; a server-side error raises `RequestError`
 with the server's message.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import queue
 import re
 import statistics
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+API_KEY_ENV = "DUALEND_API_KEY"
 COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps", "num_prompt_tokens",
             "num_prompt_latents")
 PARAM_TYPES = {"temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32), "top_p": ("FP32", np.float32),
@@ -40,6 +42,7 @@ class Result:
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, output tokens in response)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     finish_reason: str = ""
+    deployment: str = ""  # the gateway's X-Dualend-Deployment header, over HTTP
     on_text: object = None  # called with each piece of text as it arrives
 
     def add(self, text: str, counters: dict[str, int], finish_reason: str) -> None:
@@ -124,19 +127,29 @@ def _grpc_inputs(grpcclient, body: dict):
 
 def stream_grpc(url: str, model: str, prompt: str | bytes, max_tokens: int, stream: bool = True,
                 timeout_s: float = 120.0, cancel_after_responses: int | None = None, on_text=None,
-                **params) -> Result:
+                api_key: str | None = None, **params) -> Result:
     """One request over a gRPC bidirectional stream; `cancel_after_responses` cancels it early."""
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     result = Result(on_text=on_text)
     finished = False
     try:
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.start_stream(callback=lambda result, error: responses.put((result, error)),
+                            headers=auth_headers(api_key) or None)
         result.sent_at = time.perf_counter()
-        client.async_stream_infer(model, _grpc_inputs(grpcclient, request_body(prompt, max_tokens, stream, **params)),
-                                  enable_empty_final_response=True)
+        try:
+            client.async_stream_infer(model, _grpc_inputs(grpcclient, request_body(prompt, max_tokens, stream, **params)),
+                                      enable_empty_final_response=True)
+        except InferenceServerException as error:  # the stream was refused at once; the reason is in the callback
+            try:
+                error = responses.get(timeout=5)[1] or error
+            except queue.Empty:
+                pass
+            finished = True
+            raise RequestError(error.message() if hasattr(error, "message") else str(error)) from None
         while True:
             try:
                 response, error = responses.get(timeout=timeout_s)
@@ -162,10 +175,17 @@ def stream_grpc(url: str, model: str, prompt: str | bytes, max_tokens: int, stre
         client.close()
 
 
-def _http_post(url: str, path: str, body: dict, timeout_s: float):
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """The gateway's key header: `api_key`, else $DUALEND_API_KEY, else none."""
+    key = api_key or os.environ.get(API_KEY_ENV)
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+def _http_post(url: str, path: str, body: dict, timeout_s: float, api_key: str | None):
     host, port = url.rsplit(":", 1)
     connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
-    connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    connection.request("POST", path, body=json.dumps(body),
+                       headers={"Content-Type": "application/json"} | auth_headers(api_key))
     return connection, connection.getresponse()
 
 
@@ -187,11 +207,12 @@ def _add_json(result: Result, payload: dict) -> None:
 
 
 def stream_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 120.0, on_text=None,
-                **params) -> Result:
+                api_key: str | None = None, **params) -> Result:
     """One request over HTTP /generate_stream (server-sent events)."""
     result = Result(sent_at=time.perf_counter(), on_text=on_text)
     connection, response = _http_post(url, f"/v2/models/{model}/generate_stream",
-                                      request_body(prompt, max_tokens, True, **params), timeout_s)
+                                      request_body(prompt, max_tokens, True, **params), timeout_s, api_key)
+    result.deployment = response.getheader("X-Dualend-Deployment", "")
     try:
         if response.status != 200:
             raise RequestError(_error_of(response.read(), response.status))
@@ -204,11 +225,13 @@ def stream_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s: f
         connection.close()
 
 
-def generate_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 120.0, **params) -> Result:
+def generate_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float = 120.0,
+                  api_key: str | None = None, **params) -> Result:
     """One request over HTTP /generate: the whole text in one response."""
     result = Result(sent_at=time.perf_counter())
     connection, response = _http_post(url, f"/v2/models/{model}/generate",
-                                      request_body(prompt, max_tokens, False, **params), timeout_s)
+                                      request_body(prompt, max_tokens, False, **params), timeout_s, api_key)
+    result.deployment = response.getheader("X-Dualend-Deployment", "")
     try:
         body = response.read()
         if response.status != 200:

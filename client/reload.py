@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from dualend.launch import DEFAULT_REPOSITORY
+from dualend.launch import ADMIN_HEADER, DEFAULT_REPOSITORY, INTERNAL_HTTP_PORT, admin_key
 from dualend.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
 
 from .api import metric_value
@@ -54,8 +54,10 @@ def served_checkpoint(client, deployment: str) -> str:
     return config.get("parameters", {}).get("checkpoint_id", {}).get("string_value", "")
 
 
-def reload(http_url: str, metrics_url: str, deployment: str, repository: Path, drain_timeout_s: float = 60.0) -> str:
-    """Drains the deployment and loads its new copy; returns the checkpoint id it serves afterwards."""
+def reload(http_url: str, metrics_url: str, deployment: str, repository: Path, drain_timeout_s: float = 60.0,
+           key: str | None = None) -> str:
+    """Drains the deployment and loads its new copy; returns the checkpoint id it serves afterwards.
+    `key`: the server's admin key (default: the launcher's, from $DUALEND_ADMIN_KEY or its file)."""
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
 
@@ -63,9 +65,15 @@ def reload(http_url: str, metrics_url: str, deployment: str, repository: Path, d
         expected = repository_checkpoint(repository, deployment)
     except ManifestError as error:
         raise ReloadError(f"not reloading {deployment}: the repository is inconsistent: {error}") from None
+    key = key or admin_key()
+    headers = {ADMIN_HEADER: key} if key else None
     client = httpclient.InferenceServerClient(http_url, network_timeout=300.0)
     try:
-        client.unload_model(deployment)
+        try:
+            client.unload_model(deployment, headers=headers)
+        except InferenceServerException as error:
+            raise ReloadError(f"the server refused to unload {deployment}: {error.message()} (the repository API "
+                              "needs the admin key: set $DUALEND_ADMIN_KEY or pass --key)") from None
         deadline = time.monotonic() + drain_timeout_s
         while (live := live_sequences(metrics_url, deployment)) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -74,7 +82,7 @@ def reload(http_url: str, metrics_url: str, deployment: str, repository: Path, d
                   "the swap cuts them", file=sys.stderr)
         for model in (f"{deployment}_backbone", deployment):
             try:
-                client.load_model(model)
+                client.load_model(model, headers=headers)
             except InferenceServerException as error:
                 raise ReloadError(f"loading {model} failed, so {deployment} is not serving; fix the repository "
                                   f"and run the reload again: {error.message()}") from None
@@ -90,15 +98,19 @@ def reload(http_url: str, metrics_url: str, deployment: str, repository: Path, d
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deployment", required=True, help="dualend or baseline")
-    parser.add_argument("--url", default="127.0.0.1:8000", help="Triton's HTTP endpoint")
+    parser.add_argument("--url", default=f"127.0.0.1:{INTERNAL_HTTP_PORT}",
+                        help="tritonserver's own HTTP endpoint, behind the gateway (with --no-gateway: 127.0.0.1:8000)")
     parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics", help="Triton's metrics endpoint")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0,
                         help="how long running streams may take to finish before the swap")
+    parser.add_argument("--key", default=None, help="the server's admin key (default: $DUALEND_ADMIN_KEY, "
+                        "else the launcher's build/gateway/admin_key)")
     parser.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY,
                         help="the repository the server runs from (to check it before loading)")
     args = parser.parse_args(argv)
     try:
-        checkpoint = reload(args.url, args.metrics_url, args.deployment, args.repository, args.drain_timeout_s)
+        checkpoint = reload(args.url, args.metrics_url, args.deployment, args.repository, args.drain_timeout_s,
+                            args.key)
     except ReloadError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

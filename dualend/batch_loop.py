@@ -115,6 +115,7 @@ class LiveSequence:
 class _Inbox:
     submitted: list[LiveSequence] = field(default_factory=list)
     cancelled: set[int] = field(default_factory=set)
+    drain: str | None = None
 
 
 class DecodeLoop:
@@ -150,13 +151,19 @@ class DecodeLoop:
             self._inbox.cancelled.add(request_id)
             self._wake.notify()
 
+    def drain(self, message: str) -> None:
+        """Ends every request (running, queued or just submitted) with `message` at the next iteration."""
+        with self._wake:
+            self._inbox.drain = message
+            self._wake.notify()
+
     # --- the loop's thread --------------------------------------------------------------------
 
     def serve_forever(self, stopping: threading.Event, idle_wait_s: float = 0.05) -> None:
         while not stopping.is_set():
             if not self.run_once():
                 with self._wake:
-                    if not self._inbox.submitted and not self._inbox.cancelled:
+                    if not (self._inbox.submitted or self._inbox.cancelled or self._inbox.drain):
                         self._wake.wait(idle_wait_s)
 
     def run_once(self) -> bool:
@@ -242,6 +249,7 @@ class DecodeLoop:
         with self._wake:
             submitted, self._inbox.submitted = self._inbox.submitted, []
             cancelled, self._inbox.cancelled = self._inbox.cancelled, set()
+            drain, self._inbox.drain = self._inbox.drain, None
         now = self.clock()
         for sequence in submitted:
             try:
@@ -255,6 +263,9 @@ class DecodeLoop:
         for request_id in cancelled:
             if request_id in self.live:
                 self._end(self.live[request_id], cancelled=True)
+        if drain is not None:
+            for sequence in list(self.live.values()):
+                self._end(sequence, error=drain)
 
     def _check_cancelled(self) -> None:
         """Asking the server costs a round trip, so each sequence is asked every cancel_check_s."""

@@ -8,7 +8,13 @@ Example:
     python -m dualend.launch                      # build/model_repository, built first if missing
     python -m dualend.launch --model-control-mode explicit --load-model dualend_backbone --load-model dualend
 
-The server binds to 127.0.0.1 unless --host says otherwise; Ctrl-C or SIGTERM stops it.
+By default clients reach only the gateway (`dualend.gateway`, nginx) on --http-port and
+--grpc-port, with the API keys in --api-keys (a new key is written there if the file is missing);
+tritonserver listens on 127.0.0.1:18000 (HTTP) and :18001 (gRPC) behind it (--triton-http-port,
+--triton-grpc-port), with its repository, shared-memory,
+trace and logging APIs closed unless the request carries the admin key (`$DUALEND_ADMIN_KEY`, or a
+new one written to build/gateway/admin_key; `client.reload` reads both). `--no-gateway` serves
+tritonserver itself on those ports. Metrics stay on --metrics-port. Ctrl-C or SIGTERM stops it.
 """
 from __future__ import annotations
 
@@ -25,12 +31,16 @@ import signal
 import socket
 import subprocess
 import sys
+import secrets
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Sequence
+
+from .serving import PIPELINE_SECRET_ENV
 
 PYTRITON_VERSION = "0.7.0"  # the nvidia-pytriton release that ships tritonserver 2.51.0
 TRITON_VERSION = "2.51.0"
@@ -41,6 +51,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 8001
 DEFAULT_METRICS_PORT = 8002
+INTERNAL_HTTP_PORT, INTERNAL_GRPC_PORT = 18000, 18001  # tritonserver's own, on 127.0.0.1 behind the gateway
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")
 DEFAULT_MODEL_CONTROL_MODE = "none"
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
@@ -51,6 +62,10 @@ DEFAULT_STOP_TIMEOUT_S = EXIT_TIMEOUT_S + 5.0
 LOG_TAIL_LINES = 40
 BUILD_COMMAND = "python -m builder.assemble"
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "build" / "model_repository"
+ADMIN_KEY_ENV = "DUALEND_ADMIN_KEY"
+ADMIN_HEADER = "dualend-admin-key"
+DEFAULT_ADMIN_KEY_FILE = Path(__file__).resolve().parent.parent / "build" / "gateway" / "admin_key"
+RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"  # tritonserver API groups behind the admin key
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +132,19 @@ def prepare_triton_home(home: Path | str | None = None) -> Path:
         os.replace(staged_stub, stub)
         log.info("installed the Python %s backend stub in %s", python_version, stub.parent)
     return home
+
+
+def stub_shm_regions(server_pid: int) -> list[str]:
+    """Shared-memory regions of the Python backend stubs of one tritonserver (from their command lines)."""
+    regions = []
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(args) > 5 and args[0].endswith(b"triton_python_backend_stub") and args[5] == str(server_pid).encode():
+            regions.append(args[2].decode())
+    return regions
 
 
 def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -205,6 +233,7 @@ class TritonServer:
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
         stop_timeout: float = DEFAULT_STOP_TIMEOUT_S,
         triton_home: Path | str | None = None,
+        admin_key: str | None = None,
     ):
         if model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(
@@ -224,6 +253,9 @@ class TritonServer:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.triton_home = triton_home
+        self.admin_key = admin_key
+        # Shared by the models of each pipeline, unknown to clients: internal models refuse calls without it.
+        self.pipeline_secret = os.environ.get(PIPELINE_SECRET_ENV) or secrets.token_hex(24)
         self._process: subprocess.Popen | None = None
         self._owns_log_file = False
 
@@ -274,6 +306,9 @@ class TritonServer:
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         ]
         args += [f"--load-model={name}" for name in self.load_models]
+        if self.admin_key:
+            restriction = f"{RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}"
+            args += [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
         return args + self.extra_args
 
     # lifecycle
@@ -306,7 +341,7 @@ class TritonServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log_handle,
                 stderr=subprocess.STDOUT,
-                env=server_environment(),
+                env=server_environment() | {PIPELINE_SECRET_ENV: self.pipeline_secret},
                 start_new_session=True,
             )
         atexit.register(self.stop)
@@ -347,14 +382,60 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def drain(self, timeout_s: float = 5.0) -> int:
+        """Ends every running stream at once with a clear error (each deployment's decode loop is told
+        to drain, and refuses new requests), so a stop does not wait for them; returns how many loops."""
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+        import tritonclient.http as httpclient
+
+        drained = 0
+        http = httpclient.InferenceServerClient(self.http_url)
+        for model in sorted(d.name for d in self.model_repository.iterdir() if d.name.endswith("_mtp_verify")):
+            try:
+                if not http.is_model_ready(model):
+                    continue
+                latent_size = int(http.get_model_config(model)["input"][0]["dims"][-1])
+            except Exception:  # noqa: BLE001 - not loaded, or the server is already going
+                continue
+            inputs = [grpcclient.InferInput("prompt_latents", [1, latent_size], "FP32"),
+                      grpcclient.InferInput("request_params", [1], "BYTES"),
+                      grpcclient.InferInput("pipeline_key", [1], "BYTES")]
+            inputs[0].set_data_from_numpy(np.zeros((1, latent_size), np.float32))
+            inputs[1].set_data_from_numpy(np.array([b'{"drain": true}'], dtype=object))
+            inputs[2].set_data_from_numpy(np.array([self.pipeline_secret.encode()], dtype=object))
+            done = threading.Event()
+            client = grpcclient.InferenceServerClient(self.grpc_url)
+            try:
+                client.start_stream(callback=lambda result, error: done.set(), headers=self._admin_headers())
+                client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+                drained += done.wait(timeout_s)
+            except Exception as error:  # noqa: BLE001 - draining is best effort; the stop goes on
+                log.warning("could not drain %s: %s", model, error)
+            finally:
+                client.stop_stream()
+                client.close()
+        http.close()
+        return drained
+
+    def _admin_headers(self) -> dict[str, str] | None:
+        return {ADMIN_HEADER: self.admin_key} if self.admin_key else None
+
     def stop(self, keep_log: bool = False) -> None:
-        """SIGTERM, wait up to `stop_timeout`, then SIGKILL the server's whole process group."""
+        """Drain the decode loops, SIGTERM, wait up to `stop_timeout`, then SIGKILL the server's whole
+        process group and remove the stubs' shared memory."""
         process, self._process = self._process, None
         if process is None:
             return
         atexit.unregister(self.stop)
+        regions = stub_shm_regions(process.pid)
         try:
             if process.poll() is None:
+                self._process = process
+                try:
+                    self.drain()
+                finally:
+                    self._process = None
                 process.send_signal(signal.SIGTERM)
                 try:
                     process.wait(self.stop_timeout)
@@ -371,6 +452,8 @@ class TritonServer:
             except (ProcessLookupError, PermissionError):
                 pass
             process.wait()
+            for region in regions:  # a killed stub leaves its region behind
+                Path("/dev/shm", region).unlink(missing_ok=True)
         log.info("tritonserver (pid %d) stopped with code %s", process.pid, process.returncode)
         if self._owns_log_file and not keep_log:
             self.log_file.unlink(missing_ok=True)
@@ -381,6 +464,19 @@ class TritonServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def admin_key(path: Path = DEFAULT_ADMIN_KEY_FILE, create: bool = False) -> str | None:
+    """The admin key: $DUALEND_ADMIN_KEY, else the one in `path` (written first when `create`)."""
+    if os.environ.get(ADMIN_KEY_ENV):
+        return os.environ[ADMIN_KEY_ENV]
+    if not path.exists() and create:
+        import secrets
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_hex(24) + "\n")
+        path.chmod(0o600)
+    return path.read_text().strip() if path.exists() else None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -400,6 +496,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--load-model", action="append", default=[], metavar="NAME",
         help="model to load at start (explicit mode; repeat for several)",
     )
+    parser.add_argument("--no-gateway", action="store_true",
+                        help="serve tritonserver itself on --http-port/--grpc-port, no nginx in front")
+    parser.add_argument("--triton-http-port", type=int, default=INTERNAL_HTTP_PORT,
+                        help="tritonserver's own HTTP port on 127.0.0.1, behind the gateway")
+    parser.add_argument("--triton-grpc-port", type=int, default=INTERNAL_GRPC_PORT)
+    parser.add_argument("--api-keys", type=Path, default=None,
+                        help="gateway API keys, `name key` per line (default build/gateway/api_keys, "
+                             "created with one new key when missing)")
+    parser.add_argument("--baseline-percent", type=float, default=10.0,
+                        help="share of the gateway's `llm` requests sent to the baseline (canary)")
     parser.add_argument("--log-file", type=Path, help="server log (default: a temporary file)")
     parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
     parser.add_argument(
@@ -416,22 +522,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    from .gateway import DEFAULT_PREFIX, Gateway, GatewayError, GatewaySettings, write_new_keys
+
+    gateway = None
     try:
         if not args.no_build:
             build_repository_if_missing(args.model_repository)
+        behind = not args.no_gateway
         server = TritonServer(
             args.model_repository,
-            host=args.host,
-            http_port=args.http_port,
-            grpc_port=args.grpc_port,
+            host=DEFAULT_HOST if behind else args.host,
+            http_port=args.triton_http_port if behind else args.http_port,
+            grpc_port=args.triton_grpc_port if behind else args.grpc_port,
             metrics_port=args.metrics_port,
             model_control_mode=args.model_control_mode,
             load_models=args.load_model,
             extra_args=args.extra_args,
             log_file=args.log_file,
             startup_timeout=args.startup_timeout,
+            admin_key=admin_key(create=True),
         )
-    except (RepositoryMissingError, ValueError) as err:
+        if behind:
+            keys = args.api_keys or DEFAULT_PREFIX / "api_keys"
+            if not keys.exists():
+                print(f"gateway: new API key for client `default`: {write_new_keys(keys)} (in {keys})")
+            gateway = Gateway(GatewaySettings("", "", host=args.host, http_port=args.http_port,
+                                              grpc_port=args.grpc_port, keys_file=keys,
+                                              baseline_percent=args.baseline_percent))
+    except (RepositoryMissingError, ValueError, GatewayError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -442,8 +560,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server.start()
         print(f"tritonserver {TRITON_VERSION} ready (pid {server.pid})")
-        print(f"  HTTP     {server.http_url}")
-        print(f"  gRPC     {server.grpc_url}")
+        if gateway is not None:
+            gateway.settings.triton_http, gateway.settings.triton_grpc = server.http_url, server.grpc_url
+            gateway.start()
+            print(f"  gateway  HTTP {gateway.http_url}, gRPC {gateway.grpc_url} (nginx; keys in "
+                  f"{gateway.settings.keys_file}); tritonserver itself on {server.http_url}, {server.grpc_url}")
+        else:
+            print(f"  HTTP     {server.http_url}")
+            print(f"  gRPC     {server.grpc_url}")
         print(f"  metrics  {server.metrics_url}")
         print(f"  log      {server.log_file}")
         print("Ctrl-C or SIGTERM stops it.", flush=True)
@@ -460,12 +584,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RepositoryMissingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except ServerStartError as err:
+    except (ServerStartError, GatewayError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not orphan it
             signal.signal(signum, signal.SIG_IGN)
+        if server.poll() is None and server.pid is not None:
+            server.drain()  # every stream ends now, with an error that says why
+        if gateway is not None:
+            gateway.stop()  # before the server: its idle upstream connections would hold tritonserver
         server.stop(keep_log=True)
     return 0
 

@@ -4,7 +4,9 @@ The Triton models in model_repository/ are thin adapters over these functions.
 """
 from __future__ import annotations
 
+import hmac
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 import numpy as np
@@ -21,6 +23,35 @@ def model_parameters(args: dict) -> dict[str, str]:
     """The `parameters` of a Triton model's config, from the args of its initialize()."""
     config = json.loads(args["model_config"])
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+PIPELINE_SECRET_ENV = "DUALEND_PIPELINE_SECRET"
+PIPELINE_SECRET_FILE = "pipeline_secret"  # in the repository root, written by builder.assemble
+NOT_FROM_PIPELINE = ("refused: {model} is an internal step of the {deployment} pipeline; send requests to the "
+                     "`{deployment}` model")
+
+
+def pipeline_secret(args: dict) -> str:
+    """What the models of one pipeline share and clients do not: the launcher's per-start secret
+    ($DUALEND_PIPELINE_SECRET), else the one builder.assemble wrote into the repository."""
+    secret = os.environ.get(PIPELINE_SECRET_ENV)
+    if secret:
+        return secret
+    path = Path(args["model_repository"]).parent / PIPELINE_SECRET_FILE
+    if not path.exists():
+        raise RuntimeError(f"no pipeline secret: set ${PIPELINE_SECRET_ENV} or assemble the repository again "
+                           f"(python -m builder.assemble writes {PIPELINE_SECRET_FILE})")
+    return path.read_text().strip()
+
+
+def from_pipeline(key, secret: str) -> bool:
+    """Whether a request's `pipeline_key` input (None when absent) is the pipeline's secret."""
+    if key is None:
+        return False
+    value = np.asarray(key, dtype=object).reshape(-1)
+    given = value[0] if value.size == 1 else b""
+    given = given.encode() if isinstance(given, str) else bytes(given)
+    return hmac.compare_digest(given, secret.encode())
 
 
 def version_components(args: dict, names: tuple[str, ...]) -> ExportedModel:

@@ -18,3 +18,12 @@ if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libb64\.so\.0d'; then
         echo "setup.sh: perf_analyzer needs libb64.so.0d; run: sudo apt-get install -y libb64-0d" >&2
     fi
 fi
+# The gateway in front of tritonserver is Debian's nginx (started by the launcher, never as a service).
+if ! command -v nginx > /dev/null && [ ! -x /usr/sbin/nginx ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q nginx > /dev/null 2>&1 || { apt-get update -q > /dev/null && apt-get install -y -q nginx > /dev/null; }
+    else
+        echo "setup.sh: the gateway needs nginx; run: sudo apt-get install -y nginx (or serve with --no-gateway)" >&2
+    fi
+fi

@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from dualend.engines import open_engine
 from dualend.onnx_engine import BackboneBatch, BackboneRunner, kv_cache
-from dualend.serving import model_parameters, version_components
+from dualend.serving import NOT_FROM_PIPELINE, from_pipeline, model_parameters, pipeline_secret, version_components
 
 
 class TritonPythonModel:
@@ -25,6 +25,8 @@ class TritonPythonModel:
                              idle_timeout_s=float(parameters["idle_timeout_s"]))
         engine = open_engine(exported, "backbone", parameters["engine"], int(parameters["threads"]))
         self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"])
+        self.secret = pipeline_secret(args)
+        self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=parameters["deployment"])
         self.checkpoint_id = np.asarray([exported.checkpoint_id.encode()], dtype=object)
         self._warm_up(settings["d_model"])
         self.metrics = _PoolMetrics(args["model_name"], self.pool)
@@ -44,6 +46,9 @@ class TritonPythonModel:
         self.pool.evict_idle()
         responses = []
         for request in requests:
+            if not from_pipeline(_input(request, "pipeline_key"), self.secret):
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(self.refusal)))
+                continue
             inputs = {name: _input(request, name)
                       for name in ("latents", "sequence_ids", "new_latents", "reserve_slots", "release_ids")}
             try:

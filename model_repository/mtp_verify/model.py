@@ -9,7 +9,9 @@ cancellation.
 Triton 2.51 does not pass a client's cancellation of an ensemble on to a step that is already
 running; it marks the ensemble's next step requests (postprocessing) as cancelled instead. So
 every response carries `request_id`, and postprocessing, on seeing a cancelled request, sends
-this model a control request `{"cancel": request_id}` over BLS.
+this model a control request `{"cancel": request_id}` over BLS. The launcher, on SIGTERM, sends
+`{"drain": true}`: every stream ends at once with SHUTDOWN_MESSAGE and new requests are refused.
+Every request, control or not, must carry the pipeline's secret (`pipeline_key`).
 """
 import json
 import secrets
@@ -24,7 +26,8 @@ from dualend.decode import InvalidRequest
 from dualend.manifest import verify_component, verify_siblings
 from dualend.onnx_engine import BackboneResult, MTPComponent
 from dualend.scheduler import Scheduler
-from dualend.serving import PreparedRequest, model_parameters, resolve_threshold, version_components
+from dualend.serving import (NOT_FROM_PIPELINE, PreparedRequest, from_pipeline, model_parameters, pipeline_secret,
+                             resolve_threshold, version_components)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SHUTDOWN_MESSAGE = "the server is shutting down; the stream ends here, retry"
@@ -33,14 +36,16 @@ SHUTDOWN_MESSAGE = "the server is shutting down; the stream ends here, retry"
 class BLSBackbone:
     """The deployment's backbone model, one BLS request per loop iteration."""
 
-    def __init__(self, model_name, checkpoint_id):
+    def __init__(self, model_name, checkpoint_id, secret):
         self.model_name, self.checkpoint_id = model_name, checkpoint_id
+        self.pipeline_key = np.asarray([secret.encode()], dtype=object)
 
     def run_batch(self, batch):
         inputs = [pb_utils.Tensor("latents", np.ascontiguousarray(batch.latents, dtype=np.float32)),
                   pb_utils.Tensor("sequence_ids", np.asarray(batch.sequence_ids, dtype=np.int64)),
                   pb_utils.Tensor("new_latents", np.asarray(batch.counts, dtype=np.int32)),
-                  pb_utils.Tensor("reserve_slots", np.asarray(batch.reserve_slots, dtype=np.int32))]
+                  pb_utils.Tensor("reserve_slots", np.asarray(batch.reserve_slots, dtype=np.int32)),
+                  pb_utils.Tensor("pipeline_key", self.pipeline_key)]
         if batch.releases:
             inputs.append(pb_utils.Tensor("release_ids", np.asarray(batch.releases, dtype=np.int64)))
         response = pb_utils.InferenceRequest(
@@ -92,12 +97,16 @@ class TritonPythonModel:
         checkpoint_id = verify_siblings([*exported.manifests.values(), backbone_manifest])
         local = MTPComponent(exported)
         self.threshold = float(parameters["acceptance_threshold"])
+        self.secret = pipeline_secret(args)
+        self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=deployment)
+        self.draining = False
         scheduler = Scheduler(
             max_running=int(parameters["max_concurrent_requests"]), max_queue=int(parameters["max_queue_size"]),
             wait_s=float(parameters["queue_wait_s"]), prefill_chunk=int(parameters["prefill_chunk_latents"]),
             kv_blocks=int(parameters["kv_capacity_blocks"]), kv_block_size=int(parameters["kv_block_size"]))
         self.metrics = _DecodeMetrics(args["model_name"])
-        executor = Executor(BLSBackbone(f"{deployment}_backbone", checkpoint_id), local, exported.settings["d_model"])
+        executor = Executor(BLSBackbone(f"{deployment}_backbone", checkpoint_id, self.secret), local,
+                            exported.settings["d_model"])
         self.loop = DecodeLoop(executor, exported.tokenizer(), scheduler, self.threshold, self.metrics)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.loop.serve_forever, args=(self.stopping,), daemon=True)
@@ -113,13 +122,20 @@ class TritonPythonModel:
         for request in requests:
             params = pb_utils.get_input_tensor_by_name(request, "request_params").as_numpy()[0].decode()
             sender = request.get_response_sender()
-            control = json.loads(params)
-            if "cancel" in control:
-                self.loop.cancel(int(control["cancel"]))
-                sender.send(flags=FINAL)
-                continue
             request_id = secrets.randbits(63)  # also the backbone's sequence id: not guessable
             output = ResponseSenderOutput(sender, request_id)
+            key = pb_utils.get_input_tensor_by_name(request, "pipeline_key")
+            if not from_pipeline(None if key is None else key.as_numpy(), self.secret):
+                output.fail(self.refusal)
+                continue
+            control = json.loads(params)
+            if "cancel" in control or "drain" in control:
+                self._control(control)
+                sender.send(flags=FINAL)
+                continue
+            if self.draining:
+                output.fail(SHUTDOWN_MESSAGE)
+                continue
             try:
                 prepared = PreparedRequest.from_json(params)
                 prompt_latents = pb_utils.get_input_tensor_by_name(request, "prompt_latents").as_numpy()
@@ -129,6 +145,13 @@ class TritonPythonModel:
                 continue
             self.loop.submit(request_id, prepared, prompt_latents, output, threshold)
         return None
+
+    def _control(self, control):
+        if "cancel" in control:
+            self.loop.cancel(int(control["cancel"]))
+        if control.get("drain"):
+            self.draining = True
+            self.loop.drain(SHUTDOWN_MESSAGE)
 
     def finalize(self):
         self.stopping.set()

@@ -9,7 +9,7 @@ from collections import deque
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.serving import model_parameters, version_components
+from dualend.serving import model_parameters, pipeline_secret, version_components
 
 
 class TritonPythonModel:
@@ -18,6 +18,7 @@ class TritonPythonModel:
         self.tokenizer = version_components(args, ("tokenizer",)).tokenizer()
         self.mtp_verify = f"{parameters['deployment']}_mtp_verify"
         self.d_model = int(parameters["d_model"])
+        self.pipeline_key = np.asarray([pipeline_secret(args).encode()], dtype=object)
         self.forwarded = deque(maxlen=1024)  # request ids whose cancellation was already sent
 
     def execute(self, requests):
@@ -39,6 +40,7 @@ class TritonPythonModel:
             model_name=self.mtp_verify, requested_output_names=[],
             inputs=[pb_utils.Tensor("prompt_latents", np.zeros((1, self.d_model), np.float32)),
                     pb_utils.Tensor("request_params", np.asarray([json.dumps({"cancel": request_id}).encode()],
-                                                                 dtype=object))])
+                                                                 dtype=object)),
+                    pb_utils.Tensor("pipeline_key", self.pipeline_key)])
         for _ in control.exec(decoupled=True):
             pass

@@ -3,7 +3,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dualend.decode import InvalidRequest, pad_prompt
-from dualend.serving import Limits, model_parameters, prepare_request, version_components
+from dualend.serving import Limits, model_parameters, pipeline_secret, prepare_request, version_components
 
 OPTIONAL_INPUTS = ("stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
                    "exclude_input_in_output", "acceptance_threshold", "ignore_eos")
@@ -15,6 +15,7 @@ class TritonPythonModel:
         self.tokenizer = version_components(args, ("tokenizer",)).tokenizer()
         self.limits = Limits(int(parameters["raw_context_limit"]), int(parameters["pair_size"]),
                              int(parameters["max_new_tokens"]))
+        self.pipeline_key = np.asarray([pipeline_secret(args).encode()], dtype=object)
 
     def execute(self, requests):
         return [self._one(request) for request in requests]
@@ -35,4 +36,5 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("input_ids", pairs),
             pb_utils.Tensor("request_params", np.asarray([prepared.to_json().encode()], dtype=object)),
+            pb_utils.Tensor("pipeline_key", self.pipeline_key),
         ])

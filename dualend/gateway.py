@@ -1,0 +1,292 @@
+"""The gateway in front of tritonserver: nginx (Debian's package), the only listener clients reach.
+
+It bounds request bodies (tritonserver 2.51 crashes on an 8 MB JSON body and has no flag to bound
+it), checks per-client API keys and rate limits, exposes only the public routes of the two
+ensembles, and splits `llm` requests between the dual-end and baseline deployments by weight
+(a canary), naming the deployment that answered in the `X-Dualend-Deployment` header:
+
+    POST /v2/models/{dualend,baseline,llm}/generate[_stream]   key required; `llm` = canary split
+    GET  /v2/models/{dualend,baseline}[/ready], /v2/health/{live,ready}
+    gRPC inference.GRPCInferenceService/{ModelStreamInfer,ModelInfer,ModelMetadata,...}   key required
+
+Everything else (repository and model control, internal models over HTTP, statistics, traces)
+answers 404. Keys come from a file of `name key` lines; clients send `Authorization: Bearer <key>`
+(over gRPC, the `authorization` metadata). Changing the canary weight rewrites the config and
+reloads nginx gracefully: requests in flight finish on the old workers, none is dropped.
+
+    python -m dualend.gateway weight --baseline-percent 0 --prefix build/gateway
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+PUBLIC_DEPLOYMENTS = ("dualend", "baseline")
+CANARY_MODEL = "llm"
+DEFAULT_PREFIX = Path(__file__).resolve().parent.parent / "build" / "gateway"
+GRPC_METHODS = ("ModelStreamInfer", "ModelInfer", "ModelMetadata", "ModelReady", "ServerLive", "ServerReady",
+                "ServerMetadata")
+
+
+class GatewayError(RuntimeError):
+    pass
+
+
+@dataclass
+class GatewaySettings:
+    triton_http: str                  # host:port of tritonserver's HTTP endpoint
+    triton_grpc: str
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    keys_file: Path | None = None     # `name key` per line; None: no key check
+    baseline_percent: float = 10.0    # share of `llm` requests that go to the baseline
+    max_body: str = "1m"              # a prompt inside raw_context_limit is a few KB
+    rate_per_s: int = 50              # per client (API key), with a burst of `burst`
+    burst: int = 100
+
+
+def read_keys(path: Path) -> dict[str, str]:
+    """{key: client name} from lines `name key`; blank lines and # comments ignored."""
+    keys = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or len(parts[1]) < 16 or not parts[1].isalnum():
+            raise GatewayError(f"{path}:{number}: expected `name key` with an alphanumeric key of 16+ characters")
+        keys[parts[1]] = parts[0]
+    if not keys:
+        raise GatewayError(f"{path} holds no API key")
+    return keys
+
+
+def write_new_keys(path: Path, name: str = "default") -> str:
+    key = secrets.token_hex(24)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{name} {key}\n")
+    path.chmod(0o600)
+    return key
+
+
+def render(settings: GatewaySettings, prefix: Path) -> str:
+    keys = read_keys(settings.keys_file) if settings.keys_file else {}
+    key_map = "\n".join(f'        "Bearer {key}" "{name}";' for key, name in keys.items())
+    default_client = '""' if keys else '"anonymous"'
+    if settings.baseline_percent <= 0:
+        split = "* dualend;"
+    elif settings.baseline_percent >= 100:
+        split = "* baseline;"
+    else:
+        split = f"{settings.baseline_percent:g}% baseline;\n        * dualend;"
+    check = 'if ($client = "") { return 401 \'{"error":"missing or unknown API key: send Authorization: Bearer <key>"}\'; }' \
+        if keys else ""
+    grpc_check = ('if ($client = "") { add_header grpc-status 16; add_header grpc-message "missing or unknown API key"; '
+                  'return 204; }') if keys else ""
+    models = "|".join(PUBLIC_DEPLOYMENTS)
+    grpc_methods = "|".join(GRPC_METHODS)
+    return f"""# written by dualend.gateway; edits are overwritten
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    log_format gateway '$remote_addr $client "$request" $status $body_bytes_sent $request_time $deployment';
+    access_log {prefix}/access.log gateway;
+    client_body_temp_path {prefix}/tmp/body;
+    proxy_temp_path {prefix}/tmp/proxy;
+    fastcgi_temp_path {prefix}/tmp/fastcgi;
+    uwsgi_temp_path {prefix}/tmp/uwsgi;
+    scgi_temp_path {prefix}/tmp/scgi;
+    default_type application/json;
+    map_hash_bucket_size 128;
+    client_max_body_size {settings.max_body};
+    client_body_buffer_size {settings.max_body};
+    map $http_authorization $client {{
+        default {default_client};
+{key_map}
+    }}
+    split_clients "${{request_id}}" $canary {{
+        {split}
+    }}
+    limit_req_zone $client zone=per_client:1m rate={settings.rate_per_s}r/s;
+    limit_req_status 429;
+    upstream triton_http {{ server {settings.triton_http}; keepalive 32; }}
+    upstream triton_grpc {{ server {settings.triton_grpc}; keepalive 32; }}
+    error_page 413 = @too_large;
+    error_page 429 = @too_many;
+    error_page 502 504 = @unavailable;
+    server {{
+        listen {settings.host}:{settings.http_port};
+        set $deployment "";
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_buffering off;
+        proxy_read_timeout 300s;
+        add_header X-Dualend-Deployment $deployment always;
+        location ~ ^/v2/models/({models})/(generate|generate_stream)$ {{
+            {check}
+            limit_req zone=per_client burst={settings.burst} nodelay;
+            limit_except POST {{ deny all; }}
+            set $deployment $1;
+            proxy_pass http://triton_http;
+        }}
+        location ~ ^/v2/models/{CANARY_MODEL}/(generate|generate_stream)$ {{
+            {check}
+            limit_req zone=per_client burst={settings.burst} nodelay;
+            limit_except POST {{ deny all; }}
+            set $deployment $canary;
+            proxy_pass http://triton_http/v2/models/$canary/$1;
+        }}
+        location ~ ^/v2/models/({models})(/ready)?$ {{
+            limit_except GET {{ deny all; }}
+            set $deployment $1;
+            proxy_pass http://triton_http;
+        }}
+        location = /v2/health/live {{ proxy_pass http://triton_http; }}
+        location = /v2/health/ready {{
+            # ready when the public deployments are, whatever an internal model's state
+            proxy_pass http://triton_http/v2/models/{PUBLIC_DEPLOYMENTS[0]}/ready;
+        }}
+        location @too_large {{
+            return 413 '{{"error":"request body over {settings.max_body}; a prompt inside raw_context_limit is far smaller"}}';
+        }}
+        location @unavailable {{ return 503 '{{"error":"the inference server behind the gateway is not answering"}}'; }}
+        location @too_many {{ return 429 '{{"error":"rate limit: over {settings.rate_per_s} requests/s for this API key"}}'; }}
+        location / {{ return 404 '{{"error":"not a public route of this service"}}'; }}
+    }}
+    server {{
+        listen {settings.host}:{settings.grpc_port} http2;
+        default_type application/grpc;
+        location ~ ^/inference\\.GRPCInferenceService/({grpc_methods})$ {{
+            {grpc_check}
+            grpc_read_timeout 300s;
+            grpc_pass grpc://triton_grpc;
+        }}
+        location / {{ add_header grpc-status 12; add_header grpc-message "not a public method"; return 204; }}
+    }}
+}}
+"""
+
+
+class Gateway:
+    """nginx with the rendered config, run in the foreground as a child process."""
+
+    def __init__(self, settings: GatewaySettings, prefix: Path = DEFAULT_PREFIX):
+        self.settings, self.prefix = settings, Path(prefix).resolve()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def config_path(self) -> Path:
+        return self.prefix / "nginx.conf"
+
+    @classmethod
+    def running(cls, prefix: Path = DEFAULT_PREFIX) -> "Gateway":
+        """The gateway whose config lives in `prefix` (started by the launcher), to change it."""
+        raw = json.loads((Path(prefix) / "settings.json").read_text())
+        raw["keys_file"] = Path(raw["keys_file"]) if raw["keys_file"] else None
+        return cls(GatewaySettings(**raw), prefix)
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.settings.host}:{self.settings.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.settings.host}:{self.settings.grpc_port}"
+
+    def write_config(self) -> None:
+        for folder in ("tmp/body", "tmp/proxy", "tmp/fastcgi", "tmp/uwsgi", "tmp/scgi"):
+            (self.prefix / folder).mkdir(parents=True, exist_ok=True)
+        staged = self.config_path.with_suffix(".new")
+        staged.write_text(render(self.settings, self.prefix))
+        check = subprocess.run([nginx_binary(), "-t", "-q", "-p", str(self.prefix), "-c", str(staged)],
+                               capture_output=True, text=True)
+        if check.returncode:
+            raise GatewayError(f"nginx refused the gateway config: {check.stderr.strip()}")
+        os.replace(staged, self.config_path)
+        raw = dataclasses.asdict(self.settings) | {"keys_file": str(self.settings.keys_file or "") or None}
+        (self.prefix / "settings.json").write_text(json.dumps(raw, indent=1))
+
+    def start(self) -> "Gateway":
+        self.write_config()
+        self.process = subprocess.Popen(
+            [nginx_binary(), "-p", str(self.prefix), "-c", str(self.config_path), "-g", "daemon off;"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(self.prefix / "nginx.out", "ab"),
+            start_new_session=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise GatewayError(f"nginx exited at start: {(self.prefix / 'nginx.out').read_text()[-2000:]}")
+            try:
+                urllib.request.urlopen(f"http://{self.http_url}/v2/health/live", timeout=1).close()
+                return self
+            except urllib.error.HTTPError:
+                return self  # nginx answers; the server behind it may still be starting
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.05)
+        self.stop()
+        raise GatewayError(f"nginx did not listen on {self.http_url} within 10 s")
+
+    def set_baseline_percent(self, percent: float) -> None:
+        """New canary weight, applied by a graceful reload: no request in flight is dropped."""
+        self.settings.baseline_percent = percent
+        self.write_config()
+        os.kill(int((self.prefix / "nginx.pid").read_text()), signal.SIGHUP)
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGQUIT)  # graceful: workers finish their requests
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> "Gateway":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def nginx_binary() -> str:
+    found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if found is None:
+        raise GatewayError("nginx is not installed: run `bash scripts/setup.sh` (or `apt-get install -y nginx`)")
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    weight = sub.add_parser("weight", help="change the canary split of a running gateway")
+    weight.add_argument("--baseline-percent", type=float, required=True)
+    weight.add_argument("--prefix", type=Path, default=DEFAULT_PREFIX)
+    args = parser.parse_args(argv)
+    try:
+        Gateway.running(args.prefix).set_baseline_percent(args.baseline_percent)
+    except (OSError, GatewayError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"gateway: {args.baseline_percent:g}% of {CANARY_MODEL} requests now go to the baseline")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

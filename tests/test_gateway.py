@@ -1,0 +1,138 @@
+"""The gateway (nginx) in front of a real tritonserver, and tritonserver's own closed doors:
+API keys, public routes only, a bounded body, rate limits, the canary split, the admin key."""
+import secrets
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from builder.assemble import DEFAULTS, main as assemble_main
+from client.api import RequestError, generate_http, stream_grpc, stream_http
+from dualend.gateway import Gateway, GatewaySettings, write_new_keys
+from dualend.launch import ADMIN_HEADER, TritonServer
+
+pytestmark = pytest.mark.server
+PROMPT = "Q: 3+4-2\nA:"
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway")
+    repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(root / "repository"),
+                                "--export-dir", str(root / "export"), "--raw-context-limit", "512",
+                                "--max-new-tokens", "256"])
+    admin = secrets.token_hex(16)
+    key = write_new_keys(root / "keys", "tests")
+    with TritonServer(repository, admin_key=admin, log_file=root / "server.log") as triton:
+        http_port, grpc_port = free_ports(2)  # after the server took its own
+        gateway = Gateway(GatewaySettings(triton.http_url, triton.grpc_url, http_port=http_port, grpc_port=grpc_port,
+                                          keys_file=root / "keys", baseline_percent=10, rate_per_s=2000, burst=2000),
+                          root / "nginx")
+        with gateway:
+            gateway.key, gateway.admin, gateway.triton, gateway.root = key, admin, triton, root
+            yield gateway
+
+
+def http(gateway, path, body=None, key=True, headers=None, url=None):
+    request = urllib.request.Request(f"http://{url or gateway.http_url}{path}", data=body,
+                                     method="POST" if body is not None else "GET", headers=headers or {})
+    if key:
+        request.add_header("Authorization", f"Bearer {gateway.key}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_a_key_is_required_and_a_wrong_one_refused(stack):
+    with pytest.raises(RequestError, match="missing or unknown API key"):
+        generate_http(stack.http_url, "dualend", PROMPT, 4, api_key="x" * 32)
+    with pytest.raises(RequestError, match="missing or unknown API key"):
+        generate_http(stack.http_url, "dualend", PROMPT, 4)
+    with pytest.raises(RequestError, match="(?i)unauthenticated|missing or unknown API key"):
+        stream_grpc(stack.grpc_url, "dualend", PROMPT, 4)
+    assert generate_http(stack.http_url, "dualend", PROMPT, 4, api_key=stack.key).output_tokens > 0
+    assert stream_grpc(stack.grpc_url, "baseline", PROMPT, 4, api_key=stack.key).output_tokens > 0
+
+
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v2/repository/index"), ("POST", "/v2/repository/models/dualend/unload"),
+    ("POST", "/v2/repository/models/evil/load"), ("POST", "/v2/models/dualend_backbone/infer"),
+    ("POST", "/v2/models/dualend_mtp_verify/generate_stream"), ("POST", "/v2/models/dualend_preprocessing/generate"),
+    ("GET", "/v2/models/stats"), ("GET", "/v2/models/dualend_backbone/config"), ("POST", "/v2/trace/setting"),
+    ("POST", "/v2/logging"), ("GET", "/v2/models/dualend/config"), ("GET", "/metrics"),
+])
+def test_only_public_routes_are_reachable(stack, method, path):
+    status, body = http(stack, path, b"{}" if method == "POST" else None)
+    assert status == 404 and "not a public route" in body
+
+
+def test_public_metadata_and_health_answer(stack):
+    assert http(stack, "/v2/health/ready", key=False)[0] == 200
+    status, body = http(stack, "/v2/models/dualend", key=False)
+    assert status == 200 and '"name":"dualend"' in body
+
+
+@pytest.mark.parametrize("megabytes", [8, 20])
+def test_huge_bodies_are_refused_at_once_and_nobody_notices(stack, megabytes):
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream_http, stack.http_url, "dualend", PROMPT, 64, api_key=stack.key,
+                              ignore_eos=True, exclude_input_in_output=True)
+        started = time.perf_counter()
+        status, body = http(stack, "/v2/models/dualend/generate", b'{"text_input": "' + b"a" * (megabytes << 20) + b'"}')
+        assert status == 413 and "request body over 1m" in body and time.perf_counter() - started < 1.0
+        assert running.result().output_tokens == 64
+    assert stack.triton.is_ready()
+
+
+def test_the_canary_sends_its_share_to_the_baseline_and_a_new_weight_drops_nothing(stack):
+    def one(_):
+        return generate_http(stack.http_url, "llm", PROMPT, 1, api_key=stack.key).deployment
+
+    with ThreadPoolExecutor(8) as pool:
+        chosen = list(pool.map(one, range(1000)))
+    share = chosen.count("baseline") / len(chosen)
+    assert set(chosen) == {"dualend", "baseline"} and 0.07 <= share <= 0.13, share
+    with ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(stream_http, stack.http_url, "llm", PROMPT, 48, api_key=stack.key, ignore_eos=True)
+                   for _ in range(16)]
+        time.sleep(0.2)
+        stack.set_baseline_percent(0)
+        assert all(s.result().output_tokens == 48 for s in streams)  # none dropped by the reload
+        after = list(pool.map(one, range(100)))
+    assert set(after) == {"dualend"}
+    stack.set_baseline_percent(10)
+
+
+def test_a_client_over_its_rate_is_refused_with_429(stack):
+    ports = free_ports(2)
+    strict = Gateway(GatewaySettings(stack.triton.http_url, stack.triton.grpc_url, http_port=ports[0],
+                                     grpc_port=ports[1], keys_file=stack.root / "keys", rate_per_s=2, burst=2),
+                     stack.root / "strict")
+    with strict:
+        statuses = [http(stack, "/v2/models/dualend/generate", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 1}',
+                         url=strict.http_url) for _ in range(8)]
+    assert [s for s, _ in statuses].count(429) >= 3 and statuses[0][0] == 200
+    assert "rate limit" in next(body for s, body in statuses if s == 429)
+
+
+def test_tritonservers_repository_api_needs_the_admin_key(stack):
+    direct = stack.triton.http_url
+    status, body = http(stack, "/v2/repository/index", b"{}", key=False, url=direct)
+    assert status == 403 and ADMIN_HEADER in body
+    status, body = http(stack, "/v2/repository/index", b"{}", key=False, url=direct, headers={ADMIN_HEADER: stack.admin})
+    assert status == 200 and "dualend_backbone" in body

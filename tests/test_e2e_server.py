@@ -324,3 +324,99 @@ def test_hot_reload_drains_swaps_the_checkpoint_and_refuses_an_inconsistent_repo
         assert stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24, exclude_input_in_output=True).text \
             == expected.text
         http.close()
+
+
+@pytest.mark.parametrize("model, inputs", [
+    ("dualend_backbone", {"latents": np.zeros((1, 4), np.float32), "sequence_ids": np.array([1], np.int64),
+                          "new_latents": np.array([1], np.int32), "reserve_slots": np.array([9999], np.int32)}),
+    ("dualend_compressor", {"input_ids": np.array([[5, 6]], np.int64)}),
+])
+def test_internal_models_refuse_calls_from_outside_their_pipeline(server, model, inputs):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.http_url)
+    config = client.get_model_config(model)
+    if "latents" in inputs:  # the right width, so only the missing secret is wrong
+        inputs["latents"] = np.zeros((1, int(config["input"][0]["dims"][-1])), np.float32)
+    tensors = []
+    for name, value in inputs.items():
+        tensor = httpclient.InferInput(name, list(value.shape), {np.float32: "FP32", np.int64: "INT64",
+                                                                 np.int32: "INT32"}[value.dtype.type])
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    key = httpclient.InferInput("pipeline_key", [1], "BYTES")
+    key.set_data_from_numpy(np.array([b"guess"], dtype=object))
+    with pytest.raises(Exception, match=r"missing required input\(s\) \['pipeline_key'\]"):
+        client.infer(model, tensors)
+    with pytest.raises(Exception, match=f"refused: {model} is an internal step of the dualend pipeline"):
+        client.infer(model, tensors + [key])
+    client.close()
+    assert metric(server, "dualend_kv_live_sequences", "dualend_backbone") == 0
+
+
+def test_mtp_verify_refuses_a_forged_cancel_or_drain(server):
+    import tritonclient.grpc as grpcclient
+
+    errors = []
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: errors.append(error))
+    latents = grpcclient.InferInput("prompt_latents", [1, 256], "FP32")
+    latents.set_data_from_numpy(np.zeros((1, 256), np.float32))
+    params = grpcclient.InferInput("request_params", [1], "BYTES")
+    params.set_data_from_numpy(np.array([b'{"drain": true}'], dtype=object))
+    key = grpcclient.InferInput("pipeline_key", [1], "BYTES")
+    key.set_data_from_numpy(np.array([b"guess"], dtype=object))
+    client.async_stream_infer("dualend_mtp_verify", [latents, params, key])
+    assert wait_for(lambda: errors, 10)
+    client.stop_stream()
+    client.close()
+    assert "internal step of the dualend pipeline" in str(errors[0])
+    assert stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 4).output_tokens > 0  # not drained
+
+
+def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(tmp_path):
+    """The launcher, as users run it (gateway in front, free ports): SIGTERM under 8 live streams."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from dualend.launch import EXIT_TIMEOUT_S, stub_shm_regions
+
+    sockets = [socket.socket() for _ in range(5)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    http_port, grpc_port, metrics_port, triton_http, triton_grpc = (s.getsockname()[1] for s in sockets)
+    for s in sockets:
+        s.close()
+    repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
+                                "--export-dir", str(tmp_path / "export"), "--deployments", "dualend"])
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dualend.launch", "--model-repository", str(repository), "--no-build",
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+         "--triton-http-port", str(triton_http), "--triton-grpc-port", str(triton_grpc),
+         "--api-keys", str(tmp_path / "keys"), "--log-file", str(tmp_path / "server.log")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in launcher.stdout:
+        if "Ctrl-C or SIGTERM stops it" in line:
+            break
+    key = (tmp_path / "keys").read_text().split()[1]
+    server_pid = int(subprocess.check_output(["pgrep", "-P", str(launcher.pid), "tritonserver"]).split()[0])
+    regions = stub_shm_regions(server_pid)
+    assert regions
+    with ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(stream_grpc, f"127.0.0.1:{grpc_port}", "dualend", PROMPTS[0], 1000, ignore_eos=True,
+                               acceptance_threshold=1.0, api_key=key) for _ in range(8)]
+        assert wait_for(lambda: (metric_value(f"http://127.0.0.1:{metrics_port}/metrics",
+                                              "dualend_kv_live_sequences", "dualend_backbone") or 0) == 8, 30)
+        started = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        for stream in streams:
+            with pytest.raises(RequestError, match="the server is shutting down; the stream ends here, retry"):
+                stream.result()
+        ended = time.monotonic() - started
+    launcher.wait(EXIT_TIMEOUT_S + 5)
+    exited = time.monotonic() - started
+    assert ended < EXIT_TIMEOUT_S and exited < EXIT_TIMEOUT_S + 5 and launcher.returncode == 0
+    assert subprocess.run(["pgrep", "-f", str(repository)], capture_output=True).stdout == b""
+    assert not [r for r in regions if os.path.exists(f"/dev/shm/{r}")]

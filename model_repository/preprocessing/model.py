@@ -30,7 +30,8 @@ class TritonPythonModel:
                                        max_tokens=value("max_tokens"),
                                        **{name: value(name) for name in OPTIONAL_INPUTS})
         except InvalidRequest as error:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {error}"))
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"invalid request: {error}", pb_utils.TritonError.INVALID_ARG))
         pairs = np.asarray(pad_prompt(prepared.prompt_ids, self.limits.pair_size, self.tokenizer.pad_id),
                            dtype=np.int64).reshape(-1, self.limits.pair_size)
         return pb_utils.InferenceResponse([

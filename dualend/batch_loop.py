@@ -41,16 +41,22 @@ class Backbone(Protocol):
 
 
 class Observer(Protocol):
-    def response(self, response: Response, seconds: float) -> None: ...
+    """What the loop reports, by phase (the Triton adapter turns it into Prometheus metrics)."""
+
+    def response(self, response: Response) -> None: ...                 # counters of a sent response
+    def queued(self, seconds: float) -> None: ...                       # submit -> first prefill chunk
+    def prefilled(self, seconds: float) -> None: ...                    # first chunk -> prompt in cache
+    def first_token(self, seconds: float) -> None: ...                  # submit -> first token sent
+    def inter_token(self, seconds: float, tokens: int) -> None: ...     # gap / tokens, counted per token
+    def step(self, tokens: int) -> None: ...                            # tokens one decode step emitted
+    def iteration(self, seconds: float, running: int, waiting: int) -> None: ...
+    def refused(self, reason: str) -> None: ...
     def cancelled(self) -> None: ...
 
 
 class NoObserver:
-    def response(self, response: Response, seconds: float) -> None:
-        pass
-
-    def cancelled(self) -> None:
-        pass
+    def __getattr__(self, name):
+        return lambda *args: None
 
 
 class Executor:
@@ -98,7 +104,9 @@ class LiveSequence:
     prefilled: int = 0          # prompt latents already in the backbone's cache
     started: bool = False       # the backbone holds a cache for it
     drafting: bool = False      # the MTP head holds a cache for it
-    last_sent: float = 0.0
+    submitted_at: float = 0.0
+    started_at: float = 0.0      # its first prefill chunk ran
+    last_sent: float = 0.0       # its last response with tokens went out (0: none yet)
     next_cancel_check: float = 0.0
 
     @property
@@ -172,7 +180,7 @@ class DecodeLoop:
         self._check_cancelled()
         _, expired = self.scheduler.admit()
         for sequence, error in expired:
-            self._end(sequence, error=str(error))
+            self._end(sequence, error=str(error), reason="queue_timeout")
         plan = self.scheduler.plan()
         if not plan:
             if self.releases:  # idle: free the caches now rather than with the next request
@@ -194,16 +202,21 @@ class DecodeLoop:
             [0] * len(plan.decode) + [0 if c.start else c.sequence.reserve_slots for c in plan.prefill],
             self.releases)
         self.releases = []
+        started = self.clock()
+        for chunk in plan.prefill:
+            if chunk.start == 0:
+                chunk.sequence.started_at = started
+                self.observer.queued(started - chunk.sequence.submitted_at)
         try:
             result = self.executor.run_backbone(batch)
         except Exception as error:  # noqa: BLE001 - the iteration's sequences fail, the loop goes on
             for sequence in rows:
-                self._end(sequence, error=_backbone_message(str(error)))
+                self._end(sequence, error=_backbone_message(str(error)), reason="backbone")
             return True
         ready = []
         for row, sequence in enumerate(rows):
             if result.errors[row]:
-                self._end(sequence, error=_backbone_message(result.errors[row]))
+                self._end(sequence, error=_backbone_message(result.errors[row]), reason="backbone")
                 continue
             sequence.started = True
             if row >= len(plan.decode):
@@ -211,9 +224,11 @@ class DecodeLoop:
                 sequence.prefilled = chunk.stop
                 if not chunk.completes_prompt:
                     continue
+                self.observer.prefilled(self.clock() - sequence.started_at)
             ready.append((row, sequence))
         if ready:
             self._decode(ready, result)
+        self.observer.iteration(self.clock() - started, len(self.scheduler.running), len(self.scheduler.waiting))
         return True
 
     def _decode(self, ready: list[tuple[int, LiveSequence]], result: BackboneResult) -> None:
@@ -236,12 +251,18 @@ class DecodeLoop:
         for i, (_, sequence) in enumerate(ready):
             step = (sequence.decoder.complete(int(t1[i]), draft_logits[i], confidence[i]) if i in draft_logits
                     else sequence.decoder.complete(int(t1[i])))
+            self.observer.step(len(step.tokens))
             chunk = sequence.text.chunk(step)
             response = sequence.responses.add(chunk)
             if response is not None:
                 sequence.output.send(response)
-                self.observer.response(response, now - sequence.last_sent)
-                sequence.last_sent = now
+                self.observer.response(response)
+                if chunk.tokens:
+                    if sequence.last_sent:
+                        self.observer.inter_token((now - sequence.last_sent) / len(chunk.tokens), len(chunk.tokens))
+                    else:
+                        self.observer.first_token(now - sequence.submitted_at)
+                    sequence.last_sent = now
             if chunk.finish_reason is not None:
                 self._end(sequence)
 
@@ -255,9 +276,10 @@ class DecodeLoop:
             try:
                 self.scheduler.submit(sequence)
             except (CapacityError, InvalidRequest) as error:
+                self.observer.refused("queue_full" if isinstance(error, CapacityError) else "too_large")
                 sequence.output.fail(str(error))
                 continue
-            sequence.last_sent = now
+            sequence.submitted_at = now
             sequence.next_cancel_check = now + self.cancel_check_s
             self.live[sequence.request_id] = sequence
         for request_id in cancelled:
@@ -265,7 +287,7 @@ class DecodeLoop:
                 self._end(self.live[request_id], cancelled=True)
         if drain is not None:
             for sequence in list(self.live.values()):
-                self._end(sequence, error=drain)
+                self._end(sequence, error=drain, reason="shutdown")
 
     def _check_cancelled(self) -> None:
         """Asking the server costs a round trip, so each sequence is asked every cancel_check_s."""
@@ -276,7 +298,8 @@ class DecodeLoop:
                 if sequence.output.is_cancelled():
                     self._end(sequence, cancelled=True)
 
-    def _end(self, sequence: LiveSequence, error: str | None = None, cancelled: bool = False) -> None:
+    def _end(self, sequence: LiveSequence, error: str | None = None, cancelled: bool = False,
+             reason: str = "") -> None:
         """Frees everything the sequence holds; a request that did not finish gets its last word."""
         if self.live.pop(sequence.request_id, None) is None:
             return
@@ -286,6 +309,7 @@ class DecodeLoop:
         if sequence.drafting:
             self.executor.close_drafts(sequence.request_id)
         if error is not None:
+            self.observer.refused(reason)
             sequence.output.fail(error)
         elif cancelled:
             self.observer.cancelled()
@@ -295,7 +319,7 @@ class DecodeLoop:
         """Ends every request still here with `message` (the server is stopping)."""
         self._take_inbox()
         for sequence in list(self.live.values()):
-            self._end(sequence, error=message)
+            self._end(sequence, error=message, reason="shutdown")
 
 
 def _backbone_message(error: str) -> str:

@@ -219,3 +219,29 @@ def test_stopping_ends_every_request_with_the_reason(exported, tiny_tokenizer):
     loop.close("the server is shutting down")
     assert all(o.error == "the server is shutting down" for o in outputs)
     assert not loop.live and not loop.scheduler.running
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = {}
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.setdefault(name, []).append(args)
+
+
+def test_the_phases_add_up_over_known_requests(exported, tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, -1.0, max_running=2, max_queue=8)
+    recorder = loop.observer = Recorder()
+    outputs = [submit(loop, engine, tiny_tokenizer, i + 1, PROMPTS[i % len(PROMPTS)]) for i in range(5)]
+    run_until_idle(loop)
+    tokens = sum(len(o.tokens) for o in outputs)
+    steps = sum(r.counters["num_steps"] for o in outputs for r in o.responses)
+    calls = recorder.calls
+    assert len(calls["queued"]) == len(calls["prefilled"]) == len(calls["first_token"]) == 5
+    first_tokens = sum(len(o.responses[next(i for i, r in enumerate(o.responses) if r.output_ids)].output_ids)
+                       for o in outputs)
+    assert sum(n for _, n in calls["inter_token"]) + first_tokens == tokens
+    assert len(calls["step"]) == steps and sum(n for (n,) in calls["step"]) == tokens
+    assert max(waiting for _, _, waiting in calls["iteration"]) == 3  # 5 requests, 2 places
+    assert all(s >= 0 for (s,) in calls["queued"]) and "refused" not in calls

@@ -420,3 +420,25 @@ def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(
     assert ended < EXIT_TIMEOUT_S and exited < EXIT_TIMEOUT_S + 5 and launcher.returncode == 0
     assert subprocess.run(["pgrep", "-f", str(repository)], capture_output=True).stdout == b""
     assert not [r for r in regions if os.path.exists(f"/dev/shm/{r}")]
+
+
+def test_metrics_by_phase_add_up_after_known_requests(server):
+    model = "dualend_mtp_verify"
+    names = ("dualend_ttft_seconds_count", "dualend_inter_token_seconds_count", "dualend_queue_seconds_count",
+             "dualend_prefill_seconds_count", "dualend_tokens_per_step_sum", "dualend_tokens_per_step_count",
+             "dualend_output_tokens", "dualend_decode_steps")
+    before = {name: metric(server, name, model) or 0 for name in names}
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda i: stream_grpc(server.grpc_url, "dualend", PROMPTS[i], 20, ignore_eos=True,
+                                                      exclude_input_in_output=True), range(6)))
+    assert wait_for(lambda: metric(server, "dualend_running_sequences", model) == 0)
+    delta = {name: metric(server, name, model) - before[name] for name in names}
+    tokens = sum(r.output_tokens for r in results)
+    first_response_tokens = sum(next(n for _, n in r.arrivals if n) for r in results)
+    assert tokens == 120 and delta["dualend_output_tokens"] == tokens
+    assert delta["dualend_ttft_seconds_count"] == delta["dualend_queue_seconds_count"] == 6
+    assert delta["dualend_prefill_seconds_count"] == 6
+    assert delta["dualend_inter_token_seconds_count"] + first_response_tokens == tokens
+    assert delta["dualend_tokens_per_step_sum"] == tokens
+    assert delta["dualend_tokens_per_step_count"] == delta["dualend_decode_steps"]
+    assert metric_value(server.metrics_url, "dualend_requests_refused", model) is not None

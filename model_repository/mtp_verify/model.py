@@ -164,34 +164,84 @@ def _latest_version(model_dir):
     return versions[-1]
 
 
-class _DecodeMetrics:
-    """The loop's observer; only the loop thread records, so the stub's metric calls never overlap."""
+LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+REFUSAL_REASONS = ("queue_full", "queue_timeout", "too_large", "shutdown", "backbone")
 
-    def __init__(self, model_name):
-        labels = {"model": model_name}
-        spec = [("dualend_output_tokens", "Tokens streamed to clients"),
+
+class _DecodeMetrics:
+    """The loop's observer as Prometheus metrics (names in the README). Only the loop thread
+    records, so the stub's metric calls never overlap."""
+
+    COUNTERS = [("dualend_output_tokens", "Tokens streamed to clients"),
                 ("dualend_decode_steps", "Backbone decode steps"),
                 ("dualend_drafts_proposed", "MTP drafts proposed"),
                 ("dualend_drafts_accepted", "MTP drafts accepted by the confidence gate"),
                 ("dualend_prompt_raw_tokens", "Prompt tokens as users count them"),
                 ("dualend_prompt_latents", "Prompt latents the backbone held"),
-                ("dualend_generation_seconds", "Time spent producing responses (prefill + decode)")]
-        self.families = [pb_utils.MetricFamily(n, d, pb_utils.MetricFamily.COUNTER) for n, d in spec]
-        self.counters = {n: f.Metric(labels=labels) for (n, _), f in zip(spec, self.families)}
-        self.families.append(pb_utils.MetricFamily("dualend_requests_cancelled", "Requests cancelled by the client",
-                                                   pb_utils.MetricFamily.COUNTER))
-        self.cancelled_total = self.families[-1].Metric(labels=labels)
+                ("dualend_requests_cancelled", "Requests cancelled by the client")]
+    HISTOGRAMS = [("dualend_queue_seconds", "Wait from arrival to the first prefill chunk", LATENCY_BUCKETS),
+                  ("dualend_prefill_seconds", "First prefill chunk to prompt in the KV cache", LATENCY_BUCKETS),
+                  ("dualend_ttft_seconds", "Arrival to the first token sent (server side)", LATENCY_BUCKETS),
+                  ("dualend_inter_token_seconds", "Gap between tokens sent, one observation per token",
+                   LATENCY_BUCKETS),
+                  ("dualend_iteration_seconds", "One decode-loop iteration (backbone, MTP head, responses)",
+                   LATENCY_BUCKETS),
+                  ("dualend_tokens_per_step", "Tokens one decode step emitted (0 at EOS, 2 with an accepted draft)",
+                   [0, 1, 2])]
+    GAUGES = [("dualend_running_sequences", "Sequences in the decode loop (prefilling or decoding)"),
+              ("dualend_waiting_requests", "Requests waiting in the admission queue")]
 
-    def cancelled(self):
-        self.cancelled_total.increment(1)
+    def __init__(self, model_name):
+        labels = {"model": model_name}
+        kinds = pb_utils.MetricFamily
+        self.families, self.metrics = [], {}
+        for name, description in self.COUNTERS:
+            self.families.append(kinds(name, description, kinds.COUNTER))
+            self.metrics[name] = self.families[-1].Metric(labels=labels)
+        for name, description, buckets in self.HISTOGRAMS:
+            self.families.append(kinds(name, description, kinds.HISTOGRAM))
+            self.metrics[name] = self.families[-1].Metric(labels=labels, buckets=buckets)
+        for name, description in self.GAUGES:
+            self.families.append(kinds(name, description, kinds.GAUGE))
+            self.metrics[name] = self.families[-1].Metric(labels=labels)
+        self.families.append(kinds("dualend_requests_refused", "Requests refused or ended with an error, by reason",
+                                   kinds.COUNTER))
+        self.refusals = {reason: self.families[-1].Metric(labels=labels | {"reason": reason})
+                         for reason in REFUSAL_REASONS}
 
-    def response(self, response, seconds):
-        c = response.counters
+    def response(self, response):
+        c, m = response.counters, self.metrics
         for name, key in (("dualend_output_tokens", "num_output_tokens"), ("dualend_decode_steps", "num_steps"),
                           ("dualend_drafts_proposed", "num_drafts"),
                           ("dualend_drafts_accepted", "num_accepted_drafts")):
-            self.counters[name].increment(c[key])
+            m[name].increment(c[key])
         if response.finish_reason is not None:
-            self.counters["dualend_prompt_raw_tokens"].increment(c["num_prompt_tokens"])
-            self.counters["dualend_prompt_latents"].increment(c["num_prompt_latents"])
-        self.counters["dualend_generation_seconds"].increment(seconds)
+            m["dualend_prompt_raw_tokens"].increment(c["num_prompt_tokens"])
+            m["dualend_prompt_latents"].increment(c["num_prompt_latents"])
+
+    def queued(self, seconds):
+        self.metrics["dualend_queue_seconds"].observe(seconds)
+
+    def prefilled(self, seconds):
+        self.metrics["dualend_prefill_seconds"].observe(seconds)
+
+    def first_token(self, seconds):
+        self.metrics["dualend_ttft_seconds"].observe(seconds)
+
+    def inter_token(self, seconds, tokens):
+        for _ in range(tokens):
+            self.metrics["dualend_inter_token_seconds"].observe(seconds)
+
+    def step(self, tokens):
+        self.metrics["dualend_tokens_per_step"].observe(tokens)
+
+    def iteration(self, seconds, running, waiting):
+        self.metrics["dualend_iteration_seconds"].observe(seconds)
+        self.metrics["dualend_running_sequences"].set(running)
+        self.metrics["dualend_waiting_requests"].set(waiting)
+
+    def refused(self, reason):
+        self.refusals.get(reason, self.refusals["backbone"]).increment(1)
+
+    def cancelled(self):
+        self.metrics["dualend_requests_cancelled"].increment(1)

@@ -242,11 +242,16 @@ def generate_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s:
         connection.close()
 
 
-def metric_value(metrics_url: str, name: str, model: str) -> float | None:
-    """One model's value of a Prometheus metric from Triton's metrics endpoint; None if absent."""
+def metric_value(metrics_url: str, name: str, model: str, **labels) -> float | None:
+    """A Prometheus metric summed over one model's series (all its versions, unless `labels`
+    narrows them, e.g. version="2"); None if it has none."""
     text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    match = re.search(rf'^{name}\{{model="{model}"[^}}]*\}} ([0-9.e+-]+)$', text, re.M)
-    return float(match.group(1)) if match else None
+    values = []
+    for match in re.finditer(rf"^{name}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M):
+        series = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if series.get("model") == model and all(series.get(k) == str(v) for k, v in labels.items()):
+            values.append(float(match.group(2)))
+    return sum(values) if values else None
 
 
 def median_and_spread(values: list[float]) -> tuple[float, float, float]:

@@ -1,52 +1,64 @@
-"""Hot-reload a deployment on a running tritonserver started with model control mode "explicit".
+"""Redeploy (or roll back) a deployment on a running tritonserver, without refusing a request.
 
-    .venv/bin/python -m builder.assemble                     # new checkpoint -> build/model_repository
-    .venv/bin/python -m client.reload --deployment dualend   # swap it in, nothing restarted
+    .venv/bin/python -m builder.assemble                     # new checkpoint -> a new version in build/model_repository
+    .venv/bin/python -m client.reload --deployment dualend   # swap it in, nothing restarted, nobody refused
 
-First it checks the deployment's components in the repository (every manifest's sha256 and one
-checkpoint id across them) and leaves the server alone if they do not agree. Then it drains: it
-unloads the ensemble, so new requests are refused by Triton while the running streams finish, and
-waits until the backbone holds no sequence (the backbone is never swapped under a live sequence).
-Then it loads the backbone and the ensemble, which reloads the ensemble's changed steps. Last, it
-checks that the deployment now serves the repository's checkpoint. The other deployment is not
-touched.
-
-Streams still running after `--drain-timeout-s` are cut by the swap, with an error that names the
-lost sequence. The backbone names its checkpoint when a sequence starts and mtp_verify checks it,
-so no response ever mixes two checkpoints.
+`builder.assemble` writes the new checkpoint as a new generation of the internal models
+(`dualend_v2_backbone`, `dualend_v2_mtp_verify`, ...), beside the generation the running ensemble
+uses, and points the ensemble `dualend` at it on disk. This tool then:
+1. checks the new generation on disk: every manifest's sha256, one checkpoint id across the five
+   pipeline steps and the backbone, the ensemble naming that checkpoint; a bad repository is
+   refused before anything is loaded;
+2. loads the new backbone, then the ensemble (which loads its new steps): Triton swaps the
+   ensemble only once the new one is ready, so new requests move to the new generation at once
+   and none is refused, while running streams finish on the old one (every step checks that its
+   caller is of its own pipeline and checkpoint);
+3. checks health: the ensemble is ready, serves the new checkpoint and answers a generation;
+4. waits until the old generation holds no request (`--drain-timeout-s`), then unloads its models
+   and removes their folders.
+A rollback is the same: assemble the previous checkpoint (it becomes the next generation) and run
+this again. Needs the server in model control mode "explicit" and its admin key.
 """
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 import sys
 import time
 from pathlib import Path
 
 from dualend.launch import ADMIN_HEADER, DEFAULT_REPOSITORY, INTERNAL_HTTP_PORT, admin_key
 from dualend.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
+from dualend.serving import pipeline_name, served_generation
 
-from .api import metric_value
+from .api import RequestError, generate_http, metric_value
+
+INTERNAL_STEPS = ("backbone", "mtp_verify", "compressor", "preprocessing", "postprocessing")
 
 
 class ReloadError(RuntimeError):
     """The reload was refused or did not take; the message says which model and why."""
 
 
-def repository_checkpoint(repository: Path, deployment: str) -> str:
-    """The one checkpoint id of the deployment's components on disk; ManifestError if they disagree."""
-    model_dirs = [d for d in sorted(repository.iterdir())
-                  if d.name == deployment or d.name.startswith(f"{deployment}_")]
-    manifests = [verify_component(m.parent) for d in model_dirs for m in sorted(d.glob(f"*/*/{MANIFEST}"))]
+def repository_checkpoint(repository: Path, deployment: str) -> tuple[str, str]:
+    """(checkpoint id, pipeline) of what the deployment's ensemble uses on disk; ManifestError if
+    its components disagree."""
+    generation = served_generation(repository, deployment)
+    if generation is None:
+        raise ManifestError(f"{repository} holds no ensemble {deployment!r}")
+    pipeline = pipeline_name(deployment, generation)
+    manifests = [verify_component(m.parent) for step in INTERNAL_STEPS
+                 for m in sorted((repository / f"{pipeline}_{step}" / "1").glob(f"*/{MANIFEST}"))]
     if not manifests:
-        raise ManifestError(f"{repository} holds no components of deployment {deployment!r}")
-    return verify_siblings(manifests)
-
-
-def live_sequences(metrics_url: str, deployment: str) -> int:
-    value = metric_value(metrics_url, "dualend_kv_live_sequences", f"{deployment}_backbone")
-    if value is None:
-        raise ReloadError(f"{metrics_url} reports no dualend_kv_live_sequences for {deployment}_backbone")
-    return int(value)
+        raise ManifestError(f"{repository} holds no components of {pipeline}")
+    checkpoint = verify_siblings(manifests)
+    named = re.search(r'key: "checkpoint_id" value: \{ string_value: "([^"]+)"',
+                      (repository / deployment / "config.pbtxt").read_text())
+    if not named or named.group(1) != checkpoint:
+        raise ManifestError(f"{deployment}'s ensemble names checkpoint {named and named.group(1)}, its steps are "
+                            f"{checkpoint}")
+    return checkpoint, pipeline
 
 
 def served_checkpoint(client, deployment: str) -> str:
@@ -54,42 +66,63 @@ def served_checkpoint(client, deployment: str) -> str:
     return config.get("parameters", {}).get("checkpoint_id", {}).get("string_value", "")
 
 
+def loaded_pipelines(client, deployment: str, headers) -> list[str]:
+    """The generations of the deployment whose backbone is loaded, e.g. ["dualend_v1"]."""
+    return sorted(m["name"].removesuffix("_backbone") for m in client.get_model_repository_index(headers=headers)
+                  if re.fullmatch(rf"{deployment}_v\d+_backbone", m["name"]) and m.get("state") == "READY")
+
+
+def busy(metrics_url: str, pipeline: str) -> bool:
+    """Whether a generation still has a request: queued or decoding in its loop, or holding KV."""
+    return any(metric_value(metrics_url, name, f"{pipeline}_{step}") for name, step in (
+        ("dualend_kv_live_sequences", "backbone"), ("dualend_running_sequences", "mtp_verify"),
+        ("dualend_waiting_requests", "mtp_verify")))
+
+
 def reload(http_url: str, metrics_url: str, deployment: str, repository: Path, drain_timeout_s: float = 60.0,
            key: str | None = None) -> str:
-    """Drains the deployment and loads its new copy; returns the checkpoint id it serves afterwards.
+    """Swaps in the generation the repository's ensemble uses; returns the checkpoint id it serves.
     `key`: the server's admin key (default: the launcher's, from $DUALEND_ADMIN_KEY or its file)."""
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
 
     try:
-        expected = repository_checkpoint(repository, deployment)
-    except ManifestError as error:
+        expected, pipeline = repository_checkpoint(repository, deployment)
+    except (ManifestError, OSError) as error:
         raise ReloadError(f"not reloading {deployment}: the repository is inconsistent: {error}") from None
     key = key or admin_key()
     headers = {ADMIN_HEADER: key} if key else None
     client = httpclient.InferenceServerClient(http_url, network_timeout=300.0)
+
+    def call(action, model, why):
+        try:
+            action(model, headers=headers)
+        except InferenceServerException as error:
+            raise ReloadError(f"{why}: {model}: {error.message()}") from None
+
     try:
         try:
-            client.unload_model(deployment, headers=headers)
+            old = [p for p in loaded_pipelines(client, deployment, headers) if p != pipeline]
         except InferenceServerException as error:
-            raise ReloadError(f"the server refused to unload {deployment}: {error.message()} (the repository API "
-                              "needs the admin key: set $DUALEND_ADMIN_KEY or pass --key)") from None
-        deadline = time.monotonic() + drain_timeout_s
-        while (live := live_sequences(metrics_url, deployment)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if live:
-            print(f"warning: {live} streams of {deployment} still running after {drain_timeout_s:.0f} s; "
-                  "the swap cuts them", file=sys.stderr)
-        for model in (f"{deployment}_backbone", deployment):
-            try:
-                client.load_model(model, headers=headers)
-            except InferenceServerException as error:
-                raise ReloadError(f"loading {model} failed, so {deployment} is not serving; fix the repository "
-                                  f"and run the reload again: {error.message()}") from None
+            raise ReloadError(f"the server refused the repository API: {error.message()} (it needs the admin "
+                              f"key: set $DUALEND_ADMIN_KEY or pass --key)") from None
+        call(client.load_model, f"{pipeline}_backbone", f"loading failed; {deployment} keeps serving {old}")
+        call(client.load_model, deployment, f"loading failed; {deployment} keeps serving {old}")
         served = served_checkpoint(client, deployment)
-        if served != expected:
-            raise ReloadError(f"{deployment} serves checkpoint {served or '(unknown)'} after the reload, "
-                              f"the repository holds {expected}")
+        if served != expected or not client.is_model_ready(deployment):
+            raise ReloadError(f"{deployment} serves checkpoint {served or '(unknown)'} after the reload, the "
+                              f"repository holds {expected}")
+        try:
+            generate_http(http_url, deployment, "Q: 1+1\nA:", 1)
+        except RequestError as error:
+            raise ReloadError(f"{deployment} loaded {pipeline} but does not answer: {error}") from None
+        deadline = time.monotonic() + drain_timeout_s
+        while time.monotonic() < deadline and any(busy(metrics_url, p) for p in old):
+            time.sleep(0.1)
+        for stale in old:
+            for step in INTERNAL_STEPS:
+                call(client.unload_model, f"{stale}_{step}", "unloading the old generation failed")
+                shutil.rmtree(repository / f"{stale}_{step}", ignore_errors=True)
         return served
     finally:
         client.close()
@@ -102,11 +135,11 @@ def main(argv=None) -> int:
                         help="tritonserver's own HTTP endpoint, behind the gateway (with --no-gateway: 127.0.0.1:8000)")
     parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics", help="Triton's metrics endpoint")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0,
-                        help="how long running streams may take to finish before the swap")
+                        help="how long requests on the old generation may take to finish before it is unloaded")
     parser.add_argument("--key", default=None, help="the server's admin key (default: $DUALEND_ADMIN_KEY, "
                         "else the launcher's build/gateway/admin_key)")
     parser.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY,
-                        help="the repository the server runs from (to check it before loading)")
+                        help="the repository the server runs from")
     args = parser.parse_args(argv)
     try:
         checkpoint = reload(args.url, args.metrics_url, args.deployment, args.repository, args.drain_timeout_s,

@@ -6,7 +6,7 @@ stub for the running Python, and started with this virtualenv's packages visible
 
 Example:
     python -m dualend.launch                      # build/model_repository, built first if missing
-    python -m dualend.launch --model-control-mode explicit --load-model dualend_backbone --load-model dualend
+    python -m dualend.launch --model-control-mode explicit --load-model dualend_v1_backbone --load-model dualend
 
 By default clients reach only the gateway (`dualend.gateway`, nginx) on --http-port and
 --grpc-port, with the API keys in --api-keys (a new key is written there if the file is missing);
@@ -40,7 +40,8 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from .serving import PIPELINE_SECRET_ENV
+from .manifest import verify_component
+from .serving import PIPELINE_SECRET_ENV, pipeline_key
 
 PYTRITON_VERSION = "0.7.0"  # the nvidia-pytriton release that ships tritonserver 2.51.0
 TRITON_VERSION = "2.51.0"
@@ -403,7 +404,9 @@ class TritonServer:
                       grpcclient.InferInput("pipeline_key", [1], "BYTES")]
             inputs[0].set_data_from_numpy(np.zeros((1, latent_size), np.float32))
             inputs[1].set_data_from_numpy(np.array([b'{"drain": true}'], dtype=object))
-            inputs[2].set_data_from_numpy(np.array([self.pipeline_secret.encode()], dtype=object))
+            checkpoint = verify_component(self.model_repository / model / "1" / "compressor").checkpoint_id
+            inputs[2].set_data_from_numpy(np.array([pipeline_key(self.pipeline_secret, checkpoint).encode()],
+                                                   dtype=object))
             done = threading.Event()
             client = grpcclient.InferenceServerClient(self.grpc_url)
             try:

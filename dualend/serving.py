@@ -7,6 +7,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 import numpy as np
@@ -27,21 +28,26 @@ def model_parameters(args: dict) -> dict[str, str]:
 
 PIPELINE_SECRET_ENV = "DUALEND_PIPELINE_SECRET"
 PIPELINE_SECRET_FILE = "pipeline_secret"  # in the repository root, written by builder.assemble
-NOT_FROM_PIPELINE = ("refused: {model} is an internal step of the {deployment} pipeline; send requests to the "
-                     "`{deployment}` model")
+NOT_FROM_PIPELINE = ("refused: {model} is an internal step of the {deployment} pipeline (or this request comes "
+                     "from a step of another checkpoint); send requests to the `{deployment}` model")
 
 
-def pipeline_secret(args: dict) -> str:
+def pipeline_secret(args: dict, checkpoint_id: str) -> str:
     """What the models of one pipeline share and clients do not: the launcher's per-start secret
-    ($DUALEND_PIPELINE_SECRET), else the one builder.assemble wrote into the repository."""
+    ($DUALEND_PIPELINE_SECRET), else the one builder.assemble wrote into the repository, bound to
+    the checkpoint, so a step also refuses requests from a step of another checkpoint."""
     secret = os.environ.get(PIPELINE_SECRET_ENV)
     if secret:
-        return secret
+        return pipeline_key(secret, checkpoint_id)
     path = Path(args["model_repository"]).parent / PIPELINE_SECRET_FILE
     if not path.exists():
         raise RuntimeError(f"no pipeline secret: set ${PIPELINE_SECRET_ENV} or assemble the repository again "
                            f"(python -m builder.assemble writes {PIPELINE_SECRET_FILE})")
-    return path.read_text().strip()
+    return pipeline_key(path.read_text().strip(), checkpoint_id)
+
+
+def pipeline_key(secret: str, checkpoint_id: str) -> str:
+    return f"{secret}:{checkpoint_id}"
 
 
 def from_pipeline(key, secret: str) -> bool:
@@ -52,6 +58,17 @@ def from_pipeline(key, secret: str) -> bool:
     given = value[0] if value.size == 1 else b""
     given = given.encode() if isinstance(given, str) else bytes(given)
     return hmac.compare_digest(given, secret.encode())
+
+
+def pipeline_name(deployment: str, generation: int) -> str:
+    return f"{deployment}_v{generation}"
+
+
+def served_generation(repository: Path, deployment: str) -> int | None:
+    """The generation of internal models the deployment's ensemble uses, None if there is none."""
+    config = repository / deployment / "config.pbtxt"
+    match = re.search(rf'model_name: "{deployment}_v(\d+)_', config.read_text()) if config.exists() else None
+    return int(match.group(1)) if match else None
 
 
 def version_components(args: dict, names: tuple[str, ...]) -> ExportedModel:

@@ -45,7 +45,7 @@ def engines(server):
 
 
 def served_threshold(server, deployment):
-    config = (server.repository / f"{deployment}_mtp_verify" / "config.pbtxt").read_text()
+    config = (server.repository / f"{deployment}_v1_mtp_verify" / "config.pbtxt").read_text()
     return float(re.search(r'key: "acceptance_threshold" value: \{ string_value: "([^"]+)"', config).group(1))
 
 
@@ -116,8 +116,8 @@ def test_eight_concurrent_streams_all_finish_and_free_their_kv(server, engines):
     for (deployment, prompt, max_tokens), result in zip(jobs, results):
         assert result.text == engine_text(server, engines, deployment, prompt, max_tokens).text
     for deployment in DEPLOYMENTS:
-        assert wait_for(lambda: metric(server, "dualend_kv_live_sequences", f"{deployment}_backbone") == 0)
-        assert metric(server, "dualend_kv_blocks_used", f"{deployment}_backbone") == 0
+        assert wait_for(lambda: metric(server, "dualend_kv_live_sequences", f"{deployment}_v1_backbone") == 0)
+        assert metric(server, "dualend_kv_blocks_used", f"{deployment}_v1_backbone") == 0
 
 
 def test_thirty_two_streams_against_a_limit_of_sixteen_all_complete(server, engines):
@@ -175,16 +175,16 @@ def test_sse_error_is_reported(server):
 
 
 def test_cancelled_stream_stops_generating_and_frees_its_kv(server):
-    steps_before = metric(server, "dualend_decode_steps", "dualend_mtp_verify") or 0
-    cancelled_before = metric(server, "dualend_requests_cancelled", "dualend_mtp_verify") or 0
+    steps_before = metric(server, "dualend_decode_steps", "dualend_v1_mtp_verify") or 0
+    cancelled_before = metric(server, "dualend_requests_cancelled", "dualend_v1_mtp_verify") or 0
     result = stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 250, ignore_eos=True,
                          exclude_input_in_output=True, cancel_after_responses=3)
     assert result.finish_reason == "cancelled"
-    assert wait_for(lambda: metric(server, "dualend_requests_cancelled", "dualend_mtp_verify") == cancelled_before + 1)
-    assert wait_for(lambda: metric(server, "dualend_kv_live_sequences", "dualend_backbone") == 0)
-    steps = metric(server, "dualend_decode_steps", "dualend_mtp_verify")
+    assert wait_for(lambda: metric(server, "dualend_requests_cancelled", "dualend_v1_mtp_verify") == cancelled_before + 1)
+    assert wait_for(lambda: metric(server, "dualend_kv_live_sequences", "dualend_v1_backbone") == 0)
+    steps = metric(server, "dualend_decode_steps", "dualend_v1_mtp_verify")
     time.sleep(1.0)
-    assert metric(server, "dualend_decode_steps", "dualend_mtp_verify") == steps, "generation went on"
+    assert metric(server, "dualend_decode_steps", "dualend_v1_mtp_verify") == steps, "generation went on"
     assert steps - steps_before < 250, "the whole generation ran despite the cancellation"
 
 
@@ -193,10 +193,10 @@ def test_a_backbone_from_another_checkpoint_is_refused_and_the_rest_keeps_servin
 
     repository = tmp_path / "repository"
     shutil.copytree(server.repository, repository)
-    backbone = repository / "dualend_backbone" / "1" / "backbone"
+    backbone = repository / "dualend_v1_backbone" / "1" / "backbone"
     shutil.rmtree(backbone)
-    shutil.copytree(server.repository / "baseline_backbone" / "1" / "backbone", backbone)
-    models = ["dualend_backbone", "dualend", "baseline_backbone", "baseline"]
+    shutil.copytree(server.repository / "baseline_v1_backbone" / "1" / "backbone", backbone)
+    models = ["dualend_v1_backbone", "dualend", "baseline_v1_backbone", "baseline"]
     mixed = TritonServer(repository, model_control_mode="explicit", load_models=models,
                          extra_args=["--exit-on-error=false", "--strict-readiness=false"],
                          log_file=tmp_path / "server.log")
@@ -205,7 +205,7 @@ def test_a_backbone_from_another_checkpoint_is_refused_and_the_rest_keeps_servin
             stream_grpc(mixed.grpc_url, "dualend", PROMPTS[0], 4)
         assert stream_grpc(mixed.grpc_url, "baseline", PROMPTS[0], 4).output_tokens > 0
     log = (tmp_path / "server.log").read_text()
-    assert re.search(r"dualend_mtp_verify.*checkpoint mismatch", log)
+    assert re.search(r"dualend_v1_mtp_verify.*checkpoint mismatch", log)
 
 
 def test_busy_server_refuses_clearly_and_the_running_stream_loses_nothing(tmp_path):
@@ -220,7 +220,7 @@ def test_busy_server_refuses_clearly_and_the_running_stream_loses_nothing(tmp_pa
     with TritonServer(repository, log_file=tmp_path / "server.log") as busy, ThreadPoolExecutor(2) as pool:
         long_stream = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[0], 2000, ignore_eos=True,
                                   acceptance_threshold=1.0, exclude_input_in_output=True)
-        assert wait_for(lambda: metric(busy, "dualend_kv_live_sequences", "dualend_backbone") == 1)
+        assert wait_for(lambda: metric(busy, "dualend_kv_live_sequences", "dualend_v1_backbone") == 1)
         waiting = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[2], 500)
         time.sleep(0.3)
         with pytest.raises(RequestError, match=r"server busy: 1 requests running and 1 waiting, the queue "
@@ -245,7 +245,7 @@ def test_a_long_prompt_arriving_during_decoding_streams_beside_the_others(server
     with ThreadPoolExecutor(5) as pool:
         running = [pool.submit(stream_grpc, server.grpc_url, "dualend", p, n, ignore_eos=True,
                                exclude_input_in_output=True) for p, n in jobs]
-        assert wait_for(lambda: metric(server, "dualend_kv_live_sequences", "dualend_backbone") >= 4)
+        assert wait_for(lambda: metric(server, "dualend_kv_live_sequences", "dualend_v1_backbone") >= 4)
         newcomer = stream_grpc(server.grpc_url, "dualend", long_prompt, 32, exclude_input_in_output=True)
         assert not all(job.done() for job in running), "the others must still be decoding"
         results = [job.result() for job in running]
@@ -254,21 +254,22 @@ def test_a_long_prompt_arriving_during_decoding_streams_beside_the_others(server
         assert result.text == engine_text(server, engines, "dualend", prompt, max_tokens, ignore_eos=True).text
 
 
-def test_hot_reload_drains_swaps_the_checkpoint_and_refuses_an_inconsistent_repository(tmp_path):
-    """Checkpoints swapped without a restart: a backbone from another checkpoint is refused by name;
-    a reload lets the running stream finish whole while new requests are refused, then the new
-    checkpoint serves; the other deployment is untouched; a corrupt repository is refused before
-    anything is unloaded."""
+def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_changes_nothing(tmp_path):
+    """16 clients send requests back to back while the dual-end deployment is swapped three times
+    (shipped -> nudged -> shipped -> nudged): not one request fails, each swap serves its
+    checkpoint, the old version is unloaded after it drains, and a corrupt repository is refused
+    before anything is loaded."""
     import shutil
+    import threading
 
     import torch
     import tritonclient.http as httpclient
 
-    from client.reload import ReloadError, reload, served_checkpoint
+    from client.reload import ReloadError, loaded_pipelines, reload, served_checkpoint
     from dualend.checkpoint import Checkpoint, load_checkpoint
+    from dualend.serving import served_generation
 
-    # A second dual-end checkpoint: the shipped one with its MTP head's first weight nudged.
-    nudged = tmp_path / "checkpoints"
+    nudged = tmp_path / "checkpoints"  # a second dual-end checkpoint: the MTP head's first weight nudged
     shutil.copytree(CHECKPOINTS / "baseline", nudged / "baseline")
     shipped = load_checkpoint(CHECKPOINTS / "dualend")
     shipped_id = shipped.id
@@ -279,57 +280,59 @@ def test_hot_reload_drains_swaps_the_checkpoint_and_refuses_an_inconsistent_repo
 
     def assemble(source):
         return assemble_main(["--checkpoints", str(source), "--out", str(tmp_path / "repository"),
-                              "--export-dir", str(tmp_path / "export")])
+                              "--export-dir", str(tmp_path / "export"), "--deployments", "dualend"])
     repository = assemble(CHECKPOINTS)
-    models = ["dualend_backbone", "dualend", "baseline_backbone", "baseline"]
+    models = ["dualend_v1_backbone", "dualend"]
     with TritonServer(repository, model_control_mode="explicit", load_models=models,
-                      log_file=tmp_path / "server.log") as triton, ThreadPoolExecutor(2) as pool:
-        triton.repository = repository
+                      log_file=tmp_path / "server.log") as triton:
         http = httpclient.InferenceServerClient(triton.http_url)
         assert served_checkpoint(http, "dualend") == shipped_id
-        baseline_text = stream_grpc(triton.grpc_url, "baseline", PROMPTS[0], 16).text
+        stop, done, errors = threading.Event(), [], []
 
-        assemble(nudged)  # the running server does not look at it until told to
-        http.load_model("dualend_backbone")  # the new backbone beside the old MTP head
-        with pytest.raises(RequestError, match=f"checkpoint mismatch: dualend_backbone serves checkpoint "
-                                               f"{nudged_id}.*{shipped_id}; a model reload is under way, retry"):
-            stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 8)
-        http.load_model("dualend")
-        assert served_checkpoint(http, "dualend") == nudged_id
+        def client(index):
+            while not stop.is_set():
+                try:
+                    done.append(stream_grpc(triton.grpc_url, "dualend", PROMPTS[index % len(PROMPTS)], 40,
+                                            ignore_eos=True).output_tokens)
+                except RequestError as error:
+                    errors.append(str(error))
 
-        assemble(CHECKPOINTS)  # roll back to the shipped checkpoint, with a stream running
-        running = pool.submit(stream_grpc, triton.grpc_url, "dualend", PROMPTS[0], 1000, ignore_eos=True,
-                              acceptance_threshold=1.0)
-        assert wait_for(lambda: metric(triton, "dualend_kv_live_sequences", "dualend_backbone") == 1)
-        reloading = pool.submit(reload, triton.http_url, triton.metrics_url, "dualend", repository)
-        assert wait_for(lambda: not http.is_model_ready("dualend"))
-        with pytest.raises(RequestError, match="unknown model: 'dualend' has no available versions"):
-            stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 8)  # refused while draining
-        result = running.result()
-        assert result.finish_reason == "length" and result.output_tokens == 1000
-        assert reloading.result() == shipped_id
-        expected = engine_text(triton, {"dualend": OnnxComponents(tmp_path / "export" / "dualend")}, "dualend",
-                               PROMPTS[0], 24)
-        assert stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24, exclude_input_in_output=True).text \
-            == expected.text
-        assert stream_grpc(triton.grpc_url, "baseline", PROMPTS[0], 16).text == baseline_text
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+        for thread in threads:
+            thread.start()
+        try:
+            for source, expected in ((nudged, nudged_id), (CHECKPOINTS, shipped_id), (nudged, nudged_id)):
+                assert wait_for(lambda: len(done) > 20, 60)
+                assemble(source)
+                assert reload(triton.http_url, triton.metrics_url, "dualend", repository) == expected
+                assert served_checkpoint(http, "dualend") == expected
+                generation = served_generation(repository, "dualend")
+                assert loaded_pipelines(http, "dualend", None) == [f"dualend_v{generation}"]
+                assert sorted(p.name for p in repository.glob("dualend_v*_backbone")) == [f"dualend_v{generation}_backbone"]
+                done.clear()
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        assert errors == [] and all(tokens == 40 for tokens in done)
+        served_text = stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24).text
 
-        onnx = repository / "dualend_mtp_verify" / "1" / "mtp" / "model.onnx"
+        assemble(CHECKPOINTS)
+        onnx = repository / f"dualend_v{served_generation(repository, 'dualend')}_mtp_verify" / "1" / "mtp" / "model.onnx"
         data = bytearray(onnx.read_bytes())
         data[len(data) // 2] ^= 0xFF
         onnx.write_bytes(bytes(data))
         with pytest.raises(ReloadError, match="repository is inconsistent.*mtp.*sha256"):
             reload(triton.http_url, triton.metrics_url, "dualend", repository)
-        assert http.is_model_ready("dualend") and served_checkpoint(http, "dualend") == shipped_id
-        assert stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24, exclude_input_in_output=True).text \
-            == expected.text
+        assert served_checkpoint(http, "dualend") == nudged_id
+        assert stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24).text == served_text
         http.close()
 
 
 @pytest.mark.parametrize("model, inputs", [
-    ("dualend_backbone", {"latents": np.zeros((1, 4), np.float32), "sequence_ids": np.array([1], np.int64),
+    ("dualend_v1_backbone", {"latents": np.zeros((1, 4), np.float32), "sequence_ids": np.array([1], np.int64),
                           "new_latents": np.array([1], np.int32), "reserve_slots": np.array([9999], np.int32)}),
-    ("dualend_compressor", {"input_ids": np.array([[5, 6]], np.int64)}),
+    ("dualend_v1_compressor", {"input_ids": np.array([[5, 6]], np.int64)}),
 ])
 def test_internal_models_refuse_calls_from_outside_their_pipeline(server, model, inputs):
     import tritonclient.http as httpclient
@@ -351,7 +354,7 @@ def test_internal_models_refuse_calls_from_outside_their_pipeline(server, model,
     with pytest.raises(Exception, match=f"refused: {model} is an internal step of the dualend pipeline"):
         client.infer(model, tensors + [key])
     client.close()
-    assert metric(server, "dualend_kv_live_sequences", "dualend_backbone") == 0
+    assert metric(server, "dualend_kv_live_sequences", "dualend_v1_backbone") == 0
 
 
 def test_mtp_verify_refuses_a_forged_cancel_or_drain(server):
@@ -366,7 +369,7 @@ def test_mtp_verify_refuses_a_forged_cancel_or_drain(server):
     params.set_data_from_numpy(np.array([b'{"drain": true}'], dtype=object))
     key = grpcclient.InferInput("pipeline_key", [1], "BYTES")
     key.set_data_from_numpy(np.array([b"guess"], dtype=object))
-    client.async_stream_infer("dualend_mtp_verify", [latents, params, key])
+    client.async_stream_infer("dualend_v1_mtp_verify", [latents, params, key])
     assert wait_for(lambda: errors, 10)
     client.stop_stream()
     client.close()
@@ -408,7 +411,7 @@ def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(
         streams = [pool.submit(stream_grpc, f"127.0.0.1:{grpc_port}", "dualend", PROMPTS[0], 1000, ignore_eos=True,
                                acceptance_threshold=1.0, api_key=key) for _ in range(8)]
         assert wait_for(lambda: (metric_value(f"http://127.0.0.1:{metrics_port}/metrics",
-                                              "dualend_kv_live_sequences", "dualend_backbone") or 0) == 8, 30)
+                                              "dualend_kv_live_sequences", "dualend_v1_backbone") or 0) == 8, 30)
         started = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         for stream in streams:
@@ -423,7 +426,7 @@ def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(
 
 
 def test_metrics_by_phase_add_up_after_known_requests(server):
-    model = "dualend_mtp_verify"
+    model = "dualend_v1_mtp_verify"
     names = ("dualend_ttft_seconds_count", "dualend_inter_token_seconds_count", "dualend_queue_seconds_count",
              "dualend_prefill_seconds_count", "dualend_tokens_per_step_sum", "dualend_tokens_per_step_count",
              "dualend_output_tokens", "dualend_decode_steps")

@@ -71,9 +71,9 @@ def test_a_key_is_required_and_a_wrong_one_refused(stack):
 
 @pytest.mark.parametrize("method, path", [
     ("POST", "/v2/repository/index"), ("POST", "/v2/repository/models/dualend/unload"),
-    ("POST", "/v2/repository/models/evil/load"), ("POST", "/v2/models/dualend_backbone/infer"),
-    ("POST", "/v2/models/dualend_mtp_verify/generate_stream"), ("POST", "/v2/models/dualend_preprocessing/generate"),
-    ("GET", "/v2/models/stats"), ("GET", "/v2/models/dualend_backbone/config"), ("POST", "/v2/trace/setting"),
+    ("POST", "/v2/repository/models/evil/load"), ("POST", "/v2/models/dualend_v1_backbone/infer"),
+    ("POST", "/v2/models/dualend_v1_mtp_verify/generate_stream"), ("POST", "/v2/models/dualend_v1_preprocessing/generate"),
+    ("GET", "/v2/models/stats"), ("GET", "/v2/models/dualend_v1_backbone/config"), ("POST", "/v2/trace/setting"),
     ("POST", "/v2/logging"), ("GET", "/v2/models/dualend/config"), ("GET", "/metrics"),
 ])
 def test_only_public_routes_are_reachable(stack, method, path):
@@ -135,4 +135,4 @@ def test_tritonservers_repository_api_needs_the_admin_key(stack):
     status, body = http(stack, "/v2/repository/index", b"{}", key=False, url=direct)
     assert status == 403 and ADMIN_HEADER in body
     status, body = http(stack, "/v2/repository/index", b"{}", key=False, url=direct, headers={ADMIN_HEADER: stack.admin})
-    assert status == 200 and "dualend_backbone" in body
+    assert status == 200 and "dualend_v1_backbone" in body

@@ -25,11 +25,11 @@ class TritonPythonModel:
                              idle_timeout_s=float(parameters["idle_timeout_s"]))
         engine = open_engine(exported, "backbone", parameters["engine"], int(parameters["threads"]))
         self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"])
-        self.secret = pipeline_secret(args)
+        self.secret = pipeline_secret(args, exported.checkpoint_id)
         self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=parameters["deployment"])
         self.checkpoint_id = np.asarray([exported.checkpoint_id.encode()], dtype=object)
         self._warm_up(settings["d_model"])
-        self.metrics = _PoolMetrics(args["model_name"], self.pool)
+        self.metrics = _PoolMetrics({"model": args["model_name"], "deployment": parameters["deployment"]}, self.pool)
         pb_utils.Logger.log_info(f"{args['model_name']}: backbone of checkpoint {exported.checkpoint_id} on "
                                  f"{parameters['engine']}, KV pool {self.pool.capacity_blocks} blocks of "
                                  f"{self.pool.block_size} pair slots")
@@ -73,8 +73,8 @@ def _input(request, name):
 
 
 class _PoolMetrics:
-    def __init__(self, model_name, pool):
-        self.pool, labels = pool, {"model": model_name}
+    def __init__(self, labels, pool):
+        self.pool = pool
         self.families = [
             pb_utils.MetricFamily("dualend_kv_blocks_used", "KV cache blocks in use", pb_utils.MetricFamily.GAUGE),
             pb_utils.MetricFamily("dualend_kv_blocks_free", "KV cache blocks free", pb_utils.MetricFamily.GAUGE),

@@ -11,7 +11,7 @@ class TritonPythonModel:
         parameters = model_parameters(args)
         exported = version_components(args, ("compressor",))
         self.session = open_engine(exported, "compressor", parameters["engine"], int(parameters["threads"]))
-        self.secret = pipeline_secret(args)
+        self.secret = pipeline_secret(args, exported.checkpoint_id)
         self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=parameters["deployment"])
         pair_size = exported.settings["pair_size"]
         self.session.run(None, {"tokens": np.full((1, pair_size), exported.settings["bos_id"], np.int64)})  # warm-up

@@ -92,20 +92,20 @@ class TritonPythonModel:
         pair_size = int(parameters["pair_size"])
         names = ("tokenizer", "compressor", "mtp") if pair_size == 2 else ("tokenizer", "compressor")
         exported = version_components(args, names)
-        backbone_dir = Path(args["model_repository"]).parent / f"{deployment}_backbone"
-        backbone_manifest = verify_component(_latest_version(backbone_dir) / "backbone")
+        backbone = f"{parameters['pipeline']}_backbone"  # the backbone of this generation of the pipeline
+        backbone_manifest = verify_component(Path(args["model_repository"]).parent / backbone / "1" / "backbone")
         checkpoint_id = verify_siblings([*exported.manifests.values(), backbone_manifest])
         local = MTPComponent(exported)
         self.threshold = float(parameters["acceptance_threshold"])
-        self.secret = pipeline_secret(args)
+        self.secret = pipeline_secret(args, checkpoint_id)
         self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=deployment)
         self.draining = False
         scheduler = Scheduler(
             max_running=int(parameters["max_concurrent_requests"]), max_queue=int(parameters["max_queue_size"]),
             wait_s=float(parameters["queue_wait_s"]), prefill_chunk=int(parameters["prefill_chunk_latents"]),
             kv_blocks=int(parameters["kv_capacity_blocks"]), kv_block_size=int(parameters["kv_block_size"]))
-        self.metrics = _DecodeMetrics(args["model_name"])
-        executor = Executor(BLSBackbone(f"{deployment}_backbone", checkpoint_id, self.secret), local,
+        self.metrics = _DecodeMetrics({"model": args["model_name"], "deployment": deployment})
+        executor = Executor(BLSBackbone(backbone, checkpoint_id, self.secret), local,
                             exported.settings["d_model"])
         self.loop = DecodeLoop(executor, exported.tokenizer(), scheduler, self.threshold, self.metrics)
         self.stopping = threading.Event()
@@ -159,11 +159,6 @@ class TritonPythonModel:
         self.loop.close(SHUTDOWN_MESSAGE)
 
 
-def _latest_version(model_dir):
-    versions = sorted((p for p in model_dir.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    return versions[-1]
-
-
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 REFUSAL_REASONS = ("queue_full", "queue_timeout", "too_large", "shutdown", "backbone")
 
@@ -191,8 +186,7 @@ class _DecodeMetrics:
     GAUGES = [("dualend_running_sequences", "Sequences in the decode loop (prefilling or decoding)"),
               ("dualend_waiting_requests", "Requests waiting in the admission queue")]
 
-    def __init__(self, model_name):
-        labels = {"model": model_name}
+    def __init__(self, labels):
         kinds = pb_utils.MetricFamily
         self.families, self.metrics = [], {}
         for name, description in self.COUNTERS:

@@ -15,10 +15,11 @@ from dualend.serving import model_parameters, pipeline_secret, version_component
 class TritonPythonModel:
     def initialize(self, args):
         parameters = model_parameters(args)
-        self.tokenizer = version_components(args, ("tokenizer",)).tokenizer()
-        self.mtp_verify = f"{parameters['deployment']}_mtp_verify"
+        exported = version_components(args, ("tokenizer",))
+        self.tokenizer = exported.tokenizer()
+        self.mtp_verify = f"{parameters['pipeline']}_mtp_verify"  # of the same generation
         self.d_model = int(parameters["d_model"])
-        self.pipeline_key = np.asarray([pipeline_secret(args).encode()], dtype=object)
+        self.pipeline_key = np.asarray([pipeline_secret(args, exported.checkpoint_id).encode()], dtype=object)
         self.forwarded = deque(maxlen=1024)  # request ids whose cancellation was already sent
 
     def execute(self, requests):

@@ -12,10 +12,11 @@ OPTIONAL_INPUTS = ("stream", "temperature", "top_k", "top_p", "random_seed", "st
 class TritonPythonModel:
     def initialize(self, args):
         parameters = model_parameters(args)
-        self.tokenizer = version_components(args, ("tokenizer",)).tokenizer()
+        exported = version_components(args, ("tokenizer",))
+        self.tokenizer = exported.tokenizer()
         self.limits = Limits(int(parameters["raw_context_limit"]), int(parameters["pair_size"]),
                              int(parameters["max_new_tokens"]))
-        self.pipeline_key = np.asarray([pipeline_secret(args).encode()], dtype=object)
+        self.pipeline_key = np.asarray([pipeline_secret(args, exported.checkpoint_id).encode()], dtype=object)
 
     def execute(self, requests):
         return [self._one(request) for request in requests]

@@ -103,6 +103,8 @@ def prepare_triton_home(home: Path | str | None = None) -> Path:
     renamed into place, and the stub is replaced atomically only when it differs.
     """
     home = Path(home or os.environ.get(TRITON_HOME_ENV) or DEFAULT_TRITON_HOME).expanduser()
+    if is_installed_server(home):  # the official container's /opt/tritonserver: use it as it is
+        return home
     source = pytriton_site_packages() / "pytriton" / "tritonserver"
     if not (home / "bin" / "tritonserver").is_file():
         home.parent.mkdir(parents=True, exist_ok=True)
@@ -148,6 +150,12 @@ def stub_shm_regions(server_pid: int) -> list[str]:
     return regions
 
 
+def is_installed_server(home: Path) -> bool:
+    """A complete tritonserver install (binary and Python backend stub) that no wheel provided."""
+    return (importlib.util.find_spec("pytriton") is None and (home / "bin" / "tritonserver").is_file()
+            and (home / "backends" / "python" / "triton_python_backend_stub").is_file())
+
+
 def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for tritonserver and its Python stubs.
 
@@ -156,10 +164,9 @@ def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     written, because a `__pycache__` appearing in a model folder makes POLL mode reload it.
     """
     env = dict(os.environ if base is None else base)
-    libs = pytriton_site_packages() / "nvidia_pytriton.libs"
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p
-    )
+    if importlib.util.find_spec("pytriton") is not None:
+        libs = pytriton_site_packages() / "nvidia_pytriton.libs"
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
     venv_bin = str(Path(sys.prefix) / "bin")
     env["PATH"] = os.pathsep.join(p for p in (venv_bin, env.get("PATH", "")) if p)
     env["PYTHONDONTWRITEBYTECODE"] = "1"

@@ -4,9 +4,11 @@
 # (p50/p90/p99) from the profile exports (client/perf_report.py).
 #   bash perf_analyzer_configs/run.sh                                   # fixed_256 at 1 4 16 32
 #   WORKLOAD=fixed_896 CONCURRENCY="1 16" bash perf_analyzer_configs/run.sh
-#   MODELS=dualend URL=127.0.0.1:8001 REQUESTS=64 OUT=build/perf/mine bash perf_analyzer_configs/run.sh
+#   MODELS=dualend URL=127.0.0.1:18001 REQUESTS=64 OUT=build/perf/mine bash perf_analyzer_configs/run.sh
 # Workloads (python -m client.perf_inputs writes them): fixed_256, fixed_512, fixed_896,
 # prompt_heavy, generation_heavy; all stream with ignore_eos inside the trained context.
+# URL is tritonserver's own gRPC port behind the gateway (python -m dualend.launch puts it on
+# 127.0.0.1:18001): perf_analyzer cannot send the gateway's API key over gRPC (its -H is HTTP only).
 # Each run writes to a new folder (perf_analyzer refuses an export path that exists).
 # Windows are counted in requests (REQUESTS, default max(16, 2 x concurrency)), so a slow long
 # request never leaves a window empty. --stability-percentage 999: these 2-core machines never hold
@@ -21,7 +23,7 @@ for concurrency in ${CONCURRENCY:-1 4 16 32}; do
     for model in ${MODELS:-dualend baseline}; do
         echo "perf_analyzer: $model, $workload, concurrency $concurrency -> $out/${model}_c${concurrency}.json"
         requests=${REQUESTS:-$(( concurrency * 2 > 16 ? concurrency * 2 : 16 ))}
-        perf_analyzer -m "$model" -u "${URL:-127.0.0.1:8001}" -i grpc --streaming \
+        perf_analyzer -m "$model" -u "${URL:-127.0.0.1:18001}" -i grpc --streaming \
             --input-data "perf_analyzer_configs/$workload.json" --concurrency-range "$concurrency" \
             --measurement-mode count_windows --measurement-request-count "$requests" \
             --stability-percentage 999 --max-trials 3 \

@@ -4,6 +4,7 @@
 # versions than the project's. Token counts use the tokenizer folder `builder.assemble` writes.
 #   bash scripts/genai_perf.sh                                   # dualend, 256 in / 64 out, concurrency 8
 #   MODEL=baseline CONCURRENCY=16 INPUT_TOKENS=896 bash scripts/genai_perf.sh
+# URL defaults to tritonserver's own gRPC port behind the gateway (127.0.0.1:18001, see dualend.launch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv-genai/bin/genai-perf ] || {
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 source client/perf_env.sh   # perf_analyzer 2.51.0 on PATH, libcudart on LD_LIBRARY_PATH
 out=${OUT:-build/genai-perf/$(date +%Y%m%d-%H%M%S)}
 .venv-genai/bin/genai-perf profile -m "${MODEL:-dualend}" --endpoint-type kserve --backend tensorrtllm \
-    --streaming -u "${URL:-localhost:8001}" --tokenizer build/tokenizer \
+    --streaming -u "${URL:-localhost:18001}" --tokenizer build/tokenizer \
     --synthetic-input-tokens-mean "${INPUT_TOKENS:-256}" --synthetic-input-tokens-stddev 0 \
     --output-tokens-mean "${OUTPUT_TOKENS:-64}" --extra-inputs ignore_eos:true \
     --concurrency "${CONCURRENCY:-8}" --measurement-interval "${INTERVAL_MS:-10000}" --artifact-dir "$out"

@@ -1,0 +1,81 @@
+"""The deployable package, checked offline (no Docker or cluster here): Kubernetes manifests
+against the API schemas, the compose file, Prometheus and Grafana wiring against the metrics the
+models export, and the images' recipes."""
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from dualend.gateway import GatewaySettings, render
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER, K8S = ROOT / "docker", ROOT / "k8s"
+
+
+def exported_metrics() -> set[str]:
+    """Every metric name the Triton models register (read from their sources)."""
+    names = set()
+    for source in (ROOT / "model_repository").glob("*/model.py"):
+        names |= set(re.findall(r'"(dualend_[a-z_]+)"', source.read_text()))
+    return names
+
+
+@pytest.mark.parametrize("manifest", sorted(K8S.glob("*.yaml")), ids=lambda p: p.name)
+def test_kubernetes_manifests_are_valid_for_the_api(manifest):
+    for document in yaml.safe_load_all(manifest.read_text()):
+        kubernetes_validate.validate(document, "1.31", strict=True)
+
+
+def test_probes_hit_routes_the_gateway_serves_and_the_hpa_metric_exists():
+    deployment = yaml.safe_load((K8S / "deployment.yaml").read_text())
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    config = render(GatewaySettings("127.0.0.1:18000", "127.0.0.1:18001"), Path("/tmp/x"))
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert f"location = {container[probe]['httpGet']['path']} " in config
+    hpa = yaml.safe_load((K8S / "hpa.yaml").read_text())
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] in exported_metrics()
+    service = yaml.safe_load((K8S / "service.yaml").read_text())
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {p["name"] for p in container["ports"]}
+
+
+def test_compose_wires_the_server_prometheus_and_grafana():
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"dualend", "prometheus", "grafana"}
+    assert {"8000:8000", "8001:8001", "8002:8002"} <= set(services["dualend"]["ports"])
+    scrape = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == ["dualend:8002"]
+    for service in services.values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./") and "api_keys" not in source:
+                assert (DOCKER / source).exists(), source
+    assert (DOCKER / services["dualend"]["build"]["dockerfile"].removeprefix("docker/")).exists()
+
+
+def test_every_dashboard_query_reads_a_metric_the_models_export():
+    dashboard = json.loads((DOCKER / "grafana" / "dashboards" / "dualend.json").read_text())
+    exported = exported_metrics()
+    used = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name in re.findall(r"dualend_[a-z_]+", target["expr"]):
+                used.add(re.sub(r"_(bucket|sum|count)$", "", name) if name not in exported else name)
+    assert used and used <= exported, used - exported
+    wanted = {"dualend_ttft_seconds", "dualend_inter_token_seconds", "dualend_queue_seconds",
+              "dualend_prefill_seconds", "dualend_tokens_per_step", "dualend_drafts_accepted",
+              "dualend_kv_blocks_used", "dualend_requests_refused", "dualend_waiting_requests"}
+    assert wanted <= used
+
+
+def test_images_build_on_the_triton_release_of_the_local_binary():
+    cpu, gpu = ((DOCKER / name).read_text() for name in ("Dockerfile", "Dockerfile.gpu"))
+    for recipe in (cpu, gpu):
+        assert "FROM nvcr.io/nvidia/tritonserver:24.10-py3" in recipe and "nginx" in recipe
+        assert '"dualend.launch"' in recipe or "dualend-gpu-start" in recipe
+    assert "tensorrt==" in gpu and "download.pytorch.org/whl/cpu" in cpu
+    assert subprocess.run(["bash", "-n", str(DOCKER / "gpu-start.sh")]).returncode == 0

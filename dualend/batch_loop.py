@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from .decode import CapacityError, InvalidRequest, SequenceDecoder, TextStream
+from .metrics import PhaseMetrics
 from .onnx_engine import BackboneBatch, BackboneResult, MTPComponent, OnnxComponents
 from .scheduler import Scheduler
 from .serving import PreparedRequest, Response, ResponseStream
@@ -41,7 +42,8 @@ class Backbone(Protocol):
 
 
 class Observer(Protocol):
-    """What the loop reports, by phase (the Triton adapter turns it into Prometheus metrics)."""
+    """What the loop reports, by phase (`metrics.PhaseMetrics` keeps it; the Triton adapter pushes it
+    to Prometheus)."""
 
     def response(self, response: Response) -> None: ...                 # counters of a sent response
     def queued(self, seconds: float) -> None: ...                       # submit -> first prefill chunk
@@ -52,11 +54,7 @@ class Observer(Protocol):
     def iteration(self, seconds: float, running: int, waiting: int) -> None: ...
     def refused(self, reason: str) -> None: ...
     def cancelled(self) -> None: ...
-
-
-class NoObserver:
-    def __getattr__(self, name):
-        return lambda *args: None
+    def flush(self, idle: bool) -> None: ...                             # after every iteration
 
 
 class Executor:
@@ -130,7 +128,7 @@ class DecodeLoop:
     def __init__(self, executor: Executor, tokenizer: TextTokenizer, scheduler: Scheduler, threshold: float,
                  observer: Observer | None = None, cancel_check_s: float = 0.5, clock=time.monotonic):
         self.executor, self.tokenizer, self.scheduler = executor, tokenizer, scheduler
-        self.threshold, self.observer = threshold, observer or NoObserver()
+        self.threshold, self.observer = threshold, observer or PhaseMetrics()
         self.cancel_check_s, self.clock = cancel_check_s, clock
         local = executor.local
         self.pair_size, self.pad_id, self.eos_id, self.bos_id = local.pair_size, local.pad_id, local.eos_id, local.bos_id
@@ -176,6 +174,11 @@ class DecodeLoop:
 
     def run_once(self) -> bool:
         """One iteration; False when there was nothing to do."""
+        busy = self._iterate()
+        self.observer.flush(not busy)
+        return busy
+
+    def _iterate(self) -> bool:
         self._take_inbox()
         self._check_cancelled()
         _, expired = self.scheduler.admit()

@@ -245,3 +245,23 @@ def test_the_phases_add_up_over_known_requests(exported, tiny_tokenizer):
     assert len(calls["step"]) == steps and sum(n for (n,) in calls["step"]) == tokens
     assert max(waiting for _, _, waiting in calls["iteration"]) == 3  # 5 requests, 2 places
     assert all(s >= 0 for (s,) in calls["queued"]) and "refused" not in calls
+
+
+def test_metrics_accumulate_as_prometheus_histograms_and_hand_out_deltas():
+    from dualend.metrics import PhaseMetrics
+
+    metrics = PhaseMetrics()
+    for seconds in (0.003, 0.003, 0.2, 60.0):
+        metrics.first_token(seconds)
+    metrics.inter_token(0.004, 3)
+    metrics.iteration(0.01, running=5, waiting=2)
+    delta = metrics.take()
+    ttft = delta.histograms["dualend_ttft_seconds"]
+    bounds = ttft.bounds
+    assert ttft.counts[bounds.index(0.0025)] == 0 and ttft.counts[bounds.index(0.005)] == 2
+    assert ttft.counts[bounds.index(0.25)] == 3 and ttft.counts[-1] == 4  # +Inf holds the 60 s one
+    assert abs(ttft.total - 60.206) < 1e-9
+    assert delta.histograms["dualend_inter_token_seconds"].counts[-1] == 3
+    assert delta.gauges == {"dualend_running_sequences": 5, "dualend_waiting_requests": 2}
+    again = metrics.take()
+    assert again.histograms["dualend_ttft_seconds"].counts[-1] == 0 and again.gauges == {}

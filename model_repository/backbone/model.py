@@ -84,12 +84,15 @@ class _PoolMetrics:
                                   pb_utils.MetricFamily.COUNTER),
         ]
         self.used, self.free, self.live, self.evicted = (f.Metric(labels=labels) for f in self.families)
-        self.evicted_reported = 0
+        self.reported = (None, None, None, 0)
         self.update()
 
     def update(self):
-        self.used.set(self.pool.used_blocks)
-        self.free.set(self.pool.free_blocks)
-        self.live.set(len(self.pool.sequences))
-        self.evicted.increment(self.pool.evicted_total - self.evicted_reported)
-        self.evicted_reported = self.pool.evicted_total
+        """Only what changed: each metric call is a round trip to the server process."""
+        now = (self.pool.used_blocks, self.pool.free_blocks, len(self.pool.sequences), self.pool.evicted_total)
+        for metric, before, value in zip((self.used, self.free, self.live), self.reported, now):
+            if value != before:
+                metric.set(value)
+        if now[3] != self.reported[3]:
+            self.evicted.increment(now[3] - self.reported[3])
+        self.reported = now

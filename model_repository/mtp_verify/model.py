@@ -16,6 +16,7 @@ Every request, control or not, must carry the pipeline's secret (`pipeline_key`)
 import json
 import secrets
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ import triton_python_backend_utils as pb_utils
 from dualend.batch_loop import DecodeLoop, Executor
 from dualend.decode import InvalidRequest
 from dualend.manifest import verify_component, verify_siblings
+from dualend.metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSAL_REASONS, REFUSALS, PhaseMetrics
 from dualend.onnx_engine import BackboneResult, MTPComponent
 from dualend.scheduler import Scheduler
 from dualend.serving import (NOT_FROM_PIPELINE, PreparedRequest, from_pipeline, model_parameters, pipeline_secret,
@@ -104,7 +106,7 @@ class TritonPythonModel:
             max_running=int(parameters["max_concurrent_requests"]), max_queue=int(parameters["max_queue_size"]),
             wait_s=float(parameters["queue_wait_s"]), prefill_chunk=int(parameters["prefill_chunk_latents"]),
             kv_blocks=int(parameters["kv_capacity_blocks"]), kv_block_size=int(parameters["kv_block_size"]))
-        self.metrics = _DecodeMetrics({"model": args["model_name"], "deployment": deployment})
+        self.metrics = _TritonMetrics({"model": args["model_name"], "deployment": deployment})
         executor = Executor(BLSBackbone(backbone, checkpoint_id, self.secret), local,
                             exported.settings["d_model"])
         self.loop = DecodeLoop(executor, exported.tokenizer(), scheduler, self.threshold, self.metrics)
@@ -159,83 +161,52 @@ class TritonPythonModel:
         self.loop.close(SHUTDOWN_MESSAGE)
 
 
-LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
-REFUSAL_REASONS = ("queue_full", "queue_timeout", "too_large", "shutdown", "backbone")
+class _TritonMetrics(PhaseMetrics):
+    """The loop's metrics pushed to Triton at most every PUSH_EVERY_S, and when the loop goes idle:
+    one call per changed counter, bucket and gauge, however many tokens went out in between."""
 
-
-class _DecodeMetrics:
-    """The loop's observer as Prometheus metrics (names in the README). Only the loop thread
-    records, so the stub's metric calls never overlap."""
-
-    COUNTERS = [("dualend_output_tokens", "Tokens streamed to clients"),
-                ("dualend_decode_steps", "Backbone decode steps"),
-                ("dualend_drafts_proposed", "MTP drafts proposed"),
-                ("dualend_drafts_accepted", "MTP drafts accepted by the confidence gate"),
-                ("dualend_prompt_raw_tokens", "Prompt tokens as users count them"),
-                ("dualend_prompt_latents", "Prompt latents the backbone held"),
-                ("dualend_requests_cancelled", "Requests cancelled by the client")]
-    HISTOGRAMS = [("dualend_queue_seconds", "Wait from arrival to the first prefill chunk", LATENCY_BUCKETS),
-                  ("dualend_prefill_seconds", "First prefill chunk to prompt in the KV cache", LATENCY_BUCKETS),
-                  ("dualend_ttft_seconds", "Arrival to the first token sent (server side)", LATENCY_BUCKETS),
-                  ("dualend_inter_token_seconds", "Gap between tokens sent, one observation per token",
-                   LATENCY_BUCKETS),
-                  ("dualend_iteration_seconds", "One decode-loop iteration (backbone, MTP head, responses)",
-                   LATENCY_BUCKETS),
-                  ("dualend_tokens_per_step", "Tokens one decode step emitted (0 at EOS, 2 with an accepted draft)",
-                   [0, 1, 2])]
-    GAUGES = [("dualend_running_sequences", "Sequences in the decode loop (prefilling or decoding)"),
-              ("dualend_waiting_requests", "Requests waiting in the admission queue")]
+    PUSH_EVERY_S = 0.5
 
     def __init__(self, labels):
-        kinds = pb_utils.MetricFamily
-        self.families, self.metrics = [], {}
-        for name, description in self.COUNTERS:
-            self.families.append(kinds(name, description, kinds.COUNTER))
-            self.metrics[name] = self.families[-1].Metric(labels=labels)
-        for name, description, buckets in self.HISTOGRAMS:
-            self.families.append(kinds(name, description, kinds.HISTOGRAM))
-            self.metrics[name] = self.families[-1].Metric(labels=labels, buckets=buckets)
-        for name, description in self.GAUGES:
-            self.families.append(kinds(name, description, kinds.GAUGE))
-            self.metrics[name] = self.families[-1].Metric(labels=labels)
-        self.families.append(kinds("dualend_requests_refused", "Requests refused or ended with an error, by reason",
-                                   kinds.COUNTER))
-        self.refusals = {reason: self.families[-1].Metric(labels=labels | {"reason": reason})
-                         for reason in REFUSAL_REASONS}
+        super().__init__()
+        kinds, self.families, self.metrics = pb_utils.MetricFamily, [], {}
 
-    def response(self, response):
-        c, m = response.counters, self.metrics
-        for name, key in (("dualend_output_tokens", "num_output_tokens"), ("dualend_decode_steps", "num_steps"),
-                          ("dualend_drafts_proposed", "num_drafts"),
-                          ("dualend_drafts_accepted", "num_accepted_drafts")):
-            m[name].increment(c[key])
-        if response.finish_reason is not None:
-            m["dualend_prompt_raw_tokens"].increment(c["num_prompt_tokens"])
-            m["dualend_prompt_latents"].increment(c["num_prompt_latents"])
+        def family(name, description, kind):
+            self.families.append(kinds(name, description, kind))  # referenced, or its metrics raise
+            return self.families[-1]
 
-    def queued(self, seconds):
-        self.metrics["dualend_queue_seconds"].observe(seconds)
+        for name, description in COUNTERS.items():
+            self.metrics[name] = family(name, description, kinds.COUNTER).Metric(labels=labels)
+        for name, description in GAUGES.items():
+            self.metrics[name] = family(name, description, kinds.GAUGE).Metric(labels=labels)
+        for name, (description, bounds) in HISTOGRAMS.items():
+            buckets = family(f"{name}_bucket", f"{description} (cumulative buckets)", kinds.COUNTER)
+            self.metrics[name] = ([buckets.Metric(labels=labels | {"le": f"{b:g}"}) for b in bounds]
+                                  + [buckets.Metric(labels=labels | {"le": "+Inf"})],
+                                  family(f"{name}_sum", description, kinds.COUNTER).Metric(labels=labels),
+                                  family(f"{name}_count", description, kinds.COUNTER).Metric(labels=labels))
+        refusals = family(*REFUSALS, kinds.COUNTER)
+        self.refusal_metrics = {r: refusals.Metric(labels=labels | {"reason": r}) for r in REFUSAL_REASONS}
+        self.pushed = time.monotonic()
 
-    def prefilled(self, seconds):
-        self.metrics["dualend_prefill_seconds"].observe(seconds)
-
-    def first_token(self, seconds):
-        self.metrics["dualend_ttft_seconds"].observe(seconds)
-
-    def inter_token(self, seconds, tokens):
-        for _ in range(tokens):
-            self.metrics["dualend_inter_token_seconds"].observe(seconds)
-
-    def step(self, tokens):
-        self.metrics["dualend_tokens_per_step"].observe(tokens)
-
-    def iteration(self, seconds, running, waiting):
-        self.metrics["dualend_iteration_seconds"].observe(seconds)
-        self.metrics["dualend_running_sequences"].set(running)
-        self.metrics["dualend_waiting_requests"].set(waiting)
-
-    def refused(self, reason):
-        self.refusals.get(reason, self.refusals["backbone"]).increment(1)
-
-    def cancelled(self):
-        self.metrics["dualend_requests_cancelled"].increment(1)
+    def flush(self, idle):
+        if not idle and time.monotonic() - self.pushed < self.PUSH_EVERY_S:
+            return
+        self.pushed = time.monotonic()
+        delta = self.take()
+        for name, value in delta.counters.items():
+            if value:
+                self.metrics[name].increment(value)
+        for name, histogram in delta.histograms.items():
+            if histogram.counts[-1]:
+                buckets, total, count = self.metrics[name]
+                for bucket, value in zip(buckets, histogram.counts):
+                    if value:
+                        bucket.increment(value)
+                total.increment(histogram.total)
+                count.increment(histogram.counts[-1])
+        for name, value in delta.gauges.items():
+            self.metrics[name].set(value)
+        for reason, value in delta.refusals.items():
+            if value:
+                self.refusal_metrics[reason].increment(value)

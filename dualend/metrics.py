@@ -1,0 +1,117 @@
+"""The decode loop's metrics by phase, accumulated in-process and handed out as deltas.
+
+Each call into Triton's metric API is a round trip to the server process (about as much as a
+streamed response), so the loop records here, for free, and the Triton adapter pushes what
+changed a few times a second: one increment per counter and per histogram bucket, whatever the
+traffic. Histograms are cumulative buckets as Prometheus has them (`_bucket{le=...}`, `_sum`,
+`_count`).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+REFUSAL_REASONS = ("queue_full", "queue_timeout", "too_large", "shutdown", "backbone")
+
+COUNTERS = {"dualend_output_tokens": "Tokens streamed to clients",
+            "dualend_decode_steps": "Backbone decode steps",
+            "dualend_drafts_proposed": "MTP drafts proposed",
+            "dualend_drafts_accepted": "MTP drafts accepted by the confidence gate",
+            "dualend_prompt_raw_tokens": "Prompt tokens as users count them",
+            "dualend_prompt_latents": "Prompt latents the backbone held",
+            "dualend_requests_cancelled": "Requests cancelled by the client"}
+HISTOGRAMS = {"dualend_queue_seconds": ("Wait from arrival to the first prefill chunk", LATENCY_BUCKETS),
+              "dualend_prefill_seconds": ("First prefill chunk to prompt in the KV cache", LATENCY_BUCKETS),
+              "dualend_ttft_seconds": ("Arrival to the first token sent (server side)", LATENCY_BUCKETS),
+              "dualend_inter_token_seconds": ("Gap between tokens sent, one observation per token",
+                                              LATENCY_BUCKETS),
+              "dualend_iteration_seconds": ("One decode-loop iteration (backbone, MTP head, responses)",
+                                            LATENCY_BUCKETS),
+              "dualend_tokens_per_step": ("Tokens one decode step emitted (0 at EOS, 2 with an accepted draft)",
+                                          (0, 1, 2))}
+GAUGES = {"dualend_running_sequences": "Sequences in the decode loop (prefilling or decoding)",
+          "dualend_waiting_requests": "Requests waiting in the admission queue"}
+REFUSALS = ("dualend_requests_refused", "Requests refused or ended with an error, by reason")
+
+
+@dataclass
+class Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bound, cumulative, then +Inf
+    total: float = 0.0
+
+    def __post_init__(self):
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float, times: int = 1) -> None:
+        for index in range(bisect.bisect_left(self.bounds, value), len(self.counts)):
+            self.counts[index] += times
+        self.total += value * times
+
+
+@dataclass
+class Delta:
+    counters: dict[str, float]
+    histograms: dict[str, Histogram]
+    gauges: dict[str, float]         # only those that changed
+    refusals: dict[str, int]
+
+
+class PhaseMetrics:
+    """The decode loop's observer (`batch_loop.Observer`), kept in memory until `take()`."""
+
+    def __init__(self):
+        self._reset()
+        self.gauges = dict.fromkeys(GAUGES, 0.0)
+        self._reported = dict.fromkeys(GAUGES, None)
+
+    def _reset(self) -> None:
+        self.counters = dict.fromkeys(COUNTERS, 0.0)
+        self.histograms = {name: Histogram(bounds) for name, (_, bounds) in HISTOGRAMS.items()}
+        self.refusals = dict.fromkeys(REFUSAL_REASONS, 0)
+
+    def take(self) -> Delta:
+        """What happened since the last take, and the gauges that changed since."""
+        changed = {k: v for k, v in self.gauges.items() if self._reported[k] != v}
+        self._reported.update(changed)
+        delta = Delta(self.counters, self.histograms, changed, self.refusals)
+        self._reset()
+        return delta
+
+    def response(self, response) -> None:
+        c = response.counters
+        for name, key in (("dualend_output_tokens", "num_output_tokens"), ("dualend_decode_steps", "num_steps"),
+                          ("dualend_drafts_proposed", "num_drafts"), ("dualend_drafts_accepted", "num_accepted_drafts")):
+            self.counters[name] += c[key]
+        if response.finish_reason is not None:
+            self.counters["dualend_prompt_raw_tokens"] += c["num_prompt_tokens"]
+            self.counters["dualend_prompt_latents"] += c["num_prompt_latents"]
+
+    def queued(self, seconds: float) -> None:
+        self.histograms["dualend_queue_seconds"].observe(seconds)
+
+    def prefilled(self, seconds: float) -> None:
+        self.histograms["dualend_prefill_seconds"].observe(seconds)
+
+    def first_token(self, seconds: float) -> None:
+        self.histograms["dualend_ttft_seconds"].observe(seconds)
+
+    def inter_token(self, seconds: float, tokens: int) -> None:
+        self.histograms["dualend_inter_token_seconds"].observe(seconds, tokens)
+
+    def step(self, tokens: int) -> None:
+        self.histograms["dualend_tokens_per_step"].observe(tokens)
+
+    def iteration(self, seconds: float, running: int, waiting: int) -> None:
+        self.histograms["dualend_iteration_seconds"].observe(seconds)
+        self.gauges["dualend_running_sequences"], self.gauges["dualend_waiting_requests"] = running, waiting
+
+    def refused(self, reason: str) -> None:
+        self.refusals[reason if reason in self.refusals else "backbone"] += 1
+
+    def cancelled(self) -> None:
+        self.counters["dualend_requests_cancelled"] += 1
+
+    def flush(self, idle: bool) -> None:
+        """Called after every loop iteration; an exporter pushes `take()` from here when due."""

@@ -1,6 +1,6 @@
 """Benchmark report with pictures: perf_analyzer sweeps of both deployments plus the quality report.
 
-    python -m client.bench_report                          # against a server on 127.0.0.1:8001
+    python -m client.bench_report                          # against tritonserver on 127.0.0.1:18001 (behind the gateway)
     python -m client.bench_report --sweep build/perf/run1  # re-plot sweeps already run
 
 Runs `perf_analyzer_configs/run.sh` (dual-end and baseline back to back at every concurrency) for
@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from .perf_report import read_export, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULTS = dict(url="127.0.0.1:8001", out=ROOT / "builder" / "reports" / "bench", workload="fixed_256",
+DEFAULTS = dict(url="127.0.0.1:18001", out=ROOT / "builder" / "reports" / "bench", workload="fixed_256",
                 concurrency="1 4 16 32", lengths="256 512 896", quality=ROOT / "builder" / "reports" / "quality.json")
 DEPLOYMENTS = ("dualend", "baseline")
 COLORS = {"dualend": "tab:blue", "baseline": "tab:orange"}

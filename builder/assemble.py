@@ -25,7 +25,7 @@ from dualend.checkpoint import load_checkpoint
 from dualend.engines import ENGINES
 from dualend.manifest import ManifestError
 from dualend.onnx_engine import ExportedModel
-from dualend.serving import PIPELINE_SECRET_FILE, pipeline_name, served_generation
+from dualend.serving import PIPELINE_SECRET_FILE, generations, pipeline_name, served_generation
 from dualend.tokenizer import BOS, EOS, PAD
 
 from .export import export_checkpoint
@@ -68,11 +68,6 @@ def up_to_date_export(checkpoint_dir: Path, export_dir: Path) -> ExportedModel:
         pass
     export_checkpoint(checkpoint, export_dir)
     return ExportedModel.open(export_dir)
-
-
-def generations(repository: Path, deployment: str) -> list[int]:
-    return sorted({int(m.group(1)) for p in repository.glob(f"{deployment}_v*_*")
-                   if (m := re.fullmatch(rf"{deployment}_v(\d+)_\w+", p.name))})
 
 
 def render_deployment(name: str, exported: ExportedModel, out: Path, values: dict, generation: int) -> None:
@@ -146,7 +141,6 @@ def assemble(args) -> Path:
     staging = out.with_name(out.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    keep: set[str] = set()
     for name in args.deployments:
         exported = up_to_date_export(Path(args.checkpoints) / name, Path(args.export_dir) / name)
         if args.engine == "tensorrt" and not (exported.directory / "backbone" / "model.plan").exists():
@@ -154,11 +148,9 @@ def assemble(args) -> Path:
         # raw_context_limit defaults to the context the checkpoint was trained at
         limit = args.raw_context_limit or trained_context(Path(args.checkpoints) / name)
         served = served_generation(out, name)
-        generation = max(generations(out, name), default=0) + 1 if served else 1
+        generation = max(generations(out, name), default=0) + 1
         values = deployment_values(name, exported, args, threshold, limit) | {"pipeline": pipeline_name(name, generation)}
         render_deployment(name, exported, staging, values, generation)
-        if served:  # its models stay, so a reload can swap the generations while streams run
-            keep |= {p.name for p in out.glob(f"{pipeline_name(name, served)}_*")}
         if name == args.deployments[0]:
             write_hf_tokenizer(exported, Path(args.hf_tokenizer))
         print(f"{name}: checkpoint {exported.checkpoint_id}, generation {generation} ({pipeline_name(name, generation)}_*)"
@@ -167,36 +159,28 @@ def assemble(args) -> Path:
     old_secret = out / PIPELINE_SECRET_FILE
     secret.write_text(old_secret.read_text() if old_secret.exists() else secrets.token_hex(24) + "\n")
     secret.chmod(0o600)
-    sync_into(staging, out, keep, args.deployments)
+    sync_into(staging, out, args.deployments)
     print(f"model repository -> {out}")
     return out
 
 
-def sync_into(staging: Path, out: Path, keep: set[str], deployments: list[str]) -> None:
-    """Moves the staged models into `out`, touching only what changed: new models arrive whole
-    by rename, an ensemble's changed config by atomic replace, after every model it names. The
-    models of a generation still served (`keep`) and other deployments are left as they are;
-    other generations of the assembled deployments are removed."""
+def sync_into(staging: Path, out: Path, deployments: list[str]) -> None:
+    """Moves the staged models into `out`, touching nothing else: a new generation arrives whole by
+    rename, each ensemble's config by atomic replace after the models it names. Older generations
+    stay (a running server may be serving them): `client.reload` removes what it unloads, and the
+    launcher what no ensemble names before it starts a server."""
     if not out.exists():
         staging.rename(out)
         return
-    staged = {model.name for model in staging.iterdir()}
     for model in sorted(staging.iterdir(), key=lambda p: (p.name in deployments, p.name)):  # ensembles last
         target = out / model.name
-        if model.is_dir() and target.exists():
-            if model.name in deployments:  # an ensemble: its config changes, its empty version stays
-                model, target = model / "config.pbtxt", target / "config.pbtxt"
-            else:  # a generation nobody serves (the ensemble was gone): written anew
-                shutil.rmtree(target)
+        if model.is_dir() and target.exists():  # an ensemble: its config changes, its empty version stays
+            model, target = model / "config.pbtxt", target / "config.pbtxt"
         if model.is_file():
             if not target.exists() or target.read_bytes() != model.read_bytes():
                 os.replace(model, target)
         else:
             model.rename(target)
-    for target in out.iterdir():
-        owned = any(target.name.startswith(f"{name}_v") for name in deployments)
-        if owned and target.is_dir() and target.name not in keep | staged:
-            shutil.rmtree(target)
     shutil.rmtree(staging, ignore_errors=True)
 
 

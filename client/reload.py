@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
 
 from dualend.launch import ADMIN_HEADER, DEFAULT_REPOSITORY, INTERNAL_HTTP_PORT, admin_key
 from dualend.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
-from dualend.serving import pipeline_name, served_generation
+from dualend.serving import pipeline_name, prune_generations, served_generation
 
 from .api import RequestError, generate_http, metric_value
 
@@ -122,7 +121,7 @@ def reload(http_url: str, metrics_url: str, deployment: str, repository: Path, d
         for stale in old:
             for step in INTERNAL_STEPS:
                 call(client.unload_model, f"{stale}_{step}", "unloading the old generation failed")
-                shutil.rmtree(repository / f"{stale}_{step}", ignore_errors=True)
+        prune_generations(repository, deployment, keep={pipeline})  # unloaded, or never loaded
         return served
     finally:
         client.close()

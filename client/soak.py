@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from dualend.data import FAMILIES, eval_set
+from dualend.launch import stub_processes
 
 from .api import RequestError, stream_grpc
 from .bench_served import percentile
@@ -29,20 +30,16 @@ DEPLOYMENTS = ("dualend", "baseline")
 
 
 def server_processes() -> dict[str, int]:
-    """{name: pid} of tritonserver, each Python backend stub (by model) and nginx on this machine."""
+    """{name: pid} of tritonserver, each of its Python backend stubs (by model) and nginx here."""
     found = {}
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
         try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            program = os.path.basename((proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"))
+        except (OSError, IndexError):
             continue
-        program = os.path.basename(args[0].decode(errors="replace"))
         if program == "tritonserver":
             found["tritonserver"] = int(proc.name)
-        elif program == "triton_python_backend_stub" and len(args) > 8:
-            found[args[8].decode().rsplit("_0_0", 1)[0]] = int(proc.name)  # e.g. dualend_v1_backbone_0_0
+            found |= {model: pid for model, (pid, _) in stub_processes(int(proc.name)).items()}
         elif program.startswith("nginx") and b"master" in (proc / "cmdline").read_bytes():
             found["nginx"] = int(proc.name)
     return found

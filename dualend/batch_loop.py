@@ -51,10 +51,10 @@ class Observer(Protocol):
     def first_token(self, seconds: float) -> None: ...                  # submit -> first token sent
     def inter_token(self, seconds: float, tokens: int) -> None: ...     # gap / tokens, counted per token
     def step(self, tokens: int) -> None: ...                            # tokens one decode step emitted
-    def iteration(self, seconds: float, running: int, waiting: int) -> None: ...
+    def iteration(self, seconds: float) -> None: ...                     # one busy iteration
     def refused(self, reason: str) -> None: ...
     def cancelled(self) -> None: ...
-    def flush(self, idle: bool) -> None: ...                             # after every iteration
+    def flush(self, idle: bool, running: int, waiting: int) -> None: ... # after every iteration
 
 
 class Executor:
@@ -173,9 +173,15 @@ class DecodeLoop:
                         self._wake.wait(idle_wait_s)
 
     def run_once(self) -> bool:
-        """One iteration; False when there was nothing to do."""
-        busy = self._iterate()
-        self.observer.flush(not busy)
+        """One iteration; False when there was nothing to do. An unexpected error ends the requests
+        in the loop with it (each gets its last word) and the loop goes on."""
+        try:
+            busy = self._iterate()
+        except Exception as error:  # noqa: BLE001 - a dead loop would leave every stream hanging
+            for sequence in list(self.live.values()):
+                self._end(sequence, error=f"internal error in the decode loop: {error!r}", reason="backbone")
+            busy = True
+        self.observer.flush(not busy, len(self.scheduler.running), len(self.scheduler.waiting))
         return busy
 
     def _iterate(self) -> bool:
@@ -213,6 +219,9 @@ class DecodeLoop:
         try:
             result = self.executor.run_backbone(batch)
         except Exception as error:  # noqa: BLE001 - the iteration's sequences fail, the loop goes on
+            # The call may have got as far as the cache: release what it was to release, and what
+            # the first chunks may have reserved (releasing an unknown sequence is harmless).
+            self.releases += batch.releases + [c.sequence.request_id for c in plan.prefill if c.start == 0]
             for sequence in rows:
                 self._end(sequence, error=_backbone_message(str(error)), reason="backbone")
             return True
@@ -231,7 +240,7 @@ class DecodeLoop:
             ready.append((row, sequence))
         if ready:
             self._decode(ready, result)
-        self.observer.iteration(self.clock() - started, len(self.scheduler.running), len(self.scheduler.waiting))
+        self.observer.iteration(self.clock() - started)
         return True
 
     def _decode(self, ready: list[tuple[int, LiveSequence]], result: BackboneResult) -> None:

@@ -10,7 +10,9 @@ ensembles, and splits `llm` requests between the dual-end and baseline deploymen
     gRPC inference.GRPCInferenceService/{ModelStreamInfer,ModelInfer,ModelMetadata,...}   key required
 
 Everything else (repository and model control, internal models over HTTP, statistics, traces)
-answers 404. Keys come from a file of `name key` lines; clients send `Authorization: Bearer <key>`
+answers 404. While the launcher's watchdog restores a failed component of a deployment (a file
+`<prefix>/down/<deployment>`), that deployment's HTTP routes and readiness answer 503 (gRPC carries
+no model name nginx can read). Keys come from a file of `name key` lines; clients send `Authorization: Bearer <key>`
 (over gRPC, the `authorization` metadata). Changing the canary weight rewrites the config and
 reloads nginx gracefully: requests in flight finish on the old workers, none is dropped.
 
@@ -142,6 +144,7 @@ http {{
             limit_req zone=per_client burst={settings.burst} nodelay;
             limit_except POST {{ deny all; }}
             set $deployment $1;
+            if (-f {prefix}/down/$deployment) {{ return 503 '{{"error":"$deployment is restoring a failed component; retry in a few seconds"}}'; }}
             proxy_pass http://triton_http;
         }}
         location ~ ^/v2/models/{CANARY_MODEL}/(generate|generate_stream)$ {{
@@ -149,16 +152,19 @@ http {{
             limit_req zone=per_client burst={settings.burst} nodelay;
             limit_except POST {{ deny all; }}
             set $deployment $canary;
+            if (-f {prefix}/down/$deployment) {{ return 503 '{{"error":"$deployment is restoring a failed component; retry in a few seconds"}}'; }}
             proxy_pass http://triton_http/v2/models/$canary/$1;
         }}
         location ~ ^/v2/models/({models})(/ready)?$ {{
             limit_except GET {{ deny all; }}
             set $deployment $1;
+            if (-f {prefix}/down/$deployment) {{ return 503 '{{"error":"$deployment is restoring a failed component; retry in a few seconds"}}'; }}
             proxy_pass http://triton_http;
         }}
         location = /v2/health/live {{ proxy_pass http://triton_http; }}
         location = /v2/health/ready {{
-            # ready when the public deployments are, whatever an internal model's state
+            # ready when the public deployment is, whatever another model's state
+            if (-f {prefix}/down/{PUBLIC_DEPLOYMENTS[0]}) {{ return 503 '{{"error":"restoring a failed component"}}'; }}
             proxy_pass http://triton_http/v2/models/{PUBLIC_DEPLOYMENTS[0]}/ready;
         }}
         location @too_large {{
@@ -222,6 +228,7 @@ class Gateway:
         (self.prefix / "settings.json").write_text(json.dumps(raw, indent=1))
 
     def start(self) -> "Gateway":
+        shutil.rmtree(self.prefix / "down", ignore_errors=True)  # marks left by a run that crashed
         self.write_config()
         self.process = subprocess.Popen(
             [nginx_binary(), "-p", str(self.prefix), "-c", str(self.config_path), "-g", "daemon off;"],

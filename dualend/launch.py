@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .manifest import verify_component
-from .serving import PIPELINE_SECRET_ENV, pipeline_key
+from .serving import PIPELINE_SECRET_ENV, pipeline_key, pipeline_name, prune_generations, served_generation
 
 PYTRITON_VERSION = "0.7.0"  # the nvidia-pytriton release that ships tritonserver 2.51.0
 TRITON_VERSION = "2.51.0"
@@ -137,17 +137,22 @@ def prepare_triton_home(home: Path | str | None = None) -> Path:
     return home
 
 
-def stub_shm_regions(server_pid: int) -> list[str]:
-    """Shared-memory regions of the Python backend stubs of one tritonserver (from their command lines)."""
-    regions = []
+def stub_processes(server_pid: int) -> dict[str, tuple[int, str]]:
+    """{model: (pid, shared-memory region)} of one tritonserver's Python backend stubs, from their
+    command lines (`stub model.py region size growth parent-pid backends ... <model>_<n>_<device>`)."""
+    stubs = {}
     for proc in Path("/proc").iterdir():
         try:
             args = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if len(args) > 5 and args[0].endswith(b"triton_python_backend_stub") and args[5] == str(server_pid).encode():
-            regions.append(args[2].decode())
-    return regions
+        if len(args) > 8 and args[0].endswith(b"triton_python_backend_stub") and args[5] == str(server_pid).encode():
+            stubs[args[8].decode().rsplit("_", 2)[0]] = (int(proc.name), args[2].decode())
+    return stubs
+
+
+def stub_shm_regions(server_pid: int) -> list[str]:
+    return [region for _, region in stub_processes(server_pid).values()]
 
 
 def is_installed_server(home: Path) -> bool:
@@ -500,12 +505,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="0 = any free port")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="0 = any free port")
     parser.add_argument(
-        "--model-control-mode", choices=MODEL_CONTROL_MODES, default=DEFAULT_MODEL_CONTROL_MODE
+        "--model-control-mode", choices=MODEL_CONTROL_MODES, default="explicit",
+        help="explicit (default): every model is loaded at start (unless --load-model says which), "
+             "client.reload can redeploy and the watchdog can restore a failed model",
     )
     parser.add_argument(
         "--load-model", action="append", default=[], metavar="NAME",
-        help="model to load at start (explicit mode; repeat for several)",
+        help="model to load at start (explicit mode; repeat for several; default: all)",
     )
+    parser.add_argument("--no-watchdog", action="store_true",
+                        help="do not restore models whose Python stub died (explicit mode only)")
     parser.add_argument("--no-gateway", action="store_true",
                         help="serve tritonserver itself on --http-port/--grpc-port, no nginx in front")
     parser.add_argument("--triton-http-port", type=int, default=INTERNAL_HTTP_PORT,
@@ -533,8 +542,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     from .gateway import DEFAULT_PREFIX, Gateway, GatewayError, GatewaySettings, write_new_keys
+    from .watchdog import Watchdog
 
-    gateway = None
+    gateway, watching = None, None
     try:
         if not args.no_build:
             build_repository_if_missing(args.model_repository)
@@ -546,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             grpc_port=args.triton_grpc_port if behind else args.grpc_port,
             metrics_port=args.metrics_port,
             model_control_mode=args.model_control_mode,
-            load_models=args.load_model,
+            load_models=args.load_model or (["*"] if args.model_control_mode == "explicit" else []),
             extra_args=args.extra_args,
             log_file=args.log_file,
             startup_timeout=args.startup_timeout,
@@ -568,6 +578,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)
     try:
+        for name in sorted(p.name for p in Path(args.model_repository).iterdir() if p.is_dir()):
+            served = served_generation(Path(args.model_repository), name)
+            if served is not None:  # nothing is loaded yet: generations no ensemble names can go
+                for pipeline in prune_generations(Path(args.model_repository), name, {pipeline_name(name, served)}):
+                    print(f"removed {pipeline}_*: assembled but never swapped in")
         server.start()
         print(f"tritonserver {TRITON_VERSION} ready (pid {server.pid})")
         if gateway is not None:
@@ -580,6 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  gRPC     {server.grpc_url}")
         print(f"  metrics  {server.metrics_url}")
         print(f"  log      {server.log_file}")
+        if args.model_control_mode == "explicit" and not args.no_watchdog:
+            watching = Watchdog(server, gateway.prefix / "down" if gateway else None).start()
         print("Ctrl-C or SIGTERM stops it.", flush=True)
         while server.poll() is None:
             time.sleep(0.5)
@@ -600,6 +617,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not orphan it
             signal.signal(signum, signal.SIG_IGN)
+        if watching is not None:
+            watching.set()
         if server.poll() is None and server.pid is not None:
             server.drain()  # every stream ends now, with an error that says why
         if gateway is not None:

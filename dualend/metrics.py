@@ -103,9 +103,8 @@ class PhaseMetrics:
     def step(self, tokens: int) -> None:
         self.histograms["dualend_tokens_per_step"].observe(tokens)
 
-    def iteration(self, seconds: float, running: int, waiting: int) -> None:
+    def iteration(self, seconds: float) -> None:
         self.histograms["dualend_iteration_seconds"].observe(seconds)
-        self.gauges["dualend_running_sequences"], self.gauges["dualend_waiting_requests"] = running, waiting
 
     def refused(self, reason: str) -> None:
         self.refusals[reason if reason in self.refusals else "backbone"] += 1
@@ -113,5 +112,6 @@ class PhaseMetrics:
     def cancelled(self) -> None:
         self.counters["dualend_requests_cancelled"] += 1
 
-    def flush(self, idle: bool) -> None:
-        """Called after every loop iteration; an exporter pushes `take()` from here when due."""
+    def flush(self, idle: bool, running: int, waiting: int) -> None:
+        """Called after every loop iteration, busy or idle; an exporter pushes `take()` from here."""
+        self.gauges["dualend_running_sequences"], self.gauges["dualend_waiting_requests"] = running, waiting

@@ -8,6 +8,7 @@ import hmac
 import json
 import os
 import re
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 import numpy as np
@@ -69,6 +70,24 @@ def served_generation(repository: Path, deployment: str) -> int | None:
     config = repository / deployment / "config.pbtxt"
     match = re.search(rf'model_name: "{deployment}_v(\d+)_', config.read_text()) if config.exists() else None
     return int(match.group(1)) if match else None
+
+
+def generations(repository: Path, deployment: str) -> list[int]:
+    return sorted({int(m.group(1)) for p in repository.glob(f"{deployment}_v*_*")
+                   if (m := re.fullmatch(rf"{deployment}_v(\d+)_\w+", p.name))})
+
+
+def prune_generations(repository: Path, deployment: str, keep: set[str]) -> list[str]:
+    """Removes the folders of the deployment's generations not in `keep` (pipeline names);
+    returns the pipelines removed. Only for generations no server has loaded."""
+    removed = []
+    for generation in generations(repository, deployment):
+        pipeline = pipeline_name(deployment, generation)
+        if pipeline not in keep:
+            for folder in repository.glob(f"{pipeline}_*"):
+                shutil.rmtree(folder, ignore_errors=True)
+            removed.append(pipeline)
+    return removed
 
 
 def version_components(args: dict, names: tuple[str, ...]) -> ExportedModel:

@@ -229,6 +229,7 @@ class Recorder:
         return lambda *args: self.calls.setdefault(name, []).append(args)
 
 
+
 def test_the_phases_add_up_over_known_requests(exported, tiny_tokenizer):
     _, directory = exported["dualend"]
     engine, loop = make_loop(directory, tiny_tokenizer, -1.0, max_running=2, max_queue=8)
@@ -243,7 +244,8 @@ def test_the_phases_add_up_over_known_requests(exported, tiny_tokenizer):
                        for o in outputs)
     assert sum(n for _, n in calls["inter_token"]) + first_tokens == tokens
     assert len(calls["step"]) == steps and sum(n for (n,) in calls["step"]) == tokens
-    assert max(waiting for _, _, waiting in calls["iteration"]) == 3  # 5 requests, 2 places
+    assert max(waiting for _, _, waiting in calls["flush"]) == 3  # 5 requests, 2 places
+    assert calls["flush"][-1] == (True, 0, 0)  # idle at the end, nothing running or waiting
     assert all(s >= 0 for (s,) in calls["queued"]) and "refused" not in calls
 
 
@@ -254,7 +256,8 @@ def test_metrics_accumulate_as_prometheus_histograms_and_hand_out_deltas():
     for seconds in (0.003, 0.003, 0.2, 60.0):
         metrics.first_token(seconds)
     metrics.inter_token(0.004, 3)
-    metrics.iteration(0.01, running=5, waiting=2)
+    metrics.iteration(0.01)
+    metrics.flush(False, 5, 2)
     delta = metrics.take()
     ttft = delta.histograms["dualend_ttft_seconds"]
     bounds = ttft.bounds

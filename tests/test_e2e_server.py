@@ -377,52 +377,114 @@ def test_mtp_verify_refuses_a_forged_cancel_or_drain(server):
     assert stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 4).output_tokens > 0  # not drained
 
 
+class Launched:
+    """`python -m dualend.launch` as users run it (gateway in front, explicit mode, watchdog), on free
+    ports, serving the dual-end deployment only."""
+
+    def __init__(self, tmp_path):
+        import socket
+        import subprocess
+        import sys
+
+        sockets = [socket.socket() for _ in range(5)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        self.http_port, self.grpc_port, self.metrics_port, triton_http, triton_grpc = (
+            s.getsockname()[1] for s in sockets)
+        for s in sockets:
+            s.close()
+        self.repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
+                                         "--export-dir", str(tmp_path / "export"), "--deployments", "dualend"])
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dualend.launch", "--model-repository", str(self.repository), "--no-build",
+             "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+             "--metrics-port", str(self.metrics_port), "--triton-http-port", str(triton_http),
+             "--triton-grpc-port", str(triton_grpc), "--api-keys", str(tmp_path / "keys"),
+             "--log-file", str(tmp_path / "server.log")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in self.process.stdout:
+            if "Ctrl-C or SIGTERM stops it" in line:
+                break
+        self.key = (tmp_path / "keys").read_text().split()[1]
+        self.server_pid = int(subprocess.check_output(["pgrep", "-P", str(self.process.pid), "tritonserver"]).split()[0])
+
+    def stream(self, max_tokens, **params):
+        return stream_grpc(f"127.0.0.1:{self.grpc_port}", "dualend", PROMPTS[0], max_tokens, api_key=self.key, **params)
+
+    def live_sequences(self):
+        return metric_value(f"http://127.0.0.1:{self.metrics_port}/metrics", "dualend_kv_live_sequences",
+                            "dualend_v1_backbone") or 0
+
+    def ready(self):
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+
 def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(tmp_path):
-    """The launcher, as users run it (gateway in front, free ports): SIGTERM under 8 live streams."""
+    """SIGTERM to the launcher under 8 live streams."""
     import signal
-    import socket
     import subprocess
-    import sys
 
     from dualend.launch import EXIT_TIMEOUT_S, stub_shm_regions
 
-    sockets = [socket.socket() for _ in range(5)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    http_port, grpc_port, metrics_port, triton_http, triton_grpc = (s.getsockname()[1] for s in sockets)
-    for s in sockets:
-        s.close()
-    repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
-                                "--export-dir", str(tmp_path / "export"), "--deployments", "dualend"])
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "dualend.launch", "--model-repository", str(repository), "--no-build",
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-         "--triton-http-port", str(triton_http), "--triton-grpc-port", str(triton_grpc),
-         "--api-keys", str(tmp_path / "keys"), "--log-file", str(tmp_path / "server.log")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in launcher.stdout:
-        if "Ctrl-C or SIGTERM stops it" in line:
-            break
-    key = (tmp_path / "keys").read_text().split()[1]
-    server_pid = int(subprocess.check_output(["pgrep", "-P", str(launcher.pid), "tritonserver"]).split()[0])
-    regions = stub_shm_regions(server_pid)
+    launched = Launched(tmp_path)
+    regions = stub_shm_regions(launched.server_pid)
     assert regions
     with ThreadPoolExecutor(8) as pool:
-        streams = [pool.submit(stream_grpc, f"127.0.0.1:{grpc_port}", "dualend", PROMPTS[0], 1000, ignore_eos=True,
-                               acceptance_threshold=1.0, api_key=key) for _ in range(8)]
-        assert wait_for(lambda: (metric_value(f"http://127.0.0.1:{metrics_port}/metrics",
-                                              "dualend_kv_live_sequences", "dualend_v1_backbone") or 0) == 8, 30)
+        streams = [pool.submit(launched.stream, 1000, ignore_eos=True, acceptance_threshold=1.0) for _ in range(8)]
+        assert wait_for(lambda: launched.live_sequences() == 8, 30)
         started = time.monotonic()
-        launcher.send_signal(signal.SIGTERM)
+        launched.process.send_signal(signal.SIGTERM)
         for stream in streams:
             with pytest.raises(RequestError, match="the server is shutting down; the stream ends here, retry"):
                 stream.result()
         ended = time.monotonic() - started
-    launcher.wait(EXIT_TIMEOUT_S + 5)
+    launched.process.wait(EXIT_TIMEOUT_S + 5)
     exited = time.monotonic() - started
-    assert ended < EXIT_TIMEOUT_S and exited < EXIT_TIMEOUT_S + 5 and launcher.returncode == 0
-    assert subprocess.run(["pgrep", "-f", str(repository)], capture_output=True).stdout == b""
+    assert ended < EXIT_TIMEOUT_S and exited < EXIT_TIMEOUT_S + 5 and launched.process.returncode == 0
+    assert subprocess.run(["pgrep", "-f", str(launched.repository)], capture_output=True).stdout == b""
     assert not [r for r in regions if os.path.exists(f"/dev/shm/{r}")]
+
+
+def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
+    """kill -9 of the backbone's stub under 4 live streams: they end with an error within 5 s, the
+    deployment reports not ready while the watchdog reloads it, and serves again within 15 s."""
+    import signal
+
+    from dualend.launch import stub_processes
+
+    launched = Launched(tmp_path)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(launched.stream, 1000, ignore_eos=True, acceptance_threshold=1.0)
+                       for _ in range(4)]
+            assert wait_for(lambda: launched.live_sequences() == 4, 30)
+            killed = time.monotonic()
+            os.kill(stub_processes(launched.server_pid)["dualend_v1_backbone"][0], signal.SIGKILL)
+            saw_not_ready = wait_for(lambda: not launched.ready(), 10, poll_s=0.02)
+            for stream in streams:
+                with pytest.raises(RequestError):
+                    stream.result()
+            errors_after = time.monotonic() - killed
+        assert saw_not_ready and errors_after < 5
+        def serves():
+            try:
+                return launched.ready() and launched.stream(8).output_tokens == 8
+            except RequestError:
+                return False
+
+        assert wait_for(serves, 15, poll_s=0.2)
+        assert time.monotonic() - killed < 15
+        assert "dualend_v1_backbone" in stub_processes(launched.server_pid)
+    finally:
+        launched.process.terminate()
+        launched.process.wait(30)
 
 
 def test_metrics_by_phase_add_up_after_known_requests(server):
@@ -434,9 +496,14 @@ def test_metrics_by_phase_add_up_after_known_requests(server):
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda i: stream_grpc(server.grpc_url, "dualend", PROMPTS[i], 20, ignore_eos=True,
                                                       exclude_input_in_output=True), range(6)))
-    assert wait_for(lambda: metric(server, "dualend_running_sequences", model) == 0)
-    delta = {name: metric(server, name, model) - before[name] for name in names}
     tokens = sum(r.output_tokens for r in results)
+
+    def delta():  # the loop pushes its metrics when it goes idle, a moment after the last response
+        return {name: (metric(server, name, model) or 0) - before[name] for name in names}
+
+    assert wait_for(lambda: delta()["dualend_ttft_seconds_count"] == 6 and delta()["dualend_output_tokens"] == tokens)
+    assert metric(server, "dualend_running_sequences", model) == 0
+    delta = delta()
     first_response_tokens = sum(next(n for _, n in r.arrivals if n) for r in results)
     assert tokens == 120 and delta["dualend_output_tokens"] == tokens
     assert delta["dualend_ttft_seconds_count"] == delta["dualend_queue_seconds_count"] == 6

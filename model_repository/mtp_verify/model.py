@@ -97,7 +97,7 @@ class TritonPythonModel:
         backbone = f"{parameters['pipeline']}_backbone"  # the backbone of this generation of the pipeline
         backbone_manifest = verify_component(Path(args["model_repository"]).parent / backbone / "1" / "backbone")
         checkpoint_id = verify_siblings([*exported.manifests.values(), backbone_manifest])
-        local = MTPComponent(exported)
+        local = MTPComponent(exported, max_sequences=int(parameters["max_concurrent_requests"]))
         self.threshold = float(parameters["acceptance_threshold"])
         self.secret = pipeline_secret(args, checkpoint_id)
         self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=deployment)
@@ -156,9 +156,14 @@ class TritonPythonModel:
             self.loop.drain(SHUTDOWN_MESSAGE)
 
     def finalize(self):
+        self.loop.drain(SHUTDOWN_MESSAGE)  # the loop's own thread ends every request
+        deadline = time.monotonic() + 10
+        while self.loop.live and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.stopping.set()
         self.thread.join(timeout=10)
-        self.loop.close(SHUTDOWN_MESSAGE)
+        if not self.thread.is_alive():
+            self.loop.close(SHUTDOWN_MESSAGE)  # what arrived after the drain
 
 
 class _TritonMetrics(PhaseMetrics):
@@ -189,7 +194,8 @@ class _TritonMetrics(PhaseMetrics):
         self.refusal_metrics = {r: refusals.Metric(labels=labels | {"reason": r}) for r in REFUSAL_REASONS}
         self.pushed = time.monotonic()
 
-    def flush(self, idle):
+    def flush(self, idle, running, waiting):
+        super().flush(idle, running, waiting)
         if not idle and time.monotonic() - self.pushed < self.PUSH_EVERY_S:
             return
         self.pushed = time.monotonic()

@@ -1,0 +1,98 @@
+"""Restores a model whose Python backend stub died; tritonserver 2.51 does neither.
+
+A killed stub is not restarted by Triton, and its model and the server keep answering "ready". The
+launcher runs this watchdog: every `interval_s` it compares the stubs alive with the models Triton
+lists as READY. A READY model without a stub has failed: its deployment is marked down at the gateway
+(routes and readiness answer 503 with a message that says so), the model is unloaded and loaded
+again through the repository API, and the mark is removed once its stub is back. A model unloaded on
+purpose (a redeploy's old generation) is not READY, so it is left alone. Streams that were using a
+dead backbone end with the decode loop's error; streams inside a dead mtp_verify end with their
+connection when its replacement takes over the deployment.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class Watchdog:
+    def __init__(self, server, down_dir: Path | None, deployments: tuple[str, ...] = ("dualend", "baseline"),
+                 interval_s: float = 1.0):
+        self.server, self.down_dir, self.deployments, self.interval_s = server, down_dir, deployments, interval_s
+        self.restored: list[str] = []  # for the record and the tests
+
+    def _headers(self) -> dict[str, str]:
+        from .launch import ADMIN_HEADER
+
+        return {ADMIN_HEADER: self.server.admin_key} if self.server.admin_key else {}
+
+    def _repository(self, path: str) -> bytes:
+        request = urllib.request.Request(f"http://{self.server.http_url}/v2/repository{path}", data=b"{}",
+                                         method="POST", headers=self._headers())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.read()
+
+    def failed_models(self) -> list[str]:
+        """READY Python models of our deployments whose stub is gone."""
+        from .launch import stub_processes
+
+        ready = [m["name"] for m in json.loads(self._repository("/index")) if m.get("state") == "READY"]
+        alive = stub_processes(self.server.pid)
+        return [name for name in ready if name.startswith(tuple(f"{d}_v" for d in self.deployments))
+                and name not in alive]
+
+    def deployment_of(self, model: str) -> str:
+        return next(d for d in self.deployments if model.startswith(f"{d}_v"))
+
+    def restore(self, model: str) -> None:
+        """Reloads `model` (with its backbone, if it is a decode loop: the backbone still holds the
+        dead loop's sequences) while its deployment is marked down; the mark stays if that fails."""
+        from .serving import served_generation
+
+        deployment = self.deployment_of(model)
+        pipeline = re.match(rf"{deployment}_v\d+", model).group(0)
+        mark = self.down_dir / deployment if self.down_dir else None
+        log.error("watchdog: the stub of %s died; %s is marked down while it reloads", model, deployment)
+        if mark:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        models = [f"{pipeline}_backbone", model] if model.endswith("_mtp_verify") else [model]
+        for name in models:
+            self._repository(f"/models/{name}/unload")
+            self._repository(f"/models/{name}/load")
+        repository = self.server.model_repository
+        if not model.endswith("_backbone") and served_generation(repository, deployment) == int(
+                pipeline.rsplit("_v", 1)[1]):  # not if the disk already names a generation not swapped in
+            self._repository(f"/models/{deployment}/load")  # the ensemble takes the new step
+        self.restored.append(model)
+        log.warning("watchdog: %s restored", model)
+        if mark:
+            mark.unlink(missing_ok=True)
+
+    def run(self, stopping: threading.Event) -> None:
+        retry: set[str] = set()
+        while not stopping.wait(self.interval_s):
+            try:
+                failed = self.failed_models()
+                if failed:  # again, just before acting: a redeploy may be unloading models right now
+                    time.sleep(0.2)
+                    failed = [m for m in self.failed_models() if m in failed]
+                for model in sorted(set(failed) | retry):
+                    retry.add(model)
+                    self.restore(model)
+                    retry.discard(model)
+            except Exception as error:  # noqa: BLE001 - the watchdog must outlive one bad check
+                if not stopping.is_set():
+                    log.warning("watchdog: check or restore failed (retried next round): %s", error)
+
+    def start(self) -> threading.Event:
+        stopping = threading.Event()
+        threading.Thread(target=self.run, args=(stopping,), daemon=True, name="watchdog").start()
+        return stopping

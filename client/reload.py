@@ -65,10 +65,19 @@ def served_checkpoint(client, deployment: str) -> str:
     return config.get("parameters", {}).get("checkpoint_id", {}).get("string_value", "")
 
 
+def loaded_models(client, deployment: str, headers) -> dict[str, list[str]]:
+    """{generation: its READY models} of the deployment, e.g. {"dualend_v1": ["dualend_v1_backbone", ...]}."""
+    loaded: dict[str, list[str]] = {}
+    for model in client.get_model_repository_index(headers=headers):
+        match = re.fullmatch(rf"({deployment}_v\d+)_\w+", model["name"])
+        if match and model.get("state") == "READY":
+            loaded.setdefault(match.group(1), []).append(model["name"])
+    return loaded
+
+
 def loaded_pipelines(client, deployment: str, headers) -> list[str]:
-    """The generations of the deployment whose backbone is loaded, e.g. ["dualend_v1"]."""
-    return sorted(m["name"].removesuffix("_backbone") for m in client.get_model_repository_index(headers=headers)
-                  if re.fullmatch(rf"{deployment}_v\d+_backbone", m["name"]) and m.get("state") == "READY")
+    """The generations of the deployment with a model loaded, e.g. ["dualend_v1"]."""
+    return sorted(loaded_models(client, deployment, headers))
 
 
 def busy(metrics_url: str, pipeline: str) -> bool:
@@ -119,8 +128,8 @@ def reload(http_url: str, metrics_url: str, deployment: str, repository: Path, d
         while time.monotonic() < deadline and any(busy(metrics_url, p) for p in old):
             time.sleep(0.1)
         for stale in old:
-            for step in INTERNAL_STEPS:
-                call(client.unload_model, f"{stale}_{step}", "unloading the old generation failed")
+            for model in loaded_models(client, deployment, headers).get(stale, []):
+                call(client.unload_model, model, "unloading the old generation failed")
         prune_generations(repository, deployment, keep={pipeline})  # unloaded, or never loaded
         return served
     finally:

@@ -179,8 +179,11 @@ class DecodeLoop:
             busy = self._iterate()
         except Exception as error:  # noqa: BLE001 - a dead loop would leave every stream hanging
             for sequence in list(self.live.values()):
-                self._end(sequence, error=f"internal error in the decode loop: {error!r}", reason="backbone")
-            busy = True
+                try:
+                    self._end(sequence, error=f"internal error in the decode loop: {error!r}", reason="backbone")
+                except Exception:  # noqa: BLE001 - its sender is gone; the others still get their word
+                    self.live.pop(sequence.request_id, None)
+            busy = False  # the loop waits a moment rather than spinning on a repeated error
         self.observer.flush(not busy, len(self.scheduler.running), len(self.scheduler.waiting))
         return busy
 
@@ -289,7 +292,10 @@ class DecodeLoop:
                 self.scheduler.submit(sequence)
             except (CapacityError, InvalidRequest) as error:
                 self.observer.refused("queue_full" if isinstance(error, CapacityError) else "too_large")
-                sequence.output.fail(str(error))
+                try:
+                    sequence.output.fail(str(error))
+                except Exception:  # noqa: BLE001 - the client is gone; the other submissions go on
+                    pass
                 continue
             sequence.submitted_at = now
             sequence.next_cancel_check = now + self.cancel_check_s

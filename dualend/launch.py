@@ -578,10 +578,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)
     try:
-        for name in sorted(p.name for p in Path(args.model_repository).iterdir() if p.is_dir()):
-            served = served_generation(Path(args.model_repository), name)
+        repository = Path(args.model_repository)
+        for name in sorted(p.name for p in repository.iterdir() if p.is_dir()) if repository.is_dir() else []:
+            served = served_generation(repository, name)
             if served is not None:  # nothing is loaded yet: generations no ensemble names can go
-                for pipeline in prune_generations(Path(args.model_repository), name, {pipeline_name(name, served)}):
+                for pipeline in prune_generations(repository, name, {pipeline_name(name, served)}):
                     print(f"removed {pipeline}_*: assembled but never swapped in")
         server.start()
         print(f"tritonserver {TRITON_VERSION} ready (pid {server.pid})")
@@ -618,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not orphan it
             signal.signal(signum, signal.SIG_IGN)
         if watching is not None:
-            watching.set()
+            watching.stop()
         if server.poll() is None and server.pid is not None:
             server.drain()  # every stream ends now, with an error that says why
         if gateway is not None:

@@ -27,6 +27,7 @@ class Watchdog:
                  interval_s: float = 1.0):
         self.server, self.down_dir, self.deployments, self.interval_s = server, down_dir, deployments, interval_s
         self.restored: list[str] = []  # for the record and the tests
+        self.stopping = threading.Event()
 
     def _headers(self) -> dict[str, str]:
         from .launch import ADMIN_HEADER
@@ -39,11 +40,14 @@ class Watchdog:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.read()
 
+    def ready_models(self) -> list[str]:
+        return [m["name"] for m in json.loads(self._repository("/index")) if m.get("state") == "READY"]
+
     def failed_models(self) -> list[str]:
         """READY Python models of our deployments whose stub is gone."""
         from .launch import stub_processes
 
-        ready = [m["name"] for m in json.loads(self._repository("/index")) if m.get("state") == "READY"]
+        ready = self.ready_models()
         alive = stub_processes(self.server.pid)
         return [name for name in ready if name.startswith(tuple(f"{d}_v" for d in self.deployments))
                 and name not in alive]
@@ -54,8 +58,6 @@ class Watchdog:
     def restore(self, model: str) -> None:
         """Reloads `model` (with its backbone, if it is a decode loop: the backbone still holds the
         dead loop's sequences) while its deployment is marked down; the mark stays if that fails."""
-        from .serving import served_generation
-
         deployment = self.deployment_of(model)
         pipeline = re.match(rf"{deployment}_v\d+", model).group(0)
         mark = self.down_dir / deployment if self.down_dir else None
@@ -65,34 +67,56 @@ class Watchdog:
             mark.touch()
         models = [f"{pipeline}_backbone", model] if model.endswith("_mtp_verify") else [model]
         for name in models:
-            self._repository(f"/models/{name}/unload")
-            self._repository(f"/models/{name}/load")
-        repository = self.server.model_repository
-        if not model.endswith("_backbone") and served_generation(repository, deployment) == int(
-                pipeline.rsplit("_v", 1)[1]):  # not if the disk already names a generation not swapped in
+            for action in ("unload", "load"):
+                if self.stopping.is_set():
+                    return
+                self._repository(f"/models/{name}/{action}")
+        if not model.endswith("_backbone") and self.served(pipeline):  # not if the disk names a newer one
             self._repository(f"/models/{deployment}/load")  # the ensemble takes the new step
         self.restored.append(model)
         log.warning("watchdog: %s restored", model)
         if mark:
             mark.unlink(missing_ok=True)
 
-    def run(self, stopping: threading.Event) -> None:
+    def served(self, pipeline: str) -> bool:
+        """Whether the ensemble on disk still names this generation (a redeploy may have moved on)."""
+        from .serving import served_generation
+
+        deployment, generation = pipeline.rsplit("_v", 1)
+        return served_generation(self.server.model_repository, deployment) == int(generation)
+
+    def run(self) -> None:
         retry: set[str] = set()
-        while not stopping.wait(self.interval_s):
+        while not self.stopping.wait(self.interval_s):
             try:
-                failed = self.failed_models()
+                failed = set(self.failed_models())
                 if failed:  # again, just before acting: a redeploy may be unloading models right now
                     time.sleep(0.2)
-                    failed = [m for m in self.failed_models() if m in failed]
-                for model in sorted(set(failed) | retry):
-                    retry.add(model)
+                    failed &= set(self.failed_models())
+                retry -= set(self.ready_models()) - failed  # a late load that did finish
+            except Exception as error:  # noqa: BLE001 - the watchdog must outlive one bad check
+                log.warning("watchdog: check failed: %s", error)
+                continue
+            for model in sorted(failed | retry):
+                deployment = self.deployment_of(model)
+                if not self.served(re.match(rf"{deployment}_v\d+", model).group(0)):
+                    retry.discard(model)  # its generation was swapped out: nothing to restore
+                    if self.down_dir:
+                        (self.down_dir / deployment).unlink(missing_ok=True)
+                    continue
+                try:
                     self.restore(model)
                     retry.discard(model)
-            except Exception as error:  # noqa: BLE001 - the watchdog must outlive one bad check
-                if not stopping.is_set():
-                    log.warning("watchdog: check or restore failed (retried next round): %s", error)
+                except Exception as error:  # noqa: BLE001 - one model's failure does not stop the others
+                    retry.add(model)
+                    log.warning("watchdog: restoring %s failed (retried next round): %s", model, error)
 
-    def start(self) -> threading.Event:
-        stopping = threading.Event()
-        threading.Thread(target=self.run, args=(stopping,), daemon=True, name="watchdog").start()
-        return stopping
+    def start(self) -> "Watchdog":
+        self.thread = threading.Thread(target=self.run, daemon=True, name="watchdog")
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops watching, and waits for a restore in progress to stop at its next step."""
+        self.stopping.set()
+        self.thread.join(timeout=65)

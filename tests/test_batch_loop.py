@@ -268,3 +268,19 @@ def test_metrics_accumulate_as_prometheus_histograms_and_hand_out_deltas():
     assert delta.gauges == {"dualend_running_sequences": 5, "dualend_waiting_requests": 2}
     again = metrics.take()
     assert again.histograms["dualend_ttft_seconds"].counts[-1] == 0 and again.gauges == {}
+
+
+def test_an_unexpected_error_ends_the_requests_in_the_loop_and_the_loop_goes_on(exported, tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, 1.0)
+    first = submit(loop, engine, tiny_tokenizer, 1, PROMPTS[0])
+    for _ in range(3):
+        loop.run_once()  # prefilled, decoding
+    compress = loop.executor.compress
+    loop.executor.compress = lambda pairs: (_ for _ in ()).throw(MemoryError("no room"))
+    assert loop.run_once() is False  # the error ends what was running, and the loop rests a moment
+    assert first.error == "internal error in the decode loop: MemoryError('no room')"
+    loop.executor.compress = compress
+    later = submit(loop, engine, tiny_tokenizer, 2, PROMPTS[1])
+    run_until_idle(loop)
+    assert later.responses[-1].finish_reason and later.error is None

@@ -512,3 +512,73 @@ def test_metrics_by_phase_add_up_after_known_requests(server):
     assert delta["dualend_tokens_per_step_sum"] == tokens
     assert delta["dualend_tokens_per_step_count"] == delta["dualend_decode_steps"]
     assert metric_value(server.metrics_url, "dualend_requests_refused", model) is not None
+
+
+MALFORMED = [  # (case, change to a good body {"text_input", "max_tokens"}, what the error must say)
+    ("max_tokens 0", {"max_tokens": 0}, "max_tokens must be between 1 and 256, got 0"),
+    ("max_tokens negative", {"max_tokens": -1}, "max_tokens must be between 1 and 256, got -1"),
+    ("max_tokens over the limit", {"max_tokens": 257}, "max_tokens must be between 1 and 256, got 257"),
+    ("max_tokens int32 max", {"max_tokens": 2 ** 31 - 1}, "max_tokens must be between 1 and 256"),
+    ("temperature negative", {"temperature": -1.0}, "temperature must be >= 0"),
+    ("temperature slightly negative", {"temperature": -0.001}, "temperature must be >= 0"),
+    ("temperature overflows fp32", {"temperature": 1e39}, "temperature must be >= 0.*got inf"),
+    ("top_k negative", {"top_k": -1}, "top_k must be >= 0"),
+    ("top_k very negative", {"top_k": -100}, "top_k must be >= 0"),
+    ("top_p zero", {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ("top_p negative", {"top_p": -0.5}, r"top_p must be in \(0, 1\]"),
+    ("top_p just above one", {"top_p": 1.01}, r"top_p must be in \(0, 1\]"),
+    ("top_p two", {"top_p": 2.0}, r"top_p must be in \(0, 1\]"),
+    ("acceptance_threshold overflows", {"acceptance_threshold": 1e39}, "acceptance_threshold must be a finite number"),
+    ("stop word empty", {"stop_words": [""]}, "stop_words must not contain an empty string"),
+    ("stop words with an empty one", {"stop_words": ["#", ""]}, "stop_words must not contain an empty string"),
+    ("text empty", {"text_input": ""}, "text_input is empty"),
+    ("text only whitespace", {"text_input": "   \n\t "}, "text_input is empty"),
+    ("prompt over the limit", {"text_input": "1+2 " * 800}, "over raw_context_limit 512.*never truncated"),
+    ("prompt + max_tokens over the limit", {"text_input": "1+2 " * 100, "max_tokens": 200},
+     "exceeds raw_context_limit 512; lower max_tokens"),
+    ("prompt over the byte bound", {"text_input": "x" * 200000}, "prompt is 200000 bytes"),
+    ("text_input missing", {"text_input": None}, r"missing required input\(s\) \['text_input'\]"),
+    ("max_tokens missing", {"max_tokens": None}, r"missing required input\(s\) \['max_tokens'\]"),
+    ("two texts", {"text_input": ["a", "b"]}, "input 'text_input' to tensor with proper shape"),
+    ("two max_tokens", {"max_tokens": [1, 2]}, "input 'max_tokens' to tensor with proper shape"),
+    ("two temperatures", {"temperature": [0.1, 0.2]}, "input 'temperature' to tensor with proper shape"),
+]
+
+
+def _post(server, path, body):
+    import http.client
+    import json
+
+    host, port = server.http_url.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", path, body=json.dumps(body))
+    response = connection.getresponse()
+    return response.status, response.read().decode()
+
+
+@pytest.mark.parametrize("endpoint", ["generate", "generate_stream"])
+@pytest.mark.parametrize("case, change, message", MALFORMED, ids=[c[0] for c in MALFORMED])
+def test_a_malformed_request_is_a_400_that_names_the_problem(server, endpoint, case, change, message):
+    body = {"text_input": "Q: 1+2\nA:", "max_tokens": 4}
+    for name, value in change.items():
+        if value is None:
+            body.pop(name)
+        else:
+            body[name] = value
+    status, text = _post(server, f"/v2/models/dualend/{endpoint}", body)
+    assert status == 400 and re.search(message, text), (status, text)
+
+
+GRPC_MALFORMED = [c for c in MALFORMED if None not in c[1].values() and not c[0].startswith("two ")]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 1e39 as FP32, on purpose
+@pytest.mark.parametrize("case, change, message", GRPC_MALFORMED, ids=[c[0] for c in GRPC_MALFORMED])
+def test_a_malformed_grpc_request_is_refused_naming_the_problem(server, case, change, message):
+    import tritonclient.grpc as grpcclient
+
+    params = {k: v for k, v in change.items() if k not in ("text_input", "max_tokens")}
+    with pytest.raises(RequestError, match=message):
+        stream_grpc(server.grpc_url, "dualend", change.get("text_input", "Q: 1+2\nA:"), change.get("max_tokens", 4),
+                    **params)
+    assert grpcclient.InferenceServerClient(server.grpc_url).is_server_ready()

@@ -74,13 +74,7 @@ class Result:
 
     @property
     def inter_token_s(self) -> list[float]:
-        """Token-weighted inter-token latencies: a response carrying n tokens after a gap counts
-        n tokens of gap / n each (a dual-end response may carry two)."""
-        with_tokens = [(t, n) for t, n in self.arrivals if n > 0]
-        gaps = []
-        for (before, _), (after, n) in zip(with_tokens, with_tokens[1:]):
-            gaps += [(after - before) / n] * n
-        return gaps
+        return token_gaps(self.arrivals)
 
     @property
     def acceptance_rate(self) -> float:
@@ -254,10 +248,25 @@ def metric_value(metrics_url: str, name: str, model: str, **labels) -> float | N
     return sum(values) if values else None
 
 
+def token_gaps(arrivals: list[tuple[float, int]]) -> list[float]:
+    """Token-weighted inter-token latencies from (time, tokens) per response: a response carrying
+    n tokens after a gap counts n tokens of gap / n each (a dual-end response may carry two);
+    responses without tokens are skipped."""
+    with_tokens = [(t, n) for t, n in arrivals if n > 0]
+    gaps = []
+    for (before, _), (after, n) in zip(with_tokens, with_tokens[1:]):
+        gaps += [(after - before) / n] * n
+    return gaps
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile, q in [0, 1], ignoring NaN; NaN when there is nothing."""
+    clean = sorted(v for v in values if v == v)
+    return clean[min(len(clean) - 1, int(q * len(clean)))] if clean else float("nan")
+
+
 def median_and_spread(values: list[float]) -> tuple[float, float, float]:
     """Median and the 10th/90th percentiles (nearest rank), ignoring NaN."""
-    clean = sorted(v for v in values if v == v)
-    if not clean:
-        return float("nan"), float("nan"), float("nan")
-    pick = lambda q: clean[min(len(clean) - 1, int(q * len(clean)))]  # noqa: E731
-    return statistics.median(clean), pick(0.1), pick(0.9)
+    clean = [v for v in values if v == v]
+    median = statistics.median(clean) if clean else float("nan")
+    return median, percentile(clean, 0.1), percentile(clean, 0.9)

@@ -33,7 +33,7 @@ from dualend.decode import SamplingParams
 from dualend.launch import TritonServer
 from dualend.onnx_engine import OnnxComponents
 
-from .api import RequestError, median_and_spread, stream_grpc
+from .api import RequestError, median_and_spread, percentile, stream_grpc
 
 DEPLOYMENTS = ("dualend", "baseline")
 
@@ -58,11 +58,6 @@ def print_time_breakdown(http_url: str) -> None:
         compute = sum(int(s[k]["ns"]) for k in ("compute_input", "compute_infer", "compute_output")) / executions / 1e6
         print(f"{stats['name']:26} | {executions:>10} | {queue:7.3f} | {compute:7.3f}")
     client.close()
-
-
-def percentile(values: list[float], q: float) -> float:
-    clean = sorted(v for v in values if v == v)
-    return clean[min(len(clean) - 1, int(q * len(clean)))] if clean else float("nan")
 
 
 def closed_loop(url: str, model: str, prompt: str, new_tokens: int, clients: int, requests_per_client: int) -> dict:

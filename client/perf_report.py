@@ -5,8 +5,9 @@
 perf_analyzer's console summary times only a decoupled model's first response; its
 `--profile-export-file` keeps every response's timestamp and outputs, which this reads:
   TTFT                first response minus send
-  inter-token latency the gap before each later response divided over the tokens it carries
-                      (`num_output_tokens`; a dual-end response may carry two), one value per token
+  inter-token latency the gap since the last response that carried tokens, divided over the
+                      tokens this one carries (`num_output_tokens`; a dual-end response may carry
+                      two), one value per token (`api.token_gaps`, as the Python clients count it)
   output tokens/s     tokens of responses inside the measurement windows / their duration
   requests/s          requests completed inside the windows / their duration
 with p50, p90 and p99 over requests (TTFT, latency) or tokens (inter-token).
@@ -18,6 +19,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from .api import token_gaps
 
 PERCENTILES = (50, 90, 99)
 
@@ -41,8 +44,7 @@ def experiment_figures(experiment: dict) -> dict:
             continue
         ttft.append((stamps[0] - sent) / 1e9)
         latency.append((stamps[-1] - sent) / 1e9)
-        for previous, stamp, count in zip(stamps, stamps[1:], counts[1:]):
-            inter_token += [(stamp - previous) / 1e9 / count] * count if count else []
+        inter_token += token_gaps([(stamp / 1e9, count) for stamp, count in zip(stamps, counts)])
         tokens_in_window += sum(c for s, c in zip(stamps, counts) if start <= s <= end)
         completed += start <= stamps[-1] <= end
     seconds = (end - start) / 1e9

@@ -23,8 +23,7 @@ from pathlib import Path
 from dualend.data import FAMILIES, eval_set
 from dualend.launch import stub_processes
 
-from .api import RequestError, stream_grpc
-from .bench_served import percentile
+from .api import RequestError, percentile, stream_grpc
 
 DEPLOYMENTS = ("dualend", "baseline")
 

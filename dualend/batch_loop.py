@@ -100,12 +100,16 @@ class LiveSequence:
     responses: ResponseStream
     output: Output
     prefilled: int = 0          # prompt latents already in the backbone's cache
-    started: bool = False       # the backbone holds a cache for it
     drafting: bool = False      # the MTP head holds a cache for it
     submitted_at: float = 0.0
     started_at: float = 0.0      # its first prefill chunk ran
     last_sent: float = 0.0       # its last response with tokens went out (0: none yet)
     next_cancel_check: float = 0.0
+
+    @property
+    def started(self) -> bool:
+        """The backbone holds a cache for it (its first prefill chunk ran)."""
+        return self.prefilled > 0
 
     @property
     def num_latents(self) -> int:
@@ -139,8 +143,9 @@ class DecodeLoop:
 
     # --- any thread ---------------------------------------------------------------------------
 
-    def submit(self, request_id: int, request: PreparedRequest, prompt_latents: np.ndarray, output: Output,
-               threshold: float | None = None) -> None:
+    def submit(self, request_id: int, request: PreparedRequest, prompt_latents: np.ndarray, output: Output) -> None:
+        """Queues a request; its `acceptance_threshold`, when it sets one, overrides the deployment's."""
+        threshold = request.params.acceptance_threshold
         threshold = self.threshold if threshold is None else threshold
         sequence = LiveSequence(
             request_id, request, prompt_latents,
@@ -233,7 +238,6 @@ class DecodeLoop:
             if result.errors[row]:
                 self._end(sequence, error=_backbone_message(result.errors[row]), reason="backbone")
                 continue
-            sequence.started = True
             if row >= len(plan.decode):
                 chunk = plan.prefill[row - len(plan.decode)]
                 sequence.prefilled = chunk.stop
@@ -334,10 +338,9 @@ class DecodeLoop:
             sequence.output.end()
 
     def close(self, message: str) -> None:
-        """Ends every request still here with `message` (the server is stopping)."""
+        """Ends every request still here with `message`, at once (the loop's thread has stopped)."""
+        self.drain(message)
         self._take_inbox()
-        for sequence in list(self.live.values()):
-            self._end(sequence, error=message, reason="shutdown")
 
 
 def _backbone_message(error: str) -> str:

@@ -35,6 +35,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from .launch import client_host
+
 PUBLIC_DEPLOYMENTS = ("dualend", "baseline")
 CANARY_MODEL = "llm"
 DEFAULT_PREFIX = Path(__file__).resolve().parent.parent / "build" / "gateway"
@@ -208,11 +210,11 @@ class Gateway:
 
     @property
     def http_url(self) -> str:
-        return f"{self.settings.host}:{self.settings.http_port}"
+        return f"{client_host(self.settings.host)}:{self.settings.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.settings.host}:{self.settings.grpc_port}"
+        return f"{client_host(self.settings.host)}:{self.settings.grpc_port}"
 
     def write_config(self) -> None:
         for folder in ("tmp/body", "tmp/proxy", "tmp/fastcgi", "tmp/uwsgi", "tmp/scgi"):

@@ -28,6 +28,11 @@ class UnknownSequence(KeyError):
     pass
 
 
+def blocks_for(slots: int, block_size: int) -> int:
+    """Blocks a reservation of `slots` pair slots takes (at least one)."""
+    return max(1, math.ceil(slots / block_size))
+
+
 @dataclass
 class _Sequence:
     row: int
@@ -58,7 +63,6 @@ class KVCache:
         self.lengths = np.zeros(max_sequences, np.int64)
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
-        self.relayout_bytes = 0  # bytes copied by bucket changes and row moves, for the record
         self._allocate(bucket)
         self.evicted_total = 0
         self._lock = threading.Lock()
@@ -66,11 +70,6 @@ class KVCache:
     @property
     def capacity_slots(self) -> int:
         return self.keys[0].shape[2]
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes of keys and values one pair slot takes over all layers."""
-        return 2 * self.layers * self.heads * self.head_dim * 4
 
     @property
     def used_blocks(self) -> int:
@@ -82,7 +81,7 @@ class KVCache:
 
     def reserve(self, seq_id: int, slots: int) -> int:
         """Gives the sequence a row and `slots` slots of budget; returns its row."""
-        blocks = max(1, math.ceil(slots / self.block_size))
+        blocks = blocks_for(slots, self.block_size)
         with self._lock:
             if seq_id in self.sequences:
                 raise ValueError(f"sequence {seq_id} already holds a cache")
@@ -140,12 +139,18 @@ class KVCache:
     def write(self, rows: list[int], keys: np.ndarray, values: np.ndarray) -> None:
         # keys, values: [L, B, heads, S, Dh], row i of the batch goes to cache row rows[i]
         new = keys.shape[3]
-        for index, row in enumerate(rows):
-            start = int(self.lengths[row])
+        if new == 1:  # a decode step: every row's slot at once, per layer
+            rows_at, slots = np.asarray(rows), self.lengths[rows]
             for layer in range(self.layers):
-                self.keys[layer][row, :, start:start + new] = keys[layer, index]
-                self.values[layer][row, :, start:start + new] = values[layer, index]
-            self.lengths[row] = start + new
+                self.keys[layer][rows_at, :, slots] = keys[layer, :, :, 0]     # [B, heads, Dh]
+                self.values[layer][rows_at, :, slots] = values[layer, :, :, 0]
+        else:
+            for index, row in enumerate(rows):
+                start = int(self.lengths[row])
+                for layer in range(self.layers):
+                    self.keys[layer][row, :, start:start + new] = keys[layer, index]
+                    self.values[layer][row, :, start:start + new] = values[layer, index]
+        self.lengths[rows] += new
 
     def release(self, seq_id: int) -> bool:
         with self._lock:
@@ -166,7 +171,6 @@ class KVCache:
             for arrays in (self.keys, self.values):
                 for array in arrays:
                     array[sequence.row, :, :length] = array[last, :, :length]
-            self.relayout_bytes += length * self.slot_bytes
             self.lengths[sequence.row] = length
             self.row_owner[sequence.row] = moved
             self.sequences[moved].row = sequence.row
@@ -192,4 +196,3 @@ class KVCache:
             for layer, array in enumerate(old):
                 new[layer][:rows, :, :keep] = array[:rows, :, :keep]
             setattr(self, arrays, new)
-        self.relayout_bytes += rows * keep * self.slot_bytes

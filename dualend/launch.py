@@ -200,6 +200,16 @@ def build_repository_if_missing(model_repository: Path | str) -> Path:
     return model_repository
 
 
+def client_host(host: str) -> str:
+    """Where a client on this machine connects to a server bound to `host` (wildcard binds are
+    reached via loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
 def _free_ports(host: str, count: int) -> list[int]:
     """`count` distinct ports that are free on `host` now (held open together while choosing)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -276,12 +286,7 @@ class TritonServer:
 
     @property
     def client_host(self) -> str:
-        """Where a client on this machine connects (wildcard binds are reached via loopback)."""
-        if self.host in ("", "0.0.0.0"):
-            return "127.0.0.1"
-        if self.host == "::":
-            return "[::1]"
-        return f"[{self.host}]" if ":" in self.host else self.host
+        return client_host(self.host)
 
     @property
     def http_url(self) -> str:

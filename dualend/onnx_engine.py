@@ -140,14 +140,14 @@ class BackboneRunner:
         result = BackboneResult(np.zeros((size, self.vocab_size), np.float32),
                                 np.zeros((size, self.d_model), np.float32), [""] * size)
         starts = np.concatenate([[0], np.cumsum(batch.counts)]).astype(int)
-        singles, chunks, started = [], [], []
+        singles, chunks, started, rows = [], [], [], {}
         for index, (seq_id, reserve) in enumerate(zip(batch.sequence_ids, batch.reserve_slots)):
             try:
                 if reserve > 0:
-                    self.cache.reserve(seq_id, max(reserve, batch.counts[index]))
+                    rows[index] = self.cache.reserve(seq_id, max(reserve, batch.counts[index]))
                     started.append(index)
                 else:
-                    self.cache.row(seq_id)
+                    rows[index] = self.cache.row(seq_id)
             except (CapacityError, UnknownSequence, ValueError) as error:
                 result.errors[index] = str(error).strip("'\"")
                 continue
@@ -156,9 +156,9 @@ class BackboneRunner:
         groups = ([singles] if singles else []) + [[index] for index in chunks]
         for indices in groups:
             try:
-                rows = [self.cache.row(batch.sequence_ids[i]) for i in indices]
                 segments = [latents[starts[i]:starts[i + 1]] for i in indices]
-                outputs = self._decode(rows, segments) if len(segments[0]) == 1 else [self._chunk(rows[0], segments[0])]
+                outputs = (self._decode([rows[i] for i in indices], segments) if len(segments[0]) == 1
+                           else [self._chunk(rows[indices[0]], segments[0])])
             except Exception as error:  # noqa: BLE001 - the group fails, the other groups run
                 for index in indices:
                     result.errors[index] = f"backbone engine failed: {error}"

@@ -12,13 +12,13 @@ blocks, so it never admits a sequence the cache could not hold.
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .decode import CapacityError, InvalidRequest
+from .kv_pool import blocks_for
 
 
 class Schedulable(Protocol):
@@ -55,10 +55,13 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[tuple[Schedulable, float]] = deque()  # (sequence, arrival time)
         self.running: list[Schedulable] = []
-        self.used_blocks = 0
 
     def blocks(self, sequence: Schedulable) -> int:
-        return max(1, math.ceil(sequence.reserve_slots / self.kv_block_size))
+        return blocks_for(sequence.reserve_slots, self.kv_block_size)
+
+    @property
+    def used_blocks(self) -> int:
+        return sum(self.blocks(s) for s in self.running)
 
     def submit(self, sequence: Schedulable) -> None:
         """Runs the sequence now if it fits and nobody waits before it, queues it otherwise;
@@ -67,7 +70,7 @@ class Scheduler:
             raise InvalidRequest(f"the request needs {sequence.reserve_slots} KV slots, more than the whole cache "
                                  f"holds ({self.kv_blocks} blocks of {self.kv_block_size}); lower max_tokens")
         if not self.waiting and self._fits(sequence):
-            self._run(sequence)
+            self.running.append(sequence)
             return
         if len(self.waiting) >= self.max_queue:
             raise CapacityError(f"server busy: {len(self.running)} requests running and {len(self.waiting)} "
@@ -79,7 +82,7 @@ class Scheduler:
         admitted, expired = [], []
         while self.waiting and self._fits(self.waiting[0][0]):
             sequence, _ = self.waiting.popleft()
-            self._run(sequence)
+            self.running.append(sequence)
             admitted.append(sequence)
         now = self.clock()
         while self.waiting and now - self.waiting[0][1] >= self.wait_s:
@@ -93,10 +96,6 @@ class Scheduler:
 
     def _fits(self, sequence: Schedulable) -> bool:
         return len(self.running) < self.max_running and self.used_blocks + self.blocks(sequence) <= self.kv_blocks
-
-    def _run(self, sequence: Schedulable) -> None:
-        self.running.append(sequence)
-        self.used_blocks += self.blocks(sequence)
 
     def plan(self) -> Plan:
         plan, budget = Plan(), self.prefill_chunk
@@ -113,7 +112,6 @@ class Scheduler:
         """Frees the sequence's place and blocks, or takes it out of the queue."""
         if sequence in self.running:
             self.running.remove(sequence)
-            self.used_blocks -= self.blocks(sequence)
         else:
             self.waiting = deque(item for item in self.waiting if item[0] is not sequence)
 

@@ -190,10 +190,6 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
                            bool(_scalar(exclude_input_in_output, "exclude_input_in_output", int) or False))
 
 
-def resolve_threshold(requested: float | None, deployment_default: float) -> float:
-    return deployment_default if requested is None else requested
-
-
 @dataclass
 class Response:
     output_ids: list[int]

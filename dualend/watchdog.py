@@ -26,7 +26,6 @@ class Watchdog:
     def __init__(self, server, down_dir: Path | None, deployments: tuple[str, ...] = ("dualend", "baseline"),
                  interval_s: float = 1.0):
         self.server, self.down_dir, self.deployments, self.interval_s = server, down_dir, deployments, interval_s
-        self.restored: list[str] = []  # for the record and the tests
         self.stopping = threading.Event()
 
     def _headers(self) -> dict[str, str]:
@@ -73,7 +72,6 @@ class Watchdog:
                 self._repository(f"/models/{name}/{action}")
         if not model.endswith("_backbone") and self.served(pipeline):  # not if the disk names a newer one
             self._repository(f"/models/{deployment}/load")  # the ensemble takes the new step
-        self.restored.append(model)
         log.warning("watchdog: %s restored", model)
         if mark:
             mark.unlink(missing_ok=True)

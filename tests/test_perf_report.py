@@ -25,6 +25,13 @@ def test_figures_of_a_hand_built_experiment():
     assert figures["requests_per_s"] == 20.0
 
 
+def test_a_response_without_tokens_does_not_shorten_the_next_gap():
+    # tokens at +10 ms, nothing at +14 ms (text held back), two tokens at +20 ms: 10 ms over 2 tokens
+    experiment = {"experiment": {"mode": "concurrency", "value": 1}, "window_boundaries": [0, 100 * MS],
+                  "requests": [_request(0, [10, 14, 20], [1, 0, 2])]}
+    assert experiment_figures(experiment)["inter_token_ms"] == {"p50": 5.0, "p90": 5.0, "p99": 5.0}
+
+
 def test_responses_outside_the_window_are_not_counted_as_throughput():
     experiment = {"experiment": {"mode": "concurrency", "value": 1}, "window_boundaries": [0, 50 * MS],
                   "requests": [_request(0, [10, 60], [1, 3])]}

@@ -3,8 +3,8 @@
 A request is one iteration of its deployment's mtp_verify loop: the new latents of several
 sequences, one segment each (`sequence_ids`, `new_latents`), with `reserve_slots` > 0 on a
 sequence's first prefill chunk and `release_ids` to free first. It answers the logits and hidden
-state at each segment's last latent, a per-sequence error ("" when it ran) and the checkpoint it
-serves, so a caller from another checkpoint (mid-reload) refuses the answer.
+state at each segment's last latent and a per-sequence error ("" when it ran). Its caller must
+carry the pipeline key of this checkpoint, so a step of another checkpoint is refused.
 """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -27,7 +27,6 @@ class TritonPythonModel:
         self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"])
         self.secret = pipeline_secret(args, exported.checkpoint_id)
         self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=parameters["deployment"])
-        self.checkpoint_id = np.asarray([exported.checkpoint_id.encode()], dtype=object)
         self._warm_up(settings["d_model"])
         self.metrics = _PoolMetrics({"model": args["model_name"], "deployment": parameters["deployment"]}, self.pool)
         pb_utils.Logger.log_info(f"{args['model_name']}: backbone of checkpoint {exported.checkpoint_id} on "
@@ -61,8 +60,7 @@ class TritonPythonModel:
                 continue
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("logits", result.logits), pb_utils.Tensor("hidden", result.hidden),
-                pb_utils.Tensor("errors", np.asarray([e.encode() for e in result.errors], dtype=object)),
-                pb_utils.Tensor("checkpoint_id", self.checkpoint_id)]))
+                pb_utils.Tensor("errors", np.asarray([e.encode() for e in result.errors], dtype=object))]))
         self.metrics.update()
         return responses
 

@@ -29,17 +29,18 @@ from dualend.metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSAL_REASONS, REFUS
 from dualend.onnx_engine import BackboneResult, MTPComponent
 from dualend.scheduler import Scheduler
 from dualend.serving import (NOT_FROM_PIPELINE, PreparedRequest, from_pipeline, model_parameters, pipeline_secret,
-                             resolve_threshold, version_components)
+                             version_components)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SHUTDOWN_MESSAGE = "the server is shutting down; the stream ends here, retry"
 
 
 class BLSBackbone:
-    """The deployment's backbone model, one BLS request per loop iteration."""
+    """The deployment's backbone model, one BLS request per loop iteration. The pipeline key names
+    this checkpoint, so a backbone of another one refuses the call."""
 
-    def __init__(self, model_name, checkpoint_id, secret):
-        self.model_name, self.checkpoint_id = model_name, checkpoint_id
+    def __init__(self, model_name, secret):
+        self.model_name = model_name
         self.pipeline_key = np.asarray([secret.encode()], dtype=object)
 
     def run_batch(self, batch):
@@ -52,16 +53,11 @@ class BLSBackbone:
             inputs.append(pb_utils.Tensor("release_ids", np.asarray(batch.releases, dtype=np.int64)))
         response = pb_utils.InferenceRequest(
             model_name=self.model_name, inputs=inputs,
-            requested_output_names=["logits", "hidden", "errors", "checkpoint_id"]).exec()
+            requested_output_names=["logits", "hidden", "errors"]).exec()
         if response.has_error():
             raise RuntimeError(f"{self.model_name}: {response.error().message()}")
         out = {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy()
-               for name in ("logits", "hidden", "errors", "checkpoint_id")}
-        served = out["checkpoint_id"][0].decode()
-        if served != self.checkpoint_id:
-            raise RuntimeError(
-                f"checkpoint mismatch: {self.model_name} serves checkpoint {served}, this deployment's MTP head "
-                f"and compressor are {self.checkpoint_id}; a model reload is under way, retry")
+               for name in ("logits", "hidden", "errors")}
         return BackboneResult(out["logits"], out["hidden"], [e.decode() for e in out["errors"]])
 
 
@@ -107,7 +103,7 @@ class TritonPythonModel:
             wait_s=float(parameters["queue_wait_s"]), prefill_chunk=int(parameters["prefill_chunk_latents"]),
             kv_blocks=int(parameters["kv_capacity_blocks"]), kv_block_size=int(parameters["kv_block_size"]))
         self.metrics = _TritonMetrics({"model": args["model_name"], "deployment": deployment})
-        executor = Executor(BLSBackbone(backbone, checkpoint_id, self.secret), local,
+        executor = Executor(BLSBackbone(backbone, self.secret), local,
                             exported.settings["d_model"])
         self.loop = DecodeLoop(executor, exported.tokenizer(), scheduler, self.threshold, self.metrics)
         self.stopping = threading.Event()
@@ -141,11 +137,10 @@ class TritonPythonModel:
             try:
                 prepared = PreparedRequest.from_json(params)
                 prompt_latents = pb_utils.get_input_tensor_by_name(request, "prompt_latents").as_numpy()
-                threshold = resolve_threshold(prepared.params.acceptance_threshold, self.threshold)
             except (InvalidRequest, KeyError, TypeError, ValueError) as error:
                 output.fail(f"malformed request: {error}")
                 continue
-            self.loop.submit(request_id, prepared, prompt_latents, output, threshold)
+            self.loop.submit(request_id, prepared, prompt_latents, output)
         return None
 
     def _control(self, control):

@@ -1,7 +1,8 @@
 """The gateway in front of tritonserver: nginx (Debian's package), the only listener clients reach.
 
 It bounds request bodies (tritonserver 2.51 crashes on an 8 MB JSON body and has no flag to bound
-it), checks per-client API keys and rate limits, exposes only the public routes of the two
+it), checks the JSON of generate requests against the public inputs (`gateway_request.js`, njs:
+tritonserver answers a wrong type with a 500 naming no field), checks per-client API keys and rate limits, exposes only the public routes of the two
 ensembles, and splits `llm` requests between the dual-end and baseline deployments by weight
 (a canary), naming the deployment that answered in the `X-Dualend-Deployment` header:
 
@@ -24,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -40,6 +42,8 @@ from .launch import client_host
 PUBLIC_DEPLOYMENTS = ("dualend", "baseline")
 CANARY_MODEL = "llm"
 DEFAULT_PREFIX = Path(__file__).resolve().parent.parent / "build" / "gateway"
+REQUEST_CHECK = Path(__file__).resolve().parent / "gateway_request.js"
+NJS_MODULE = Path("/usr/lib/nginx/modules/ngx_http_js_module.so")
 GRPC_METHODS = ("ModelStreamInfer", "ModelInfer", "ModelMetadata", "ModelReady", "ServerLive", "ServerReady",
                 "ServerMetadata")
 
@@ -52,6 +56,7 @@ class GatewayError(RuntimeError):
 class GatewaySettings:
     triton_http: str                  # host:port of tritonserver's HTTP endpoint
     triton_grpc: str
+    model_repository: Path | None = None  # the public inputs come from its ensembles' configs
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 8001
@@ -76,6 +81,18 @@ def read_keys(path: Path) -> dict[str, str]:
     if not keys:
         raise GatewayError(f"{path} holds no API key")
     return keys
+
+
+def public_inputs(model_repository: Path) -> dict[str, dict]:
+    """The public ensembles' inputs: {name: {"type", "many" (a list of values), "required"}}."""
+    configs = [model_repository / d / "config.pbtxt" for d in PUBLIC_DEPLOYMENTS]
+    config = next((c for c in configs if c.exists()), None)
+    if config is None:
+        raise GatewayError(f"{model_repository} holds no public ensemble ({', '.join(PUBLIC_DEPLOYMENTS)})")
+    inputs = config.read_text(encoding="utf-8").split("input [", 1)[1].split("]\noutput", 1)[0]
+    pattern = r'name: "(\w+)" data_type: (TYPE_\w+) dims: \[ (-?\d+) \]( optional: true)?'
+    return {name: {"type": dtype, "many": dims == "-1", "required": not optional}
+            for name, dtype, dims, optional in re.findall(pattern, inputs)}
 
 
 def write_new_keys(path: Path, name: str = "default") -> str:
@@ -103,6 +120,7 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
     models = "|".join(PUBLIC_DEPLOYMENTS)
     grpc_methods = "|".join(GRPC_METHODS)
     return f"""# written by dualend.gateway; edits are overwritten
+load_module {NJS_MODULE};
 worker_processes 1;
 pid {prefix}/nginx.pid;
 error_log {prefix}/error.log warn;
@@ -119,6 +137,8 @@ http {{
     map_hash_bucket_size 128;
     client_max_body_size {settings.max_body};
     client_body_buffer_size {settings.max_body};
+    client_body_in_single_buffer on;
+    js_import request from {prefix}/request_check.js;
     map $http_authorization $client {{
         default {default_client};
 {key_map}
@@ -147,7 +167,8 @@ http {{
             limit_except POST {{ deny all; }}
             set $deployment $1;
             if (-f {prefix}/down/$deployment) {{ return 503 '{{"error":"$deployment is restoring a failed component; retry in a few seconds"}}'; }}
-            proxy_pass http://triton_http;
+            set $triton_uri $uri;
+            js_content request.check;
         }}
         location ~ ^/v2/models/{CANARY_MODEL}/(generate|generate_stream)$ {{
             {check}
@@ -155,8 +176,10 @@ http {{
             limit_except POST {{ deny all; }}
             set $deployment $canary;
             if (-f {prefix}/down/$deployment) {{ return 503 '{{"error":"$deployment is restoring a failed component; retry in a few seconds"}}'; }}
-            proxy_pass http://triton_http/v2/models/$canary/$1;
+            set $triton_uri /v2/models/$canary/$1;
+            js_content request.check;
         }}
+        location @triton {{ proxy_pass http://triton_http$triton_uri; }}  # a checked generate request
         location ~ ^/v2/models/({models})(/ready)?$ {{
             limit_except GET {{ deny all; }}
             set $deployment $1;
@@ -205,7 +228,8 @@ class Gateway:
     def running(cls, prefix: Path = DEFAULT_PREFIX) -> "Gateway":
         """The gateway whose config lives in `prefix` (started by the launcher), to change it."""
         raw = json.loads((Path(prefix) / "settings.json").read_text())
-        raw["keys_file"] = Path(raw["keys_file"]) if raw["keys_file"] else None
+        for name in ("keys_file", "model_repository"):
+            raw[name] = Path(raw[name]) if raw.get(name) else None
         return cls(GatewaySettings(**raw), prefix)
 
     @property
@@ -219,6 +243,13 @@ class Gateway:
     def write_config(self) -> None:
         for folder in ("tmp/body", "tmp/proxy", "tmp/fastcgi", "tmp/uwsgi", "tmp/scgi"):
             (self.prefix / folder).mkdir(parents=True, exist_ok=True)
+        if not NJS_MODULE.exists():
+            raise GatewayError(f"the gateway needs nginx's njs module ({NJS_MODULE}): run `bash scripts/setup.sh` "
+                               "(or `apt-get install -y libnginx-mod-http-js`)")
+        if self.settings.model_repository is None:
+            raise GatewayError("the gateway needs the model repository whose public inputs it checks")
+        (self.prefix / "request_check.js").write_text(
+            f"const INPUTS = {json.dumps(public_inputs(self.settings.model_repository))};\n\n{REQUEST_CHECK.read_text(encoding='utf-8')}")
         staged = self.config_path.with_suffix(".new")
         staged.write_text(render(self.settings, self.prefix))
         check = subprocess.run([nginx_binary(), "-t", "-q", "-p", str(self.prefix), "-c", str(staged)],
@@ -226,7 +257,8 @@ class Gateway:
         if check.returncode:
             raise GatewayError(f"nginx refused the gateway config: {check.stderr.strip()}")
         os.replace(staged, self.config_path)
-        raw = dataclasses.asdict(self.settings) | {"keys_file": str(self.settings.keys_file or "") or None}
+        raw = dataclasses.asdict(self.settings) | {name: str(getattr(self.settings, name) or "") or None
+                                                   for name in ("keys_file", "model_repository")}
         (self.prefix / "settings.json").write_text(json.dumps(raw, indent=1))
 
     def start(self) -> "Gateway":

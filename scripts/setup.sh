@@ -18,12 +18,14 @@ if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libb64\.so\.0d'; then
         echo "setup.sh: perf_analyzer needs libb64.so.0d; run: sudo apt-get install -y libb64-0d" >&2
     fi
 fi
-# The gateway in front of tritonserver is Debian's nginx (started by the launcher, never as a service).
-if ! command -v nginx > /dev/null && [ ! -x /usr/sbin/nginx ]; then
+# The gateway in front of tritonserver is Debian's nginx with its njs module (started by the launcher,
+# never as a service).
+if [ ! -f /usr/lib/nginx/modules/ngx_http_js_module.so ]; then
+    packages="nginx libnginx-mod-http-js"
     if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
         export DEBIAN_FRONTEND=noninteractive
-        apt-get install -y -q nginx > /dev/null 2>&1 || { apt-get update -q > /dev/null && apt-get install -y -q nginx > /dev/null; }
+        apt-get install -y -q $packages > /dev/null 2>&1 || { apt-get update -q > /dev/null && apt-get install -y -q $packages > /dev/null; }
     else
-        echo "setup.sh: the gateway needs nginx; run: sudo apt-get install -y nginx (or serve with --no-gateway)" >&2
+        echo "setup.sh: the gateway needs nginx; run: sudo apt-get install -y $packages (or serve with --no-gateway)" >&2
     fi
 fi

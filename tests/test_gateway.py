@@ -38,11 +38,12 @@ def stack(tmp_path_factory):
     key = write_new_keys(root / "keys", "tests")
     with TritonServer(repository, admin_key=admin, log_file=root / "server.log") as triton:
         http_port, grpc_port = free_ports(2)  # after the server took its own
-        gateway = Gateway(GatewaySettings(triton.http_url, triton.grpc_url, http_port=http_port, grpc_port=grpc_port,
+        gateway = Gateway(GatewaySettings(triton.http_url, triton.grpc_url, repository, http_port=http_port, grpc_port=grpc_port,
                                           keys_file=root / "keys", baseline_percent=10, rate_per_s=2000, burst=2000),
                           root / "nginx")
         with gateway:
             gateway.key, gateway.admin, gateway.triton, gateway.root = key, admin, triton, root
+            gateway.repository = repository
             yield gateway
 
 
@@ -87,6 +88,57 @@ def test_public_metadata_and_health_answer(stack):
     assert status == 200 and '"name":"dualend"' in body
 
 
+WRONG_JSON = [  # (case, body, what the 400 must say); tritonserver alone answers a 500 naming no field, or wraps
+    ("body not JSON", b'{"text_input": "Q: 1+1', "the request body is not valid JSON"),
+    ("body empty", b"", "the request body is not valid JSON"),
+    ("body a JSON array", b'["Q: 1+1\\nA:", 4]', "the request body must be a JSON object of inputs"),
+    ("body a JSON string", b'"Q: 1+1"', "the request body must be a JSON object of inputs"),
+    ("text_input a number", {"text_input": 42}, "text_input must be a string, got 42"),
+    ("text_input an object", {"text_input": {"a": 1}}, "text_input must be a string"),
+    ("text_input null", {"text_input": None}, "text_input must be a string, got null"),
+    ("max_tokens a string", {"max_tokens": "8"}, r'max_tokens must be an integer from -2147483648 to 2147483647 \(INT32\), got "8"'),
+    ("max_tokens a fraction", {"max_tokens": 8.5}, r"max_tokens must be an integer .* got 8.5"),
+    ("max_tokens past INT32", {"max_tokens": 10 ** 12}, r"max_tokens must be an integer .*\(INT32\), got 1000000000000"),
+    ("max_tokens a boolean", {"max_tokens": True}, "max_tokens must be an integer .* got true"),
+    ("temperature a string", {"temperature": "hot"}, 'temperature must be a number, got "hot"'),
+    ("top_p a boolean", {"top_p": True}, "top_p must be a number, got true"),
+    ("top_k a fraction", {"top_k": 2.5}, r"top_k must be an integer .*\(INT32\), got 2.5"),
+    ("random_seed negative", {"random_seed": -1}, r"random_seed must be an integer from 0 .*\(UINT64\), got -1"),
+    ("random_seed a string", {"random_seed": "42"}, r'random_seed must be an integer .* got "42"'),
+    ("stop_words a number", {"stop_words": 5}, "stop_words must be a string, got 5"),
+    ("stop_words with a number", {"stop_words": ["#", 3]}, "stop_words must be a string, got 3"),
+    ("ignore_eos a string", {"ignore_eos": "yes"}, 'ignore_eos must be true or false, got "yes"'),
+    ("exclude_input_in_output a number", {"exclude_input_in_output": 1}, "exclude_input_in_output must be true or false, got 1"),
+    ("stream a string", {"stream": "true"}, 'stream must be true or false, got "true"'),
+    ("acceptance_threshold a list", {"acceptance_threshold": [0.5, 0.9]}, "acceptance_threshold takes one value, got 2"),
+    ("misspelt field", {"temprature": 0.7}, "unknown field 'temprature'; the inputs are acceptance_threshold, .*, temperature, "),
+    ("max_tokens missing", {"max_tokens": ...}, r"missing required field\(s\): max_tokens"),
+]
+
+
+@pytest.mark.parametrize("endpoint", ["generate", "generate_stream"])
+@pytest.mark.parametrize("case, body, message", WRONG_JSON, ids=[c[0] for c in WRONG_JSON])
+def test_a_wrongly_typed_request_is_a_400_that_names_the_field(stack, endpoint, case, body, message):
+    import json
+    import re
+
+    if isinstance(body, dict):
+        good = {"text_input": "Q: 1+2\nA:", "max_tokens": 4}
+        body = json.dumps({k: v for k, v in (good | body).items() if v is not ...}).encode()
+    status, text = http(stack, f"/v2/models/dualend/{endpoint}", body)
+    assert status == 400 and re.search(message, json.loads(text)["error"]), (status, text)
+
+
+def test_the_canary_route_checks_requests_too_and_good_ones_pass_every_route(stack):
+    status, text = http(stack, "/v2/models/llm/generate", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": "4"}')
+    assert status == 400 and "max_tokens must be an integer" in text
+    for model in ("dualend", "baseline", "llm"):
+        status, text = http(stack, f"/v2/models/{model}/generate", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, '
+                             b'"temperature": 0, "top_k": 1, "stop_words": ["#"], "ignore_eos": false, "random_seed": 7}')
+        assert status == 200 and "text_output" in text, (model, status, text)
+    assert stream_http(stack.http_url, "dualend", PROMPT, 8, api_key=stack.key, stop_words=["#"]).output_tokens > 0
+
+
 @pytest.mark.parametrize("megabytes", [8, 20])
 def test_huge_bodies_are_refused_at_once_and_nobody_notices(stack, megabytes):
     with ThreadPoolExecutor(1) as pool:
@@ -120,8 +172,9 @@ def test_the_canary_sends_its_share_to_the_baseline_and_a_new_weight_drops_nothi
 
 def test_a_client_over_its_rate_is_refused_with_429(stack):
     ports = free_ports(2)
-    strict = Gateway(GatewaySettings(stack.triton.http_url, stack.triton.grpc_url, http_port=ports[0],
-                                     grpc_port=ports[1], keys_file=stack.root / "keys", rate_per_s=2, burst=2),
+    strict = Gateway(GatewaySettings(stack.triton.http_url, stack.triton.grpc_url, stack.repository,
+                                     http_port=ports[0], grpc_port=ports[1], keys_file=stack.root / "keys",
+                                     rate_per_s=2, burst=2),
                      stack.root / "strict")
     with strict:
         statuses = [http(stack, "/v2/models/dualend/generate", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 1}',

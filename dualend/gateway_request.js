@@ -1,0 +1,74 @@
+// The gateway's check of a generate request's JSON (nginx njs), before it reaches tritonserver.
+// tritonserver 2.51's HTTP frontend answers a wrong JSON type with a 500 that names no field, wraps an
+// integer past INT32 (10^12 arrives as -727379968) and passes an unknown field on as a parameter, so a
+// misspelt `temprature` would be ignored. Values of the right type are checked by the preprocessing
+// model (ranges, text), as for gRPC. INPUTS (name -> {type, many, required}) is written above this
+// file by dualend.gateway from the ensemble's config.
+
+const INTEGER_RANGES = {TYPE_INT32: [-2147483648, 2147483647], TYPE_UINT64: [0, 18446744073709551615]};
+
+function shown(value) {
+    const text = JSON.stringify(value);
+    return text.length > 40 ? text.slice(0, 37) + '...' : text;
+}
+
+function valueProblem(name, type, value) {
+    if (type === 'TYPE_STRING') {
+        return typeof value === 'string' ? null : `${name} must be a string, got ${shown(value)}`;
+    }
+    if (type === 'TYPE_BOOL') {
+        return typeof value === 'boolean' ? null : `${name} must be true or false, got ${shown(value)}`;
+    }
+    if (type === 'TYPE_FP32') {
+        return typeof value === 'number' ? null : `${name} must be a number, got ${shown(value)}`;
+    }
+    const range = INTEGER_RANGES[type];
+    if (!Number.isInteger(value) || value < range[0] || value > range[1]) {
+        return `${name} must be an integer from ${range[0]} to ${range[1]} (${type.slice(5)}), got ${shown(value)}`;
+    }
+    return null;
+}
+
+function bodyProblem(body) {
+    if (body === null || typeof body !== 'object' || Array.isArray(body)) {
+        return `the request body must be a JSON object of inputs, got ${shown(body)}`;
+    }
+    const names = Object.keys(body);
+    for (let i = 0; i < names.length; i++) {  // njs 0.7 has no for...of
+        const name = names[i];
+        const input = INPUTS[name];
+        if (!input) {
+            return `unknown field '${name}'; the inputs are ${Object.keys(INPUTS).sort().join(', ')}`;
+        }
+        const values = Array.isArray(body[name]) ? body[name] : [body[name]];
+        if (!input.many && values.length !== 1) {
+            return `${name} takes one value, got ${values.length}`;
+        }
+        for (let j = 0; j < values.length; j++) {
+            const problem = valueProblem(name, input.type, values[j]);
+            if (problem) {
+                return problem;
+            }
+        }
+    }
+    const missing = Object.keys(INPUTS).filter((name) => INPUTS[name].required && !(name in body));
+    return missing.length ? `missing required field(s): ${missing.join(', ')}` : null;
+}
+
+function check(r) {
+    let body;
+    try {
+        body = JSON.parse(r.requestText || '');
+    } catch (error) {
+        body = undefined;
+    }
+    const problem = body === undefined ? 'the request body is not valid JSON' : bodyProblem(body);
+    if (problem) {
+        r.headersOut['Content-Type'] = 'application/json';
+        r.return(400, JSON.stringify({error: problem}));
+        return;
+    }
+    r.internalRedirect('@triton');
+}
+
+export default {check};

@@ -108,6 +108,7 @@ def deployment_values(name: str, exported: ExportedModel, args, threshold: float
     pair_size = settings["pair_size"]
     max_new_tokens = args.max_new_tokens or raw_context_limit
     latent_limit = raw_context_limit // pair_size
+    sequence_slots = max_sequence_latents(raw_context_limit, max_new_tokens, pair_size)
     return {
         "deployment": name, "checkpoint_id": exported.checkpoint_id, "pair_size": pair_size,
         "d_model": settings["d_model"], "vocab_size": settings["vocab_size"],
@@ -115,8 +116,8 @@ def deployment_values(name: str, exported: ExportedModel, args, threshold: float
         "acceptance_threshold": threshold if pair_size == 2 else 1.0,
         "raw_context_limit": raw_context_limit, "effective_latent_limit": latent_limit,
         "max_new_tokens": max_new_tokens, "kv_block_size": args.kv_block_size,
-        "kv_capacity_blocks": args.kv_capacity_sequences * math.ceil(
-            max_sequence_latents(raw_context_limit, max_new_tokens, pair_size) / args.kv_block_size),
+        "kv_capacity_blocks": args.kv_capacity_sequences * math.ceil(sequence_slots / args.kv_block_size),
+        "max_sequence_slots": sequence_slots,
         "max_concurrent_requests": args.max_concurrent_requests,
         "prefill_chunk_latents": max(1, args.prefill_chunk_tokens // pair_size),
         "max_queue_size": args.max_queue_size, "queue_wait_s": args.queue_wait_s,

@@ -5,7 +5,9 @@ attention reads. A live sequence owns a row, and rows in use are kept dense (0..
 of every live sequence is the view [:n] of each array: contiguous, handed to the engine as it is.
 A step writes only its new keys and values. T grows in buckets as the longest sequence grows (one
 re-layout every `bucket` steps, not a copy every step) and shrinks back when the long ones leave;
-a release moves the last row into the freed one.
+a release moves the last row into the freed one. Every layout lives in one buffer per layer that
+never shrinks; a server sizes and touches it at start (`preallocate_slots`), so its memory is
+fixed from the first request on, however lengths vary.
 
 A sequence reserves, at its start, the slots it may need (prompt pairs + max new tokens),
 accounted in blocks, so a request is admitted or refused up front and never runs out of cache
@@ -54,7 +56,7 @@ class KVCache:
 
     def __init__(self, layers: int, heads: int, head_dim: int, max_sequences: int, block_size: int = 16,
                  capacity_blocks: int | None = None, idle_timeout_s: float = 60.0, bucket: int = bucket_default,
-                 clock=time.monotonic):
+                 preallocate_slots: int = 0, clock=time.monotonic):
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
         self.max_sequences, self.block_size, self.capacity_blocks = max_sequences, block_size, capacity_blocks
         self.idle_timeout_s, self.bucket, self.clock = idle_timeout_s, bucket, clock
@@ -63,6 +65,10 @@ class KVCache:
         self.lengths = np.zeros(max_sequences, np.int64)
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
+        self._buffers = [np.empty(self._size(self._bucketed(preallocate_slots)), np.float32)
+                         for _ in range(2 * layers)]
+        for buffer in self._buffers:
+            buffer.fill(0.0)  # touched now: the pages are the process's from the start
         self._allocate(bucket)
         self.evicted_total = 0
         self._lock = threading.Lock()
@@ -120,7 +126,7 @@ class KVCache:
                                     f"{sequence.reserved_slots} pair slots")
         needed = int(max(self.lengths[row] for row in rows)) + new_slots
         if needed > self.capacity_slots:
-            self._allocate(self.bucket * math.ceil(needed / self.bucket))
+            self._allocate(self._bucketed(needed))
 
     def past(self, one: int | None = None) -> Past:
         """The past of every row in use, or of row `one` alone: views, no copy."""
@@ -132,7 +138,7 @@ class KVCache:
     def compact(self) -> None:
         """Shrinks T back to the bucket that holds the longest sequence, once the long ones left."""
         longest = int(self.lengths[:len(self.row_owner)].max()) if self.row_owner else 0
-        width = self.bucket * max(1, math.ceil(longest / self.bucket))
+        width = max(self.bucket, self._bucketed(longest))
         if width + 2 * self.bucket <= self.capacity_slots:  # well below, so sizes do not flap at an edge
             self._allocate(width)
 
@@ -186,13 +192,27 @@ class KVCache:
         self.evicted_total += len(idle)
         return idle
 
+    def _bucketed(self, slots: int) -> int:
+        return self.bucket * math.ceil(slots / self.bucket)
+
+    def _size(self, width: int) -> int:
+        return self.max_sequences * self.heads * width * self.head_dim
+
     def _allocate(self, width: int) -> None:
-        shape = (self.max_sequences, self.heads, width, self.head_dim)
-        rows = len(self.row_owner)
-        keep = min(width, self.keys[0].shape[2]) if self.keys else 0
-        for arrays in ("keys", "values"):
-            old = getattr(self, arrays)
-            new = [np.zeros(shape, np.float32) for _ in range(self.layers)]
-            for layer, array in enumerate(old):
-                new[layer][:rows, :, :keep] = array[:rows, :, :keep]
-            setattr(self, arrays, new)
+        """Lays the rows out `width` slots wide, in place in the buffers (grown only if too small).
+
+        In place, a row's new place may overlap where other rows are now: growing moves rows from
+        the last one down, shrinking from the first one up, so no row is overwritten before it moved.
+        """
+        shape, size = (self.max_sequences, self.heads, width, self.head_dim), self._size(width)
+        if size > self._buffers[0].size:
+            self._buffers = [np.zeros(size, np.float32) for _ in self._buffers]
+        layouts = [buffer[:size].reshape(shape) for buffer in self._buffers]
+        rows, old_width = len(self.row_owner), (self.keys[0].shape[2] if self.keys else 0)
+        keep = min(width, old_width)
+        order = range(rows - 1, -1, -1) if width > old_width else range(rows)
+        for new, old in zip(layouts, self.keys + self.values):
+            for row in order:
+                new[row, :, :keep] = old[row, :, :keep]  # numpy copies through a buffer where they overlap
+                new[row, :, keep:] = 0.0
+        self.keys, self.values = layouts[:self.layers], layouts[self.layers:]

@@ -264,7 +264,7 @@ class MTPComponent:
     Both graphs are tiny (one pair, one layer), so they run on one thread.
     """
 
-    def __init__(self, exported: ExportedModel, max_sequences: int = DEFAULT_MAX_SEQUENCES):
+    def __init__(self, exported: ExportedModel, max_sequences: int = DEFAULT_MAX_SEQUENCES, preallocate_slots: int = 0):
         settings = exported.settings
         self.pair_size, self.pad_id = settings["pair_size"], settings["pad_id"]
         self.eos_id, self.bos_id = settings["eos_id"], settings["bos_id"]
@@ -272,7 +272,7 @@ class MTPComponent:
         self.mtp = None
         if "mtp" in exported.manifests:
             self.mtp = MTPRunner(ort_session(exported.path("mtp"), threads=1),
-                                 kv_cache(settings, 1, max_sequences))
+                                 kv_cache(settings, 1, max_sequences, preallocate_slots=preallocate_slots))
         self._ids = itertools.count(1)
 
     def compress(self, tokens: np.ndarray) -> np.ndarray:

@@ -119,6 +119,38 @@ def test_kv_cache_reserves_refuses_and_frees():
         kv.row(1)
 
 
+def test_a_preallocated_cache_re_lays_rows_out_in_place_and_keeps_every_slot():
+    """Rows of distinct values at several lengths survive growing and shrinking T inside the one
+    buffer allocated at start (heads > 1, so a row's heads move too); memory never changes."""
+    kv = cache(max_sequences=4, heads=2, bucket=4, preallocate_slots=16)
+    buffers = [b.ctypes.data for b in kv._buffers]
+
+    def write(seq_id, start, count):
+        slots = np.arange(start, start + count, dtype=np.float32) + 100 * seq_id
+        block = np.zeros((1, 1, 2, count, 2), np.float32)  # [L, B, heads, S, Dh]
+        block[0, 0, 0, :, 0], block[0, 0, 1, :, 1] = slots, slots + 50
+        kv.make_room([kv.row(seq_id)], count)
+        kv.write([kv.row(seq_id)], block, -block)
+
+    def expect(seq_id, length):
+        keys = kv.past().keys[0][kv.row(seq_id)]
+        slots = np.arange(length, dtype=np.float32) + 100 * seq_id
+        assert np.array_equal(keys[0, :length, 0], slots) and np.array_equal(keys[1, :length, 1], slots + 50)
+        assert np.array_equal(kv.past().values[0][kv.row(seq_id), 1, :length, 1], -(slots + 50))
+
+    for seq_id, length in ((1, 3), (2, 2), (3, 4)):
+        kv.reserve(seq_id, 16)
+        write(seq_id, 0, length)
+    write(2, 2, 11)  # T grows from 4 to 16 with three rows in use
+    assert kv.capacity_slots == 16
+    expect(1, 3), expect(2, 13), expect(3, 4)
+    kv.release(2)
+    kv.compact()  # back to 4, in place, rows moved up front
+    assert kv.capacity_slots == 4
+    expect(1, 3), expect(3, 4)
+    assert [b.ctypes.data for b in kv._buffers] == buffers
+
+
 def test_kv_cache_runs_out_of_rows_with_a_clear_error():
     kv = cache(max_sequences=1)
     kv.reserve(1, 2)

@@ -22,7 +22,8 @@ class TritonPythonModel:
         self.pool = kv_cache(settings, settings["n_layers"], int(parameters["max_sequences"]) + 1,  # + warm-up
                              block_size=int(parameters["kv_block_size"]),
                              capacity_blocks=int(parameters["kv_capacity_blocks"]),
-                             idle_timeout_s=float(parameters["idle_timeout_s"]))
+                             idle_timeout_s=float(parameters["idle_timeout_s"]),
+                             preallocate_slots=int(parameters["max_sequence_slots"]))
         engine = open_engine(exported, "backbone", parameters["engine"], int(parameters["threads"]))
         self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"])
         self.secret = pipeline_secret(args, exported.checkpoint_id)

@@ -93,7 +93,8 @@ class TritonPythonModel:
         backbone = f"{parameters['pipeline']}_backbone"  # the backbone of this generation of the pipeline
         backbone_manifest = verify_component(Path(args["model_repository"]).parent / backbone / "1" / "backbone")
         checkpoint_id = verify_siblings([*exported.manifests.values(), backbone_manifest])
-        local = MTPComponent(exported, max_sequences=int(parameters["max_concurrent_requests"]))
+        local = MTPComponent(exported, max_sequences=int(parameters["max_concurrent_requests"]),
+                             preallocate_slots=int(parameters["max_sequence_slots"]))
         self.threshold = float(parameters["acceptance_threshold"])
         self.secret = pipeline_secret(args, checkpoint_id)
         self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=deployment)

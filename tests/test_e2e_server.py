@@ -427,7 +427,7 @@ class Launched:
 
 
 def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(tmp_path):
-    """SIGTERM to the launcher under 8 live streams."""
+    """SIGTERM to the launcher under 16 live streams."""
     import signal
     import subprocess
 
@@ -436,9 +436,9 @@ def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(
     launched = Launched(tmp_path)
     regions = stub_shm_regions(launched.server_pid)
     assert regions
-    with ThreadPoolExecutor(8) as pool:
-        streams = [pool.submit(launched.stream, 1000, ignore_eos=True, acceptance_threshold=1.0) for _ in range(8)]
-        assert wait_for(lambda: launched.live_sequences() == 8, 30)
+    with ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(launched.stream, 1000, ignore_eos=True, acceptance_threshold=1.0) for _ in range(16)]
+        assert wait_for(lambda: launched.live_sequences() == 16, 30)
         started = time.monotonic()
         launched.process.send_signal(signal.SIGTERM)
         for stream in streams:

@@ -201,10 +201,14 @@ http {{
     }}
     server {{
         listen {settings.host}:{settings.grpc_port} http2;
+        # A stream's client sends its request and then nothing (nginx's 60 s body timeout would cut a
+        # long generation); tritonserver answers every decode step, and a request waits at most
+        # queue_wait_s (30 s) in the queue, so a minute without a response means its stream is dead.
+        client_body_timeout 300s;
         default_type application/grpc;
         location ~ ^/inference\\.GRPCInferenceService/({grpc_methods})$ {{
             {grpc_check}
-            grpc_read_timeout 300s;
+            grpc_read_timeout 60s;
             grpc_pass grpc://triton_grpc;
         }}
         location / {{ add_header grpc-status 12; add_header grpc-message "not a public method"; return 204; }}

@@ -21,10 +21,23 @@ COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps
             "num_prompt_tokens", "num_prompt_latents")
 
 
-def model_parameters(args: dict) -> dict[str, str]:
+class ModelParameters(dict):
+    """A model config's `parameters`; a missing one names itself and the way to fix it."""
+
+    def __init__(self, model: str, values: dict[str, str]):
+        super().__init__(values)
+        self.model = model
+
+    def __missing__(self, key: str) -> str:
+        raise KeyError(f"{self.model}: the model config has no parameter {key!r}: the repository was built by "
+                       f"another version of dualend; rebuild it with `python -m builder.assemble`")
+
+
+def model_parameters(args: dict) -> ModelParameters:
     """The `parameters` of a Triton model's config, from the args of its initialize()."""
     config = json.loads(args["model_config"])
-    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+    return ModelParameters(args.get("model_name", config.get("name", "model")),
+                           {k: v["string_value"] for k, v in config.get("parameters", {}).items()})
 
 
 PIPELINE_SECRET_ENV = "DUALEND_PIPELINE_SECRET"

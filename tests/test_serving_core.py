@@ -1,4 +1,5 @@
 """The serving core without Triton: request validation, response shaping, and the TensorRT path (skipped, with the reason, where there is no GPU)."""
+import json
 import time
 
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 
 from builder.tensorrt_build import main as tensorrt_main
 from dualend.decode import Chunk, InvalidRequest
-from dualend.serving import Limits, PreparedRequest, ResponseStream, prepare_request
+from dualend.serving import Limits, PreparedRequest, ResponseStream, model_parameters, prepare_request
 from dualend.tensorrt_engine import gpu_available
 
 LIMITS = Limits(raw_context_limit=64, pair_size=2, max_new_tokens=32)
@@ -112,3 +113,13 @@ def test_tensorrt_backbone_matches_onnx_runtime(tmp_path):
     for name in ("dualend", "baseline"):
         up_to_date_export(DEFAULTS["checkpoints"] / name, tmp_path / name)
     assert tensorrt_main(["--export-dir", str(tmp_path)]) == 0
+
+
+def test_a_parameter_missing_from_an_older_repository_says_how_to_fix_it():
+    args = {"model_name": "dualend_v1_backbone",
+            "model_config": json.dumps({"parameters": {"engine": {"string_value": "onnxruntime"}}})}
+    parameters = model_parameters(args)
+    assert parameters["engine"] == "onnxruntime"
+    with pytest.raises(KeyError, match="dualend_v1_backbone: the model config has no parameter 'max_sequence_slots'"
+                                       ".*rebuild it with `python -m builder.assemble`"):
+        parameters["max_sequence_slots"]

@@ -2,9 +2,9 @@
 
 It bounds request bodies (tritonserver 2.51 crashes on an 8 MB JSON body and has no flag to bound
 it), checks the JSON of generate requests against the public inputs (`gateway_request.js`, njs:
-tritonserver answers a wrong type with a 500 naming no field), checks per-client API keys and rate limits, exposes only the public routes of the two
-ensembles, and splits `llm` requests between the dual-end and baseline deployments by weight
-(a canary), naming the deployment that answered in the `X-Dualend-Deployment` header:
+tritonserver answers a wrong type with a 500 naming no field), checks per-client API keys and
+rate limits, exposes only the public routes of the two ensembles, and splits `llm` requests between
+the dual-end and baseline deployments by weight (a canary), naming the deployment that answered in the `X-Dualend-Deployment` header:
 
     POST /v2/models/{dualend,baseline,llm}/generate[_stream]   key required; `llm` = canary split
     GET  /v2/models/{dualend,baseline}[/ready], /v2/health/{live,ready}
@@ -91,8 +91,12 @@ def public_inputs(model_repository: Path) -> dict[str, dict]:
         raise GatewayError(f"{model_repository} holds no public ensemble ({', '.join(PUBLIC_DEPLOYMENTS)})")
     inputs = config.read_text(encoding="utf-8").split("input [", 1)[1].split("]\noutput", 1)[0]
     pattern = r'name: "(\w+)" data_type: (TYPE_\w+) dims: \[ (-?\d+) \]( optional: true)?'
-    return {name: {"type": dtype, "many": dims == "-1", "required": not optional}
-            for name, dtype, dims, optional in re.findall(pattern, inputs)}
+    found = {name: {"type": dtype, "many": dims == "-1", "required": not optional}
+             for name, dtype, dims, optional in re.findall(pattern, inputs)}
+    if len(found) != inputs.count("name:"):
+        raise GatewayError(f"{config}: {inputs.count('name:')} inputs, {len(found)} in the one-line layout "
+                           "`{ name: ... data_type: ... dims: [ n ] [optional: true] }` this gateway reads")
+    return found
 
 
 def write_new_keys(path: Path, name: str = "default") -> str:
@@ -201,14 +205,13 @@ http {{
     }}
     server {{
         listen {settings.host}:{settings.grpc_port} http2;
-        # A stream's client sends its request and then nothing (nginx's 60 s body timeout would cut a
-        # long generation); tritonserver answers every decode step, and a request waits at most
-        # queue_wait_s (30 s) in the queue, so a minute without a response means its stream is dead.
+        # A stream's client sends its request and then nothing while it streams back: nginx's default
+        # 60 s body timeout would cut a generation longer than a minute.
         client_body_timeout 300s;
         default_type application/grpc;
         location ~ ^/inference\\.GRPCInferenceService/({grpc_methods})$ {{
             {grpc_check}
-            grpc_read_timeout 60s;
+            grpc_read_timeout 300s;
             grpc_pass grpc://triton_grpc;
         }}
         location / {{ add_header grpc-status 12; add_header grpc-message "not a public method"; return 204; }}
@@ -252,8 +255,8 @@ class Gateway:
                                "(or `apt-get install -y libnginx-mod-http-js`)")
         if self.settings.model_repository is None:
             raise GatewayError("the gateway needs the model repository whose public inputs it checks")
-        (self.prefix / "request_check.js").write_text(
-            f"const INPUTS = {json.dumps(public_inputs(self.settings.model_repository))};\n\n{REQUEST_CHECK.read_text(encoding='utf-8')}")
+        inputs = json.dumps(public_inputs(self.settings.model_repository))
+        (self.prefix / "request_check.js").write_text(f"const INPUTS = {inputs};\n\n{REQUEST_CHECK.read_text('utf-8')}")
         staged = self.config_path.with_suffix(".new")
         staged.write_text(render(self.settings, self.prefix))
         check = subprocess.run([nginx_binary(), "-t", "-q", "-p", str(self.prefix), "-c", str(staged)],

@@ -5,7 +5,12 @@
 // model (ranges, text), as for gRPC. INPUTS (name -> {type, many, required}) is written above this
 // file by dualend.gateway from the ensemble's config.
 
-const INTEGER_RANGES = {TYPE_INT32: [-2147483648, 2147483647], TYPE_UINT64: [0, 18446744073709551615]};
+// UINT64 stops at 2^53 - 1: past it a JSON number is no longer an exact integer here.
+const INTEGER_RANGES = {TYPE_INT32: [-2147483648, 2147483647], TYPE_UINT64: [0, Number.MAX_SAFE_INTEGER]};
+
+function has(object, name) {
+    return Object.prototype.hasOwnProperty.call(object, name);  // not `constructor` and the like
+}
 
 function shown(value) {
     const text = JSON.stringify(value);
@@ -23,8 +28,29 @@ function valueProblem(name, type, value) {
         return typeof value === 'number' ? null : `${name} must be a number, got ${shown(value)}`;
     }
     const range = INTEGER_RANGES[type];
+    if (!range) {
+        return `${name} has a type this gateway does not check (${type})`;
+    }
     if (!Number.isInteger(value) || value < range[0] || value > range[1]) {
         return `${name} must be an integer from ${range[0]} to ${range[1]} (${type.slice(5)}), got ${shown(value)}`;
+    }
+    return null;
+}
+
+// JSON.parse keeps the last of repeated keys and reads 4.0 as 4; tritonserver reads the first and
+// refuses 4.0 for an integer input with a 500. Both are checked on the text as sent.
+function textProblem(text, body) {
+    const names = Object.keys(body);
+    for (let i = 0; i < names.length; i++) {
+        const name = names[i];
+        const found = text.match(new RegExp(`"${name}"\\s*:[\\s\\[]*[-+0-9.eE]*`, 'g')) || [];
+        if (found.length > 1) {
+            return `${name} appears ${found.length} times in the body; send it once`;
+        }
+        const written = found.map((match) => match.slice(match.indexOf(':') + 1)).join('');
+        if (has(INTEGER_RANGES, INPUTS[name].type) && /[.eE]/.test(written)) {
+            return `${name} must be an integer written without a fraction or exponent`;
+        }
     }
     return null;
 }
@@ -36,7 +62,7 @@ function bodyProblem(body) {
     const names = Object.keys(body);
     for (let i = 0; i < names.length; i++) {  // njs 0.7 has no for...of
         const name = names[i];
-        const input = INPUTS[name];
+        const input = has(INPUTS, name) ? INPUTS[name] : null;
         if (!input) {
             return `unknown field '${name}'; the inputs are ${Object.keys(INPUTS).sort().join(', ')}`;
         }
@@ -51,7 +77,7 @@ function bodyProblem(body) {
             }
         }
     }
-    const missing = Object.keys(INPUTS).filter((name) => INPUTS[name].required && !(name in body));
+    const missing = Object.keys(INPUTS).filter((name) => INPUTS[name].required && !has(body, name));
     return missing.length ? `missing required field(s): ${missing.join(', ')}` : null;
 }
 
@@ -62,7 +88,8 @@ function check(r) {
     } catch (error) {
         body = undefined;
     }
-    const problem = body === undefined ? 'the request body is not valid JSON' : bodyProblem(body);
+    const problem = body === undefined ? 'the request body is not valid JSON'
+        : bodyProblem(body) || textProblem(r.requestText, body);
     if (problem) {
         r.headersOut['Content-Type'] = 'application/json';
         r.return(400, JSON.stringify({error: problem}));

@@ -571,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             keys = args.api_keys or DEFAULT_PREFIX / "api_keys"
             if not keys.exists():
                 print(f"gateway: new API key for client `default`: {write_new_keys(keys)} (in {keys})")
-            gateway = Gateway(GatewaySettings("", "", Path(args.model_repository), host=args.host,
+            gateway = Gateway(GatewaySettings("", "", Path(args.model_repository).resolve(), host=args.host,
                                               http_port=args.http_port, grpc_port=args.grpc_port, keys_file=keys,
                                               baseline_percent=args.baseline_percent))
     except (RepositoryMissingError, ValueError, GatewayError) as err:

@@ -111,6 +111,15 @@ WRONG_JSON = [  # (case, body, what the 400 must say); tritonserver alone answer
     ("exclude_input_in_output a number", {"exclude_input_in_output": 1}, "exclude_input_in_output must be true or false, got 1"),
     ("stream a string", {"stream": "true"}, 'stream must be true or false, got "true"'),
     ("acceptance_threshold a list", {"acceptance_threshold": [0.5, 0.9]}, "acceptance_threshold takes one value, got 2"),
+    ("max_tokens written as 4.0", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4.0}',
+     "max_tokens must be an integer written without a fraction or exponent"),
+    ("max_tokens written as 4e0", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4e0}',
+     "max_tokens must be an integer written without a fraction or exponent"),
+    ("max_tokens twice", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": "x", "max_tokens": 4}',
+     "max_tokens appears 2 times in the body; send it once"),
+    ("random_seed past 2^53", {"random_seed": 2 ** 64}, r"random_seed must be an integer from 0 to 9007199254740991"),
+    ("field named like a JavaScript builtin", {"constructor": 1}, "unknown field 'constructor'"),
+    ("field __proto__", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "__proto__": 1}', "unknown field '__proto__'"),
     ("misspelt field", {"temprature": 0.7}, "unknown field 'temprature'; the inputs are acceptance_threshold, .*, temperature, "),
     ("max_tokens missing", {"max_tokens": ...}, r"missing required field\(s\): max_tokens"),
 ]
@@ -189,3 +198,17 @@ def test_tritonservers_repository_api_needs_the_admin_key(stack):
     assert status == 403 and ADMIN_HEADER in body
     status, body = http(stack, "/v2/repository/index", b"{}", key=False, url=direct, headers={ADMIN_HEADER: stack.admin})
     assert status == 200 and "dualend_v1_backbone" in body
+
+
+def test_the_public_inputs_are_read_from_the_served_ensemble_and_an_unreadable_layout_is_refused(stack, tmp_path):
+    from dualend.gateway import GatewayError, public_inputs
+
+    inputs = public_inputs(stack.repository)
+    assert inputs["text_input"] == {"type": "TYPE_STRING", "many": False, "required": True}
+    assert inputs["stop_words"] == {"type": "TYPE_STRING", "many": True, "required": False}
+    assert inputs["random_seed"]["type"] == "TYPE_UINT64" and len(inputs) == 11
+    (tmp_path / "dualend").mkdir()
+    config = (stack.repository / "dualend" / "config.pbtxt").read_text()
+    (tmp_path / "dualend" / "config.pbtxt").write_text(config.replace('dims: [ 1 ] },', 'dims: [1] },', 1))
+    with pytest.raises(GatewayError, match="11 inputs, 10 in the one-line layout"):
+        public_inputs(tmp_path)

@@ -205,9 +205,6 @@ http {{
     }}
     server {{
         listen {settings.host}:{settings.grpc_port} http2;
-        # A stream's client sends its request and then nothing while it streams back: nginx's default
-        # 60 s body timeout would cut a generation longer than a minute.
-        client_body_timeout 300s;
         default_type application/grpc;
         location ~ ^/inference\\.GRPCInferenceService/({grpc_methods})$ {{
             {grpc_check}

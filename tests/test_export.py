@@ -121,7 +121,8 @@ def test_kv_cache_reserves_refuses_and_frees():
 
 def test_a_preallocated_cache_re_lays_rows_out_in_place_and_keeps_every_slot():
     """Rows of distinct values at several lengths survive growing and shrinking T inside the one
-    buffer allocated at start (heads > 1, so a row's heads move too); memory never changes."""
+    buffer allocated at start (heads > 1, so a row's heads move too) without a new allocation, and
+    a sequence longer than what was preallocated gets larger buffers with every row carried over."""
     kv = cache(max_sequences=4, heads=2, bucket=4, preallocate_slots=16)
     buffers = [b.ctypes.data for b in kv._buffers]
 
@@ -149,6 +150,10 @@ def test_a_preallocated_cache_re_lays_rows_out_in_place_and_keeps_every_slot():
     assert kv.capacity_slots == 4
     expect(1, 3), expect(3, 4)
     assert [b.ctypes.data for b in kv._buffers] == buffers
+    kv.reserve(4, 32)
+    write(4, 0, 20)  # past what was preallocated: new, larger buffers, every row copied over
+    assert kv.capacity_slots == 20 and [b.ctypes.data for b in kv._buffers] != buffers
+    expect(1, 3), expect(3, 4), expect(4, 20)
 
 
 def test_kv_cache_runs_out_of_rows_with_a_clear_error():

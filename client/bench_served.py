@@ -11,9 +11,9 @@ through the in-process ONNX Runtime engine, back to back; it prints medians with
 percentile spread, served/engine overhead ratios, served dual-end/baseline speedups and, from
 Triton's statistics, where the served time goes. `--sweep` runs closed-loop clients (each sends its
 next request when the last ends) at each concurrency, deployments alternating, and prints output
-tokens/s, TTFT and token-weighted inter-token latency (p50, p99) and errors. `--interference`
-runs 8 decoding streams alone and then with 960-token prompts arriving back to back, and prints
-their p99 inter-token latency in both.
+tokens/s, TTFT and token-weighted inter-token latency (p50, p99), errors, and where the time went.
+`--interference` runs 8 decoding streams alone and then with 960-token prompts arriving back to back,
+and prints their p99 inter-token latency in both.
 """
 from __future__ import annotations
 
@@ -177,8 +177,12 @@ def main(argv=None) -> dict:
         url = args.grpc_url or triton.grpc_url
         for name, length in itertools.product(DEPLOYMENTS, args.lengths):  # warm-up
             stream_grpc(url, name, prompts[length], 4, ignore_eos=True)
+        http_url = args.http_url or (None if args.grpc_url else triton.http_url)
         if args.sweep:
-            return sweep(url, prompts[args.lengths[0]], args.sweep, args.new_tokens, args.repeats)
+            result = sweep(url, prompts[args.lengths[0]], args.sweep, args.new_tokens, args.repeats)
+            if http_url:
+                print_time_breakdown(http_url)
+            return result
         if args.interference:
             long = tokenizer.decode(long_prompt(tokenizer, 960))
             return {name: interference(url, name, prompts[args.lengths[0]], long, args.repeats) for name in DEPLOYMENTS}
@@ -191,7 +195,6 @@ def main(argv=None) -> dict:
             engine = timed_generation(engines[name], tokenizer.encode_prompt(prompts[length]), params, thresholds[name])
             figures[(name, length, "engine")]["ttft"].append(engine["ttft"])
             figures[(name, length, "engine")]["tpot"].append(engine["tpot"])
-        http_url = args.http_url or (None if args.grpc_url else triton.http_url)
         if http_url:
             print_time_breakdown(http_url)
 

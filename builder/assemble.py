@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import secrets
 import shutil
 import string
-import sys
 from pathlib import Path
 
 from dualend.checkpoint import load_checkpoint
 from dualend.engines import ENGINES
+from dualend.kv_pool import blocks_for
 from dualend.manifest import ManifestError
 from dualend.onnx_engine import ExportedModel
 from dualend.serving import PIPELINE_SECRET_FILE, generations, pipeline_name, served_generation
@@ -70,10 +68,10 @@ def up_to_date_export(checkpoint_dir: Path, export_dir: Path) -> ExportedModel:
     return ExportedModel.open(export_dir)
 
 
-def render_deployment(name: str, exported: ExportedModel, out: Path, values: dict, generation: int) -> None:
-    """The ensemble `name` and the internal models of one generation, `{name}_v{generation}_*`."""
+def render_deployment(name: str, exported: ExportedModel, out: Path, values: dict) -> None:
+    """The ensemble `name` and the internal models of one generation, `{values["pipeline"]}_*`."""
     for suffix, (source, components) in MODELS.items():
-        model_dir = out / (name if not suffix else f"{pipeline_name(name, generation)}{suffix}")
+        model_dir = out / (name if not suffix else f"{values['pipeline']}{suffix}")
         version_dir = model_dir / "1"
         version_dir.mkdir(parents=True)
         template = string.Template((SOURCES / source / "config.pbtxt.template").read_text(encoding="utf-8"))
@@ -116,7 +114,7 @@ def deployment_values(name: str, exported: ExportedModel, args, threshold: float
         "acceptance_threshold": threshold if pair_size == 2 else 1.0,
         "raw_context_limit": raw_context_limit, "effective_latent_limit": latent_limit,
         "max_new_tokens": max_new_tokens, "kv_block_size": args.kv_block_size,
-        "kv_capacity_blocks": args.kv_capacity_sequences * math.ceil(sequence_slots / args.kv_block_size),
+        "kv_capacity_blocks": args.kv_capacity_sequences * blocks_for(sequence_slots, args.kv_block_size),
         "max_sequence_slots": sequence_slots,
         "max_concurrent_requests": args.max_concurrent_requests,
         "prefill_chunk_latents": max(1, args.prefill_chunk_tokens // pair_size),
@@ -151,10 +149,10 @@ def assemble(args) -> Path:
         served = served_generation(out, name)
         generation = max(generations(out, name), default=0) + 1
         values = deployment_values(name, exported, args, threshold, limit) | {"pipeline": pipeline_name(name, generation)}
-        render_deployment(name, exported, staging, values, generation)
+        render_deployment(name, exported, staging, values)
         if name == args.deployments[0]:
             write_hf_tokenizer(exported, Path(args.hf_tokenizer))
-        print(f"{name}: checkpoint {exported.checkpoint_id}, generation {generation} ({pipeline_name(name, generation)}_*)"
+        print(f"{name}: checkpoint {exported.checkpoint_id}, generation {generation} ({values['pipeline']}_*)"
               + (f" beside the served generation {served}" if served else ""))
     secret = staging / PIPELINE_SECRET_FILE  # kept across rebuilds: models loaded before and after share it
     old_secret = out / PIPELINE_SECRET_FILE

@@ -144,9 +144,9 @@ class KVCache:
 
     def write(self, rows: list[int], keys: np.ndarray, values: np.ndarray) -> None:
         # keys, values: [L, B, heads, S, Dh], row i of the batch goes to cache row rows[i]
-        new = keys.shape[3]
+        new, rows_at = keys.shape[3], np.asarray(rows)
         if new == 1:  # a decode step: every row's slot at once, per layer
-            rows_at, slots = np.asarray(rows), self.lengths[rows]
+            slots = self.lengths[rows_at]
             for layer in range(self.layers):
                 self.keys[layer][rows_at, :, slots] = keys[layer, :, :, 0]     # [B, heads, Dh]
                 self.values[layer][rows_at, :, slots] = values[layer, :, :, 0]
@@ -156,7 +156,7 @@ class KVCache:
                 for layer in range(self.layers):
                     self.keys[layer][row, :, start:start + new] = keys[layer, index]
                     self.values[layer][row, :, start:start + new] = values[layer, index]
-        self.lengths[rows] += new
+        self.lengths[rows_at] += new
 
     def release(self, seq_id: int) -> bool:
         with self._lock:

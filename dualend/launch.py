@@ -210,7 +210,7 @@ def client_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _free_ports(host: str, count: int) -> list[int]:
+def free_ports(host: str, count: int) -> list[int]:
     """`count` distinct ports that are free on `host` now (held open together while choosing)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sockets = []
@@ -341,7 +341,7 @@ class TritonServer:
             )
         home = prepare_triton_home(self.triton_home)
         missing = [n for n in ("http_port", "grpc_port", "metrics_port") if not getattr(self, n)]
-        for name, port in zip(missing, _free_ports(self.host or "0.0.0.0", len(missing))):
+        for name, port in zip(missing, free_ports(self.host or "0.0.0.0", len(missing))):
             setattr(self, name, port)
         if self.log_file is None:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")

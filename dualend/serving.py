@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 import numpy as np
 
-from .decode import CapacityError, Chunk, InvalidRequest, SamplingParams, pad_prompt
+from .decode import Chunk, InvalidRequest, SamplingParams, pad_prompt
 from .onnx_engine import ExportedModel
 from .tokenizer import TextTokenizer
 

@@ -17,7 +17,7 @@ from client.api import RequestError, generate_http, metric_value, stream_grpc, s
 from conftest import wait_for
 from dualend.data import FAMILIES, eval_set, sized_examples
 from dualend.decode import SamplingParams, generate_text
-from dualend.launch import TritonServer
+from dualend.launch import TritonServer, free_ports
 from dualend.onnx_engine import OnnxComponents
 
 pytestmark = pytest.mark.server
@@ -130,24 +130,10 @@ def test_thirty_two_streams_against_a_limit_of_sixteen_all_complete(server, engi
         assert result.text == engine_text(server, engines, deployment, prompt, max_tokens).text
 
 
-BAD_REQUESTS = [
-    ("empty text", dict(prompt="", max_tokens=8), "text_input is empty"),
-    ("prompt over the limit", dict(prompt="1+2 " * 400, max_tokens=8), "over raw_context_limit 512.*never truncated"),
-    ("max_tokens 0", dict(prompt="Q: 1+1\nA:", max_tokens=0), "max_tokens must be between 1 and 256"),
-    ("max_tokens negative", dict(prompt="Q: 1+1\nA:", max_tokens=-5), "max_tokens must be between 1 and 256"),
-    ("max_tokens over the limit", dict(prompt="Q: 1+1\nA:", max_tokens=100000), "max_tokens must be between"),
-    ("non-UTF-8 bytes", dict(prompt=b"Q: \xff\xfe\nA:", max_tokens=8), "not valid UTF-8"),
-    ("negative temperature", dict(prompt="Q: 1+1\nA:", max_tokens=8, temperature=-0.5), "temperature must be >= 0"),
-    ("top_p zero", dict(prompt="Q: 1+1\nA:", max_tokens=8, top_p=0.0), r"top_p must be in \(0, 1\]"),
-    ("top_p above one", dict(prompt="Q: 1+1\nA:", max_tokens=8, top_p=1.5), r"top_p must be in \(0, 1\]"),
-]
-
-
-@pytest.mark.parametrize("case, request_args, message", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
-def test_bad_input_gets_a_clear_error_and_the_server_stays_up(server, case, request_args, message):
-    with pytest.raises(RequestError, match=message):
-        stream_grpc(server.grpc_url, "dualend", request_args.pop("prompt"), request_args.pop("max_tokens"),
-                    **request_args)
+def test_non_utf8_text_gets_a_clear_error_and_the_server_stays_up(server):
+    """Raw bytes over gRPC (JSON cannot carry them; the other malformed cases are below)."""
+    with pytest.raises(RequestError, match="not valid UTF-8"):
+        stream_grpc(server.grpc_url, "dualend", b"Q: \xff\xfe\nA:", 8)
     assert server.is_ready()
     assert stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 4).output_tokens > 0
 
@@ -287,7 +273,7 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
                       log_file=tmp_path / "server.log") as triton:
         http = httpclient.InferenceServerClient(triton.http_url)
         assert served_checkpoint(http, "dualend") == shipped_id
-        stop, done, errors = threading.Event(), [], []
+        stop, done, errors, finished = threading.Event(), [], [], []
 
         def client(index):
             while not stop.is_set():
@@ -309,12 +295,13 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
                 generation = served_generation(repository, "dualend")
                 assert loaded_pipelines(http, "dualend", None) == [f"dualend_v{generation}"]
                 assert sorted(p.name for p in repository.glob("dualend_v*_backbone")) == [f"dualend_v{generation}_backbone"]
+                finished += done
                 done.clear()
         finally:
             stop.set()
             for thread in threads:
                 thread.join()
-        assert errors == [] and all(tokens == 40 for tokens in done)
+        assert errors == [] and all(tokens == 40 for tokens in finished + done)
         served_text = stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24).text
 
         assemble(CHECKPOINTS)
@@ -357,7 +344,7 @@ def test_internal_models_refuse_calls_from_outside_their_pipeline(server, model,
     assert metric(server, "dualend_kv_live_sequences", "dualend_v1_backbone") == 0
 
 
-def test_mtp_verify_refuses_a_forged_cancel_or_drain(server):
+def test_mtp_verify_refuses_a_forged_drain(server):
     import tritonclient.grpc as grpcclient
 
     errors = []
@@ -382,17 +369,10 @@ class Launched:
     ports, serving the dual-end deployment only."""
 
     def __init__(self, tmp_path):
-        import socket
         import subprocess
         import sys
 
-        sockets = [socket.socket() for _ in range(5)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        self.http_port, self.grpc_port, self.metrics_port, triton_http, triton_grpc = (
-            s.getsockname()[1] for s in sockets)
-        for s in sockets:
-            s.close()
+        self.http_port, self.grpc_port, self.metrics_port, triton_http, triton_grpc = free_ports("127.0.0.1", 5)
         self.repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
                                          "--export-dir", str(tmp_path / "export"), "--deployments", "dualend"])
         self.process = subprocess.Popen(
@@ -407,6 +387,14 @@ class Launched:
                 break
         self.key = (tmp_path / "keys").read_text().split()[1]
         self.server_pid = int(subprocess.check_output(["pgrep", "-P", str(self.process.pid), "tritonserver"]).split()[0])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.process.poll() is None:  # a test that failed half-way leaves nothing running
+            self.process.terminate()
+            self.process.wait(30)
 
     def stream(self, max_tokens, **params):
         return stream_grpc(f"127.0.0.1:{self.grpc_port}", "dualend", PROMPTS[0], max_tokens, api_key=self.key, **params)
@@ -433,23 +421,23 @@ def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(
 
     from dualend.launch import EXIT_TIMEOUT_S, stub_shm_regions
 
-    launched = Launched(tmp_path)
-    regions = stub_shm_regions(launched.server_pid)
-    assert regions
-    with ThreadPoolExecutor(16) as pool:
-        streams = [pool.submit(launched.stream, 1000, ignore_eos=True, acceptance_threshold=1.0) for _ in range(16)]
-        assert wait_for(lambda: launched.live_sequences() == 16, 30)
-        started = time.monotonic()
-        launched.process.send_signal(signal.SIGTERM)
-        for stream in streams:
-            with pytest.raises(RequestError, match="the server is shutting down; the stream ends here, retry"):
-                stream.result()
-        ended = time.monotonic() - started
-    launched.process.wait(EXIT_TIMEOUT_S + 5)
-    exited = time.monotonic() - started
-    assert ended < EXIT_TIMEOUT_S and exited < EXIT_TIMEOUT_S + 5 and launched.process.returncode == 0
-    assert subprocess.run(["pgrep", "-f", str(launched.repository)], capture_output=True).stdout == b""
-    assert not [r for r in regions if os.path.exists(f"/dev/shm/{r}")]
+    with Launched(tmp_path) as launched:
+        regions = stub_shm_regions(launched.server_pid)
+        assert regions
+        with ThreadPoolExecutor(16) as pool:
+            streams = [pool.submit(launched.stream, 1000, ignore_eos=True, acceptance_threshold=1.0) for _ in range(16)]
+            assert wait_for(lambda: launched.live_sequences() == 16, 30)
+            started = time.monotonic()
+            launched.process.send_signal(signal.SIGTERM)
+            for stream in streams:
+                with pytest.raises(RequestError, match="the server is shutting down; the stream ends here, retry"):
+                    stream.result()
+            ended = time.monotonic() - started
+        launched.process.wait(EXIT_TIMEOUT_S + 5)
+        exited = time.monotonic() - started
+        assert ended < EXIT_TIMEOUT_S and exited < EXIT_TIMEOUT_S + 5 and launched.process.returncode == 0
+        assert subprocess.run(["pgrep", "-f", str(launched.repository)], capture_output=True).stdout == b""
+        assert not [r for r in regions if os.path.exists(f"/dev/shm/{r}")]
 
 
 def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
@@ -459,8 +447,7 @@ def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
 
     from dualend.launch import stub_processes
 
-    launched = Launched(tmp_path)
-    try:
+    with Launched(tmp_path) as launched:
         with ThreadPoolExecutor(4) as pool:
             streams = [pool.submit(launched.stream, 1000, ignore_eos=True, acceptance_threshold=1.0)
                        for _ in range(4)]
@@ -469,10 +456,11 @@ def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
             os.kill(stub_processes(launched.server_pid)["dualend_v1_backbone"][0], signal.SIGKILL)
             saw_not_ready = wait_for(lambda: not launched.ready(), 10, poll_s=0.02)
             for stream in streams:
-                with pytest.raises(RequestError):
+                with pytest.raises(RequestError, match="backbone"):
                     stream.result()
             errors_after = time.monotonic() - killed
         assert saw_not_ready and errors_after < 5
+
         def serves():
             try:
                 return launched.ready() and launched.stream(8).output_tokens == 8
@@ -482,9 +470,6 @@ def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
         assert wait_for(serves, 15, poll_s=0.2)
         assert time.monotonic() - killed < 15
         assert "dualend_v1_backbone" in stub_processes(launched.server_pid)
-    finally:
-        launched.process.terminate()
-        launched.process.wait(30)
 
 
 def test_metrics_by_phase_add_up_after_known_requests(server):
@@ -493,6 +478,7 @@ def test_metrics_by_phase_add_up_after_known_requests(server):
              "dualend_prefill_seconds_count", "dualend_tokens_per_step_sum", "dualend_tokens_per_step_count",
              "dualend_output_tokens", "dualend_decode_steps")
     before = {name: metric(server, name, model) or 0 for name in names}
+    refused_before = metric_value(server.metrics_url, "dualend_requests_refused", model)
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda i: stream_grpc(server.grpc_url, "dualend", PROMPTS[i], 20, ignore_eos=True,
                                                       exclude_input_in_output=True), range(6)))
@@ -511,7 +497,7 @@ def test_metrics_by_phase_add_up_after_known_requests(server):
     assert delta["dualend_inter_token_seconds_count"] + first_response_tokens == tokens
     assert delta["dualend_tokens_per_step_sum"] == tokens
     assert delta["dualend_tokens_per_step_count"] == delta["dualend_decode_steps"]
-    assert metric_value(server.metrics_url, "dualend_requests_refused", model) is not None
+    assert metric_value(server.metrics_url, "dualend_requests_refused", model) == refused_before
 
 
 MALFORMED = [  # (case, change to a good body {"text_input", "max_tokens"}, what the error must say)
@@ -575,10 +561,8 @@ GRPC_MALFORMED = [c for c in MALFORMED if None not in c[1].values() and not c[0]
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 1e39 as FP32, on purpose
 @pytest.mark.parametrize("case, change, message", GRPC_MALFORMED, ids=[c[0] for c in GRPC_MALFORMED])
 def test_a_malformed_grpc_request_is_refused_naming_the_problem(server, case, change, message):
-    import tritonclient.grpc as grpcclient
-
     params = {k: v for k, v in change.items() if k not in ("text_input", "max_tokens")}
     with pytest.raises(RequestError, match=message):
         stream_grpc(server.grpc_url, "dualend", change.get("text_input", "Q: 1+2\nA:"), change.get("max_tokens", 4),
                     **params)
-    assert grpcclient.InferenceServerClient(server.grpc_url).is_server_ready()
+    assert stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 4).output_tokens > 0  # the server stays up

@@ -1,7 +1,6 @@
 """The gateway (nginx) in front of a real tritonserver, and tritonserver's own closed doors:
 API keys, public routes only, a bounded body, rate limits, the canary split, the admin key."""
 import secrets
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -12,20 +11,10 @@ import pytest
 from builder.assemble import DEFAULTS, main as assemble_main
 from client.api import RequestError, generate_http, stream_grpc, stream_http
 from dualend.gateway import Gateway, GatewaySettings, write_new_keys
-from dualend.launch import ADMIN_HEADER, TritonServer
+from dualend.launch import ADMIN_HEADER, TritonServer, free_ports
 
 pytestmark = pytest.mark.server
 PROMPT = "Q: 3+4-2\nA:"
-
-
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +26,7 @@ def stack(tmp_path_factory):
     admin = secrets.token_hex(16)
     key = write_new_keys(root / "keys", "tests")
     with TritonServer(repository, admin_key=admin, log_file=root / "server.log") as triton:
-        http_port, grpc_port = free_ports(2)  # after the server took its own
+        http_port, grpc_port = free_ports("127.0.0.1", 2)  # after the server took its own
         gateway = Gateway(GatewaySettings(triton.http_url, triton.grpc_url, repository, http_port=http_port, grpc_port=grpc_port,
                                           keys_file=root / "keys", baseline_percent=10, rate_per_s=2000, burst=2000),
                           root / "nginx")
@@ -168,19 +157,21 @@ def test_the_canary_sends_its_share_to_the_baseline_and_a_new_weight_drops_nothi
         chosen = list(pool.map(one, range(1000)))
     share = chosen.count("baseline") / len(chosen)
     assert set(chosen) == {"dualend", "baseline"} and 0.07 <= share <= 0.13, share
-    with ThreadPoolExecutor(8) as pool:
-        streams = [pool.submit(stream_http, stack.http_url, "llm", PROMPT, 48, api_key=stack.key, ignore_eos=True)
-                   for _ in range(16)]
-        time.sleep(0.2)
-        stack.set_baseline_percent(0)
-        assert all(s.result().output_tokens == 48 for s in streams)  # none dropped by the reload
-        after = list(pool.map(one, range(100)))
-    assert set(after) == {"dualend"}
-    stack.set_baseline_percent(10)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(stream_http, stack.http_url, "llm", PROMPT, 48, api_key=stack.key,
+                                   ignore_eos=True) for _ in range(16)]
+            time.sleep(0.2)
+            stack.set_baseline_percent(0)
+            assert all(s.result().output_tokens == 48 for s in streams)  # none dropped by the reload
+            after = list(pool.map(one, range(100)))
+        assert set(after) == {"dualend"}
+    finally:
+        stack.set_baseline_percent(10)  # the split the other tests expect
 
 
 def test_a_client_over_its_rate_is_refused_with_429(stack):
-    ports = free_ports(2)
+    ports = free_ports("127.0.0.1", 2)
     strict = Gateway(GatewaySettings(stack.triton.http_url, stack.triton.grpc_url, stack.repository,
                                      http_port=ports[0], grpc_port=ports[1], keys_file=stack.root / "keys",
                                      rate_per_s=2, burst=2),

@@ -239,7 +239,15 @@ def generate_http(url: str, model: str, prompt: str, max_tokens: int, timeout_s:
 def metric_value(metrics_url: str, name: str, model: str, **labels) -> float | None:
     """A Prometheus metric summed over one model's series (all its versions, unless `labels`
     narrows them, e.g. version="2"); None if it has none."""
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return metric_in(metrics_page(metrics_url), name, model, **labels)
+
+
+def metrics_page(metrics_url: str) -> str:
+    return urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+
+
+def metric_in(text: str, name: str, model: str, **labels) -> float | None:
+    """`metric_value` on a page already fetched, so several metrics cost one request."""
     values = []
     for match in re.finditer(rf"^{name}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M):
         series = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))

@@ -31,7 +31,7 @@ from dualend.launch import ADMIN_HEADER, DEFAULT_REPOSITORY, INTERNAL_HTTP_PORT,
 from dualend.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
 from dualend.serving import pipeline_name, prune_generations, served_generation
 
-from .api import RequestError, generate_http, metric_value
+from .api import RequestError, generate_http, metric_in, metrics_page
 
 INTERNAL_STEPS = ("backbone", "mtp_verify", "compressor", "preprocessing", "postprocessing")
 
@@ -82,7 +82,8 @@ def loaded_pipelines(client, deployment: str, headers) -> list[str]:
 
 def busy(metrics_url: str, pipeline: str) -> bool:
     """Whether a generation still has a request: queued or decoding in its loop, or holding KV."""
-    return any(metric_value(metrics_url, name, f"{pipeline}_{step}") for name, step in (
+    page = metrics_page(metrics_url)
+    return any(metric_in(page, name, f"{pipeline}_{step}") for name, step in (
         ("dualend_kv_live_sequences", "backbone"), ("dualend_running_sequences", "mtp_verify"),
         ("dualend_waiting_requests", "mtp_verify")))
 

@@ -37,7 +37,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launch import client_host
+from .launch import client_host, write_private_file
 
 PUBLIC_DEPLOYMENTS = ("dualend", "baseline")
 CANARY_MODEL = "llm"
@@ -101,9 +101,7 @@ def public_inputs(model_repository: Path) -> dict[str, dict]:
 
 def write_new_keys(path: Path, name: str = "default") -> str:
     key = secrets.token_hex(24)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{name} {key}\n")
-    path.chmod(0o600)
+    write_private_file(path, f"{name} {key}\n")
     return key
 
 
@@ -121,6 +119,8 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
         if keys else ""
     grpc_check = ('if ($client = "") { add_header grpc-status 16; add_header grpc-message "missing or unknown API key"; '
                   'return 204; }') if keys else ""
+    down_check = (f"if (-f {prefix}/down/$deployment) {{ return 503 '{{\"error\":\"$deployment is restoring a failed "
+                  "component; retry in a few seconds\"}'; }")
     models = "|".join(PUBLIC_DEPLOYMENTS)
     grpc_methods = "|".join(GRPC_METHODS)
     return f"""# written by dualend.gateway; edits are overwritten
@@ -170,7 +170,7 @@ http {{
             limit_req zone=per_client burst={settings.burst} nodelay;
             limit_except POST {{ deny all; }}
             set $deployment $1;
-            if (-f {prefix}/down/$deployment) {{ return 503 '{{"error":"$deployment is restoring a failed component; retry in a few seconds"}}'; }}
+            {down_check}
             set $triton_uri $uri;
             js_content request.check;
         }}
@@ -179,7 +179,7 @@ http {{
             limit_req zone=per_client burst={settings.burst} nodelay;
             limit_except POST {{ deny all; }}
             set $deployment $canary;
-            if (-f {prefix}/down/$deployment) {{ return 503 '{{"error":"$deployment is restoring a failed component; retry in a few seconds"}}'; }}
+            {down_check}
             set $triton_uri /v2/models/$canary/$1;
             js_content request.check;
         }}
@@ -187,7 +187,7 @@ http {{
         location ~ ^/v2/models/({models})(/ready)?$ {{
             limit_except GET {{ deny all; }}
             set $deployment $1;
-            if (-f {prefix}/down/$deployment) {{ return 503 '{{"error":"$deployment is restoring a failed component; retry in a few seconds"}}'; }}
+            {down_check}
             proxy_pass http://triton_http;
         }}
         location = /v2/health/live {{ proxy_pass http://triton_http; }}

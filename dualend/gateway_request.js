@@ -12,6 +12,14 @@ function has(object, name) {
     return Object.prototype.hasOwnProperty.call(object, name);  // not `constructor` and the like
 }
 
+// Built once, when nginx loads the config: how each input appears in a body's text, and the required ones.
+const WRITTEN = {};
+Object.keys(INPUTS).forEach((name) => {
+    WRITTEN[name] = new RegExp(`"${name}"\\s*:[\\s\\[]*[-+0-9.eE]*`, 'g');
+});
+const REQUIRED = Object.keys(INPUTS).filter((name) => INPUTS[name].required);
+const NAMES = Object.keys(INPUTS).sort().join(', ');
+
 function shown(value) {
     const text = JSON.stringify(value);
     return text.length > 40 ? text.slice(0, 37) + '...' : text;
@@ -43,7 +51,7 @@ function textProblem(text, body) {
     const names = Object.keys(body);
     for (let i = 0; i < names.length; i++) {
         const name = names[i];
-        const found = text.match(new RegExp(`"${name}"\\s*:[\\s\\[]*[-+0-9.eE]*`, 'g')) || [];
+        const found = text.match(WRITTEN[name]) || [];
         if (found.length > 1) {
             return `${name} appears ${found.length} times in the body; send it once`;
         }
@@ -64,7 +72,7 @@ function bodyProblem(body) {
         const name = names[i];
         const input = has(INPUTS, name) ? INPUTS[name] : null;
         if (!input) {
-            return `unknown field '${name}'; the inputs are ${Object.keys(INPUTS).sort().join(', ')}`;
+            return `unknown field '${name}'; the inputs are ${NAMES}`;
         }
         const values = Array.isArray(body[name]) ? body[name] : [body[name]];
         if (!input.many && values.length !== 1) {
@@ -77,7 +85,7 @@ function bodyProblem(body) {
             }
         }
     }
-    const missing = Object.keys(INPUTS).filter((name) => INPUTS[name].required && !has(body, name));
+    const missing = REQUIRED.filter((name) => !has(body, name));
     return missing.length ? `missing required field(s): ${missing.join(', ')}` : null;
 }
 

@@ -427,7 +427,7 @@ class TritonServer:
             done = threading.Event()
             client = grpcclient.InferenceServerClient(self.grpc_url)
             try:
-                client.start_stream(callback=lambda result, error: done.set(), headers=self._admin_headers())
+                client.start_stream(callback=lambda result, error: done.set())
                 client.async_stream_infer(model, inputs, enable_empty_final_response=True)
                 drained += done.wait(timeout_s)
             except Exception as error:  # noqa: BLE001 - draining is best effort; the stop goes on
@@ -438,12 +438,9 @@ class TritonServer:
         http.close()
         return drained
 
-    def _admin_headers(self) -> dict[str, str] | None:
-        return {ADMIN_HEADER: self.admin_key} if self.admin_key else None
-
-    def stop(self, keep_log: bool = False) -> None:
-        """Drain the decode loops, SIGTERM, wait up to `stop_timeout`, then SIGKILL the server's whole
-        process group and remove the stubs' shared memory."""
+    def stop(self, keep_log: bool = False, drain: bool = True) -> None:
+        """Drain the decode loops (unless the caller already did), SIGTERM, wait up to `stop_timeout`,
+        then SIGKILL the server's whole process group and remove the stubs' shared memory."""
         process, self._process = self._process, None
         if process is None:
             return
@@ -451,11 +448,8 @@ class TritonServer:
         regions = stub_shm_regions(process.pid)
         try:
             if process.poll() is None:
-                self._process = process
-                try:
+                if drain:
                     self.drain()
-                finally:
-                    self._process = None
                 process.send_signal(signal.SIGTERM)
                 try:
                     process.wait(self.stop_timeout)
@@ -491,12 +485,15 @@ def admin_key(path: Path = DEFAULT_ADMIN_KEY_FILE, create: bool = False) -> str 
     if os.environ.get(ADMIN_KEY_ENV):
         return os.environ[ADMIN_KEY_ENV]
     if not path.exists() and create:
-        import secrets
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_hex(24) + "\n")
-        path.chmod(0o600)
+        write_private_file(path, secrets.token_hex(24) + "\n")
     return path.read_text().strip() if path.exists() else None
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """A file only its owner reads (keys, secrets), its folder made if need be."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o600)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -629,7 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.drain()  # every stream ends now, with an error that says why
         if gateway is not None:
             gateway.stop()  # before the server: its idle upstream connections would hold tritonserver
-        server.stop(keep_log=True)
+        server.stop(keep_log=True, drain=False)  # drained above, before the gateway went
     return 0
 
 

@@ -42,11 +42,10 @@ class Watchdog:
     def ready_models(self) -> list[str]:
         return [m["name"] for m in json.loads(self._repository("/index")) if m.get("state") == "READY"]
 
-    def failed_models(self) -> list[str]:
-        """READY Python models of our deployments whose stub is gone."""
+    def failed_models(self, ready: list[str]) -> list[str]:
+        """Of the READY models, the Python models of our deployments whose stub is gone."""
         from .launch import stub_processes
 
-        ready = self.ready_models()
         alive = stub_processes(self.server.pid)
         return [name for name in ready if name.startswith(tuple(f"{d}_v" for d in self.deployments))
                 and name not in alive]
@@ -87,11 +86,13 @@ class Watchdog:
         retry: set[str] = set()
         while not self.stopping.wait(self.interval_s):
             try:
-                failed = set(self.failed_models())
+                ready = self.ready_models()
+                failed = set(self.failed_models(ready))
                 if failed:  # again, just before acting: a redeploy may be unloading models right now
                     time.sleep(0.2)
-                    failed &= set(self.failed_models())
-                retry -= set(self.ready_models()) - failed  # a late load that did finish
+                    ready = self.ready_models()
+                    failed &= set(self.failed_models(ready))
+                retry -= set(ready) - failed  # a late load that did finish
             except Exception as error:  # noqa: BLE001 - the watchdog must outlive one bad check
                 log.warning("watchdog: check failed: %s", error)
                 continue

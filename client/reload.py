@@ -29,7 +29,7 @@ from pathlib import Path
 
 from dualend.launch import ADMIN_HEADER, DEFAULT_REPOSITORY, INTERNAL_HTTP_PORT, admin_key
 from dualend.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
-from dualend.serving import pipeline_name, prune_generations, served_generation
+from dualend.serving import generation_of, pipeline_name, prune_generations, served_generation
 
 from .api import RequestError, generate_http, metric_in, metrics_page
 
@@ -69,9 +69,9 @@ def loaded_models(client, deployment: str, headers) -> dict[str, list[str]]:
     """{generation: its READY models} of the deployment, e.g. {"dualend_v1": ["dualend_v1_backbone", ...]}."""
     loaded: dict[str, list[str]] = {}
     for model in client.get_model_repository_index(headers=headers):
-        match = re.fullmatch(rf"({deployment}_v\d+)_\w+", model["name"])
-        if match and model.get("state") == "READY":
-            loaded.setdefault(match.group(1), []).append(model["name"])
+        generation = generation_of(model["name"], deployment)
+        if generation and model.get("state") == "READY":
+            loaded.setdefault(pipeline_name(deployment, generation), []).append(model["name"])
     return loaded
 
 

@@ -2,12 +2,13 @@
 
 Three task families, each an (prompt, completion, answer) triple:
   math   multi-step arithmetic with worked steps        "Q: 7+5-3\\nA:" -> " 7+5=12 12-3=9 #9"
-  lookup key/value retrieval inside a long context      " ab:12 nq:37 ...\\nget nq\\nA:" -> " 37"
+  lookup key/value retrieval inside a long context      " ab:12 nq:37 ...\\nget nq:" -> "37"
   code   output of a small Python function (really run) "def f(x): ...\\n# output:" -> " 7"
 
-Every lookup key is written with a leading space, in the context and in the query, so it is the
-same token sequence in both. Long prompts: lookups with more entries, math and code questions
-after solved examples of the same family and split (`sized_examples`).
+A lookup query ends with the key and its colon exactly as the context writes them (" nq:", leading
+space included), so the answer is the value that followed the same tokens earlier in the prompt.
+Long prompts: lookups with more entries, math and code questions after solved examples of the same
+family and split (`sized_examples`).
 
 The split (train, calibration, report) is a pure function of the question (a hash bucket), so
 the three are disjoint by construction whatever the seeds.
@@ -78,7 +79,7 @@ def _lookup(rng: random.Random, entries: tuple[int, int] = SHORT_LOOKUP_ENTRIES)
     values = [f"{rng.randint(0, 99):02d}" for _ in keys]
     target = rng.randrange(n)
     context = "".join(f" {k}:{v}" for k, v in zip(keys, values))
-    return Example("lookup", f"{context}\nget {keys[target]}\nA:", f" {values[target]}", values[target])
+    return Example("lookup", f"{context}\nget {keys[target]}:", values[target], values[target])
 
 
 _LOOKUP_KEYS = [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase]

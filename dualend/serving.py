@@ -64,6 +64,20 @@ def pipeline_key(secret: str, checkpoint_id: str) -> str:
     return f"{secret}:{checkpoint_id}"
 
 
+class PipelineGuard:
+    """An internal step's check that a request comes from its own pipeline: the same server start
+    and the same checkpoint."""
+
+    def __init__(self, args: dict, checkpoint_id: str, deployment: str):
+        self.secret = pipeline_secret(args, checkpoint_id)
+        self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=deployment)
+
+    def refuses(self, key) -> str | None:
+        """The refusal message for a request whose `pipeline_key` input (None when absent) is not
+        the pipeline's secret; None for one from the pipeline."""
+        return None if from_pipeline(key, self.secret) else self.refusal
+
+
 def from_pipeline(key, secret: str) -> bool:
     """Whether a request's `pipeline_key` input (None when absent) is the pipeline's secret."""
     if key is None:
@@ -78,16 +92,22 @@ def pipeline_name(deployment: str, generation: int) -> str:
     return f"{deployment}_v{generation}"
 
 
-def served_generation(repository: Path, deployment: str) -> int | None:
-    """The generation of internal models the deployment's ensemble uses, None if there is none."""
-    config = repository / deployment / "config.pbtxt"
-    match = re.search(rf'model_name: "{deployment}_v(\d+)_', config.read_text()) if config.exists() else None
+def generation_of(model: str, deployment: str) -> int | None:
+    """The generation of one of the deployment's internal models (`dualend_v3_backbone` -> 3), None
+    for any other name (the ensemble itself, another deployment's models)."""
+    match = re.fullmatch(rf"{re.escape(deployment)}_v(\d+)_\w+", model)
     return int(match.group(1)) if match else None
 
 
+def served_generation(repository: Path, deployment: str) -> int | None:
+    """The generation of internal models the deployment's ensemble uses, None if there is none."""
+    config = repository / deployment / "config.pbtxt"
+    match = re.search(r'model_name: "(\w+)"', config.read_text()) if config.exists() else None
+    return generation_of(match.group(1), deployment) if match else None
+
+
 def generations(repository: Path, deployment: str) -> list[int]:
-    return sorted({int(m.group(1)) for p in repository.glob(f"{deployment}_v*_*")
-                   if (m := re.fullmatch(rf"{deployment}_v(\d+)_\w+", p.name))})
+    return sorted({g for p in repository.glob(f"{deployment}_v*_*") if (g := generation_of(p.name, deployment))})
 
 
 def prune_generations(repository: Path, deployment: str, keep: set[str]) -> list[str]:

@@ -15,39 +15,44 @@ from .tokenizer import TextTokenizer
 
 IGNORE = -100
 MAX_COMPLETION_TOKENS = 64  # room left after a long prompt for its answer
-TRAIN_MIX = ("math", "lookup", "lookup", "code", "code")  # families drawn with these weights
+TRAIN_MIX = ("math", "math", "lookup", "lookup", "code", "code")  # families drawn with these weights
 LONG_TEXT_FRACTION = 0.25  # at least this share of long rows is text, whatever the short mix
-# A training lookup row may ask up to this many more keys of the same context. 0 (off) reproduces the
-# shipped checkpoints' data; 4 was tried for baseline v3 and did not lift lookup (see README).
-LOOKUP_EXTRA_QUERIES = 0
+# A training lookup row asks up to this many more keys of the same context, each value carrying loss.
+LOOKUP_EXTRA_QUERIES = 8
 
 
 @dataclass
 class Sample:
     prompt: list[int]      # starts with BOS
-    completion: list[int]  # ends with EOS; the only part that carries loss
+    completion: list[int]  # ends with EOS; the only part that carries loss ...
+    silent: frozenset[int] = frozenset()  # ... but for these completion indices, shown without loss
 
 
-def task_sample(tokenizer: TextTokenizer, example: Example) -> Sample:
+def task_sample(tokenizer: TextTokenizer, example: Example, rng: random.Random) -> Sample:
+    """A task example; a lookup also asks up to LOOKUP_EXTRA_QUERIES more keys of its context."""
+    if example.family == "lookup" and LOOKUP_EXTRA_QUERIES:
+        return lookup_sample(tokenizer, example, more_queries(example, rng, rng.randint(0, LOOKUP_EXTRA_QUERIES)))
     return Sample(tokenizer.encode_prompt(example.prompt),
                   tokenizer.encode(example.completion) + [tokenizer.eos_id])
 
 
-def with_more_queries(example: Example, rng: random.Random, extra: int) -> Example:
-    """A lookup whose completion goes on to ask `extra` more keys of the same context, in the
-    format of the first question, so one row teaches several retrievals instead of one."""
-    context = example.prompt.split("\nget ")[0]
-    entries = [entry.split(":") for entry in context.split()]
-    completion = example.completion
-    for key, value in (rng.choice(entries) for _ in range(extra)):
-        completion += f"\nget {key}\nA: {value}"
-    return Example(example.family, example.prompt, completion, example.answer)
+def more_queries(example: Example, rng: random.Random, count: int) -> list[tuple[str, str]]:
+    """`count` (key, value) entries of a lookup's context, drawn with replacement."""
+    entries = [entry.split(":") for entry in example.prompt.split("\nget ")[0].split()]
+    return [tuple(rng.choice(entries)) for _ in range(count)]
 
 
-def training_example(example: Example, rng: random.Random) -> Example:
-    if example.family != "lookup" or not LOOKUP_EXTRA_QUERIES:
-        return example
-    return with_more_queries(example, rng, rng.randint(0, LOOKUP_EXTRA_QUERIES))
+def lookup_sample(tokenizer: TextTokenizer, example: Example, queries: list[tuple[str, str]]) -> Sample:
+    """A lookup whose completion goes on to ask more keys of the same context, in the format of the
+    first question, so one row teaches several retrievals: every value carries loss, the further
+    questions (`\nget key:`) are shown without loss, and EOS follows the last value only. So the
+    model never learns to go on after a value: asked one key, it answers it and stops."""
+    completion, silent = tokenizer.encode(example.completion), set()
+    for key, value in queries:
+        question = tokenizer.encode(f"\nget {key}:")
+        silent.update(range(len(completion), len(completion) + len(question)))
+        completion += question + tokenizer.encode(value)
+    return Sample(tokenizer.encode_prompt(example.prompt), completion + [tokenizer.eos_id], frozenset(silent))
 
 
 def text_sample(tokenizer: TextTokenizer, chunk: str, tokens: int) -> Sample:
@@ -68,7 +73,7 @@ def sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float, max
         if rng.random() < text_fraction:
             yield text_sample(tokenizer, next(text), text_tokens)
             continue
-        sample = task_sample(tokenizer, training_example(next(streams[rng.choice(families)]), rng))
+        sample = task_sample(tokenizer, next(streams[rng.choice(families)]), rng)
         if len(sample.prompt) + len(sample.completion) <= max_tokens:
             yield sample
 
@@ -87,7 +92,7 @@ def long_sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float
             if len(sample.completion) + 1 >= min_tokens:
                 yield sample
             continue
-        yield task_sample(tokenizer, training_example(next(streams[rng.choice(families)]), rng))
+        yield task_sample(tokenizer, next(streams[rng.choice(families)]), rng)
 
 
 def batch_stream(tokenizer: TextTokenizer, seed: int, *, batch_size: int, text_fraction: float,
@@ -189,9 +194,10 @@ def dualend_row(sample: Sample, pad_id: int, reject_ratio: float, rng: random.Ra
             next_index.append(-1), draft_index.append(-1)
             continue
         r = real_index[slot]
-        next_token.append(sequence[slot])
-        next_index.append(r)
-        has_draft = r + 1 < len(real_tokens)
+        trained = r - len(sample.prompt) not in sample.silent
+        next_token.append(sequence[slot] if trained else IGNORE)
+        next_index.append(r if trained else -1)
+        has_draft = r + 1 < len(real_tokens) and r + 1 - len(sample.prompt) not in sample.silent
         draft_target.append(real_tokens[r + 1] if has_draft else IGNORE)
         draft_index.append(r + 1 if has_draft else -1)
     return DualEndRow(sequence, next_token, draft_target, real_tokens, next_index, draft_index,
@@ -205,7 +211,8 @@ def _pad_rows(rows: list[list[int]], value: int) -> torch.Tensor:
 
 def baseline_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     tokens = [s.prompt + s.completion for s in samples]
-    labels = [[IGNORE] * (len(s.prompt) - 1) + s.completion + [IGNORE] for s in samples]
+    labels = [[IGNORE] * (len(s.prompt) - 1) + [IGNORE if i in s.silent else t for i, t in enumerate(s.completion)]
+              + [IGNORE] for s in samples]
     return {"tokens": _pad_rows(tokens, pad_id), "labels": _pad_rows(labels, IGNORE)}
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from .serving import generation_of, pipeline_name, served_generation
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Watchdog:
         """Reloads `model` (with its backbone, if it is a decode loop: the backbone still holds the
         dead loop's sequences) while its deployment is marked down; the mark stays if that fails."""
         deployment = self.deployment_of(model)
-        pipeline = re.match(rf"{deployment}_v\d+", model).group(0)
+        pipeline = pipeline_name(deployment, generation_of(model, deployment))
         mark = self.down_dir / deployment if self.down_dir else None
         log.error("watchdog: the stub of %s died; %s is marked down while it reloads", model, deployment)
         if mark:
@@ -69,18 +70,16 @@ class Watchdog:
                 if self.stopping.is_set():
                     return
                 self._repository(f"/models/{name}/{action}")
-        if not model.endswith("_backbone") and self.served(pipeline):  # not if the disk names a newer one
+        if not model.endswith("_backbone") and self.served(model):  # not if the disk names a newer one
             self._repository(f"/models/{deployment}/load")  # the ensemble takes the new step
         log.warning("watchdog: %s restored", model)
         if mark:
             mark.unlink(missing_ok=True)
 
-    def served(self, pipeline: str) -> bool:
-        """Whether the ensemble on disk still names this generation (a redeploy may have moved on)."""
-        from .serving import served_generation
-
-        deployment, generation = pipeline.rsplit("_v", 1)
-        return served_generation(self.server.model_repository, deployment) == int(generation)
+    def served(self, model: str) -> bool:
+        """Whether the ensemble on disk still names this model's generation (a redeploy may have moved on)."""
+        deployment = self.deployment_of(model)
+        return served_generation(self.server.model_repository, deployment) == generation_of(model, deployment)
 
     def run(self) -> None:
         retry: set[str] = set()
@@ -97,11 +96,10 @@ class Watchdog:
                 log.warning("watchdog: check failed: %s", error)
                 continue
             for model in sorted(failed | retry):
-                deployment = self.deployment_of(model)
-                if not self.served(re.match(rf"{deployment}_v\d+", model).group(0)):
+                if not self.served(model):
                     retry.discard(model)  # its generation was swapped out: nothing to restore
                     if self.down_dir:
-                        (self.down_dir / deployment).unlink(missing_ok=True)
+                        (self.down_dir / self.deployment_of(model)).unlink(missing_ok=True)
                     continue
                 try:
                     self.restore(model)

@@ -1,7 +1,6 @@
 """Fast unit tests of the core: data, tokenizer, model, decode loop, training, checkpoints."""
 import itertools
 import random
-import re
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from dualend.evaluation import (Outcome, outcome, paired_difference, reliability
 from dualend.reference import TorchBatch, TorchComponents, generate_batch
 from dualend.training import (IGNORE, Sample, teacher_targets, baseline_batch, baseline_forward,
                               baseline_loss, dualend_batch, dualend_loss, dualend_row, gated_pairs,
-                              split_pairs, with_more_queries)
+                              lookup_sample, more_queries, split_pairs)
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 10
@@ -73,24 +72,40 @@ def test_lookup_answer_is_the_value_of_the_queried_key():
     for example in itertools.islice(examples("lookup", "train", 0), 100):
         context, query = example.prompt.split("\nget ")
         table = dict(item.split(":") for item in context.removeprefix(" ").split(" "))
-        assert table[query.removesuffix("\nA:")] == example.answer
+        assert table[query.removesuffix(":")] == example.answer == example.completion
 
 
-def test_extra_lookup_queries_answer_from_the_same_context():
+def test_extra_lookup_queries_train_each_value_and_stop_only_after_the_last(tiny_tokenizer):
     rng = random.Random(0)
     for example in itertools.islice(examples("lookup", "train", 0), 50):
-        longer = with_more_queries(example, rng, 3)
+        queries = more_queries(example, rng, 3)
         table = dict(item.split(":") for item in example.prompt.split("\nget ")[0].split())
-        assert longer.prompt == example.prompt and longer.completion.startswith(example.completion)
-        asked = re.findall(r"\nget (\w+)\nA: (\d\d)", longer.completion)
-        assert len(asked) == 3 and all(table[key] == value for key, value in asked)
+        assert all(table[key] == value for key, value in queries)
+        sample = lookup_sample(tiny_tokenizer, example, queries)
+        text = tiny_tokenizer.decode(sample.completion)
+        assert text == example.completion + "".join(f"\nget {k}:{v}" for k, v in queries)
+        trained = "".join(tiny_tokenizer.decode([t]) for i, t in enumerate(sample.completion) if i not in sample.silent)
+        assert trained == example.completion + "".join(v for _, v in queries)  # values only, and EOS
+        assert sample.completion[-1] == tiny_tokenizer.eos_id and len(sample.completion) - 1 not in sample.silent
+        after_first = len(tiny_tokenizer.encode(example.completion))
+        assert after_first in sample.silent  # the value asked first is never taught to go on
+
+
+def test_silent_completion_tokens_carry_no_loss_in_either_model():
+    sample = Sample(prompt=[BOS, 5, 6], completion=[7, 3, 4, 8, EOS], silent=frozenset({1, 2}))
+    labels = baseline_batch([sample], PAD)["labels"][0].tolist()
+    assert labels == [IGNORE, IGNORE, 7, IGNORE, IGNORE, 8, EOS, IGNORE]
+    row = dualend_row(sample, PAD, reject_ratio=1.0, rng=random.Random(0))  # one token per pair
+    assert row.pairs == [BOS, 5, 6, PAD, 7, PAD, 3, PAD, 4, PAD, 8, PAD, EOS, PAD]
+    assert row.next_token == [IGNORE, 7, IGNORE, IGNORE, 8, EOS, IGNORE]
+    assert row.draft_target == [IGNORE, IGNORE, IGNORE, 8, EOS, IGNORE, IGNORE]
 
 
 def test_lookup_key_is_the_same_tokens_in_context_and_query(tiny_tokenizer):
     for example in itertools.islice(examples("lookup", "train", 0), 50):
-        key = example.prompt.split("\nget ")[1].removesuffix("\nA:")
-        query_ids = tiny_tokenizer.encode(f"\nget {key}\nA:")
-        key_ids = tiny_tokenizer.encode(f" {key}")
+        key = example.prompt.split("\nget ")[1].removesuffix(":")
+        query_ids = tiny_tokenizer.encode(f"\nget {key}:")
+        key_ids = tiny_tokenizer.encode(f" {key}:")
         context_ids = tiny_tokenizer.encode(example.prompt.split("\nget ")[0])
         assert _contains(query_ids, key_ids) and _contains(context_ids, key_ids)
 

@@ -7,7 +7,8 @@ import pytest
 
 from builder.tensorrt_build import main as tensorrt_main
 from dualend.decode import Chunk, InvalidRequest
-from dualend.serving import Limits, PreparedRequest, ResponseStream, model_parameters, prepare_request
+from dualend.serving import (Limits, PreparedRequest, ResponseStream, generation_of, generations, model_parameters,
+                             prepare_request, served_generation)
 from dualend.tensorrt_engine import gpu_available
 
 LIMITS = Limits(raw_context_limit=64, pair_size=2, max_new_tokens=32)
@@ -123,3 +124,15 @@ def test_a_parameter_missing_from_an_older_repository_says_how_to_fix_it():
     with pytest.raises(KeyError, match="dualend_v1_backbone: the model config has no parameter 'max_sequence_slots'"
                                        ".*rebuild it with `python -m builder.assemble`"):
         parameters["max_sequence_slots"]
+
+
+def test_generations_are_read_from_internal_model_names_of_that_deployment_only(tmp_path):
+    assert generation_of("dualend_v12_mtp_verify", "dualend") == 12
+    for other in ("dualend", "baseline_v3_backbone", "dualend_v_backbone", "dualend_x_v3_backbone", "xdualend_v3_backbone"):
+        assert generation_of(other, "dualend") is None, other
+    for name in ("dualend_v2_backbone", "dualend_v10_backbone", "baseline_v7_backbone", "dualend"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "dualend" / "config.pbtxt").write_text('step [ { model_name: "dualend_v10_preprocessing" } ]')
+    assert generations(tmp_path, "dualend") == [2, 10]
+    assert served_generation(tmp_path, "dualend") == 10
+    assert served_generation(tmp_path, "baseline") is None

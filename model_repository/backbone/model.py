@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from dualend.engines import open_engine
 from dualend.onnx_engine import BackboneBatch, BackboneRunner, kv_cache
-from dualend.serving import NOT_FROM_PIPELINE, from_pipeline, model_parameters, pipeline_secret, version_components
+from dualend.serving import PipelineGuard, model_parameters, version_components
 
 
 class TritonPythonModel:
@@ -26,8 +26,7 @@ class TritonPythonModel:
                              preallocate_slots=int(parameters["max_sequence_slots"]))
         engine = open_engine(exported, "backbone", parameters["engine"], int(parameters["threads"]))
         self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"])
-        self.secret = pipeline_secret(args, exported.checkpoint_id)
-        self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=parameters["deployment"])
+        self.guard = PipelineGuard(args, exported.checkpoint_id, parameters["deployment"])
         self._warm_up(settings["d_model"])
         self.metrics = _PoolMetrics({"model": args["model_name"], "deployment": parameters["deployment"]}, self.pool)
         pb_utils.Logger.log_info(f"{args['model_name']}: backbone of checkpoint {exported.checkpoint_id} on "
@@ -46,8 +45,9 @@ class TritonPythonModel:
         self.pool.evict_idle()
         responses = []
         for request in requests:
-            if not from_pipeline(_input(request, "pipeline_key"), self.secret):
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(self.refusal)))
+            refusal = self.guard.refuses(_input(request, "pipeline_key"))
+            if refusal:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal)))
                 continue
             inputs = {name: _input(request, name)
                       for name in ("latents", "sequence_ids", "new_latents", "reserve_slots", "release_ids")}

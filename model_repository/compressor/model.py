@@ -3,7 +3,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dualend.engines import open_engine
-from dualend.serving import NOT_FROM_PIPELINE, from_pipeline, model_parameters, pipeline_secret, version_components
+from dualend.serving import PipelineGuard, model_parameters, version_components
 
 
 class TritonPythonModel:
@@ -11,16 +11,16 @@ class TritonPythonModel:
         parameters = model_parameters(args)
         exported = version_components(args, ("compressor",))
         self.session = open_engine(exported, "compressor", parameters["engine"], int(parameters["threads"]))
-        self.secret = pipeline_secret(args, exported.checkpoint_id)
-        self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=parameters["deployment"])
+        self.guard = PipelineGuard(args, exported.checkpoint_id, parameters["deployment"])
         pair_size = exported.settings["pair_size"]
         self.session.run(None, {"tokens": np.full((1, pair_size), exported.settings["bos_id"], np.int64)})  # warm-up
 
     def execute(self, requests):
         responses = []
         for request in requests:
-            if not from_pipeline(_input(request, "pipeline_key"), self.secret):
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(self.refusal)))
+            refusal = self.guard.refuses(_input(request, "pipeline_key"))
+            if refusal:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal)))
                 continue
             tokens = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
             latents = self.session.run(None, {"tokens": tokens})[0]

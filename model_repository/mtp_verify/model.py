@@ -28,8 +28,7 @@ from dualend.manifest import verify_component, verify_siblings
 from dualend.metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSAL_REASONS, REFUSALS, PhaseMetrics
 from dualend.onnx_engine import BackboneResult, MTPComponent
 from dualend.scheduler import Scheduler
-from dualend.serving import (NOT_FROM_PIPELINE, PreparedRequest, from_pipeline, model_parameters, pipeline_secret,
-                             version_components)
+from dualend.serving import PipelineGuard, PreparedRequest, model_parameters, version_components
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SHUTDOWN_MESSAGE = "the server is shutting down; the stream ends here, retry"
@@ -96,15 +95,14 @@ class TritonPythonModel:
         local = MTPComponent(exported, max_sequences=int(parameters["max_concurrent_requests"]),
                              preallocate_slots=int(parameters["max_sequence_slots"]))
         self.threshold = float(parameters["acceptance_threshold"])
-        self.secret = pipeline_secret(args, checkpoint_id)
-        self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=deployment)
+        self.guard = PipelineGuard(args, checkpoint_id, deployment)
         self.draining = False
         scheduler = Scheduler(
             max_running=int(parameters["max_concurrent_requests"]), max_queue=int(parameters["max_queue_size"]),
             wait_s=float(parameters["queue_wait_s"]), prefill_chunk=int(parameters["prefill_chunk_latents"]),
             kv_blocks=int(parameters["kv_capacity_blocks"]), kv_block_size=int(parameters["kv_block_size"]))
         self.metrics = _TritonMetrics({"model": args["model_name"], "deployment": deployment})
-        executor = Executor(BLSBackbone(backbone, self.secret), local,
+        executor = Executor(BLSBackbone(backbone, self.guard.secret), local,
                             exported.settings["d_model"])
         self.loop = DecodeLoop(executor, exported.tokenizer(), scheduler, self.threshold, self.metrics)
         self.stopping = threading.Event()
@@ -124,8 +122,9 @@ class TritonPythonModel:
             request_id = secrets.randbits(63)  # also the backbone's sequence id: not guessable
             output = ResponseSenderOutput(sender, request_id)
             key = pb_utils.get_input_tensor_by_name(request, "pipeline_key")
-            if not from_pipeline(None if key is None else key.as_numpy(), self.secret):
-                output.fail(self.refusal)
+            refusal = self.guard.refuses(None if key is None else key.as_numpy())
+            if refusal:
+                output.fail(refusal)
                 continue
             control = json.loads(params)
             if "cancel" in control or "drain" in control:

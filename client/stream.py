@@ -1,7 +1,7 @@
 """Stream a completion from the server and print it as it arrives, then a summary line.
 
     python -m client.stream "Q: 7+5-3\nA:" --model dualend --protocol grpc
-    python -m client.stream "get ab\nA:" --protocol http --url 127.0.0.1:8000 --no-stream
+    python -m client.stream " ab:12 cd:34 ef:56\nget cd:" --protocol http --url 127.0.0.1:8000 --no-stream
 
 The summary: TTFT, TPOT (per token, not per response), tokens, steps, acceptance of drafts.
 """

@@ -19,6 +19,9 @@ TRAIN_MIX = ("math", "math", "lookup", "lookup", "code", "code")  # families dra
 LONG_TEXT_FRACTION = 0.25  # at least this share of long rows is text, whatever the short mix
 # A training lookup row asks up to this many more keys of the same context, each value carrying loss.
 LOOKUP_EXTRA_QUERIES = 8
+# This share of training lookups is instead a copy of the context after itself, loss on every token:
+# dense practice in finding earlier tokens and copying what followed them, which lookup needs.
+LOOKUP_COPY_FRACTION = 0.5
 
 
 @dataclass
@@ -29,7 +32,10 @@ class Sample:
 
 
 def task_sample(tokenizer: TextTokenizer, example: Example, rng: random.Random) -> Sample:
-    """A task example; a lookup also asks up to LOOKUP_EXTRA_QUERIES more keys of its context."""
+    """A task example; a lookup also asks up to LOOKUP_EXTRA_QUERIES more keys of its context, or
+    becomes a copy of its context (LOOKUP_COPY_FRACTION)."""
+    if example.family == "lookup" and rng.random() < LOOKUP_COPY_FRACTION:
+        return copy_sample(tokenizer, example.prompt.split("\nget ")[0])
     if example.family == "lookup" and LOOKUP_EXTRA_QUERIES:
         return lookup_sample(tokenizer, example, more_queries(example, rng, rng.randint(0, LOOKUP_EXTRA_QUERIES)))
     return Sample(tokenizer.encode_prompt(example.prompt),
@@ -53,6 +59,15 @@ def lookup_sample(tokenizer: TextTokenizer, example: Example, queries: list[tupl
         silent.update(range(len(completion), len(completion) + len(question)))
         completion += question + tokenizer.encode(value)
     return Sample(tokenizer.encode_prompt(example.prompt), completion + [tokenizer.eos_id], frozenset(silent))
+
+
+def copy_sample(tokenizer: TextTokenizer, context: str) -> Sample:
+    """The context, then a newline and the context again, as far as MAX_COMPLETION_TOKENS allows;
+    the copy carries loss, the EOS after a cut copy does not (it is not where the copy ends)."""
+    copy = tokenizer.encode("\n" + context)
+    cut = copy[:MAX_COMPLETION_TOKENS - 1]
+    silent = frozenset() if len(cut) == len(copy) else frozenset({len(cut)})
+    return Sample(tokenizer.encode_prompt(context), cut + [tokenizer.eos_id], silent)
 
 
 def text_sample(tokenizer: TextTokenizer, chunk: str, tokens: int) -> Sample:

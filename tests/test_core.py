@@ -17,9 +17,9 @@ from dualend.decode import (BackboneOutput, InvalidRequest, SamplingParams, Text
 from dualend.evaluation import (Outcome, outcome, paired_difference, reliability, summary,
                                 teacher_forced_text)
 from dualend.reference import TorchBatch, TorchComponents, generate_batch
-from dualend.training import (IGNORE, Sample, teacher_targets, baseline_batch, baseline_forward,
+from dualend.training import (IGNORE, MAX_COMPLETION_TOKENS, Sample, teacher_targets, baseline_batch, baseline_forward,
                               baseline_loss, dualend_batch, dualend_loss, dualend_row, gated_pairs,
-                              lookup_sample, more_queries, split_pairs)
+                              copy_sample, lookup_sample, more_queries, split_pairs)
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 10
@@ -89,6 +89,17 @@ def test_extra_lookup_queries_train_each_value_and_stop_only_after_the_last(tiny
         assert sample.completion[-1] == tiny_tokenizer.eos_id and len(sample.completion) - 1 not in sample.silent
         after_first = len(tiny_tokenizer.encode(example.completion))
         assert after_first in sample.silent  # the value asked first is never taught to go on
+
+
+def test_a_copy_row_repeats_the_context_and_stops_training_where_it_is_cut(tiny_tokenizer):
+    short = " ab:12 cd:34"
+    sample = copy_sample(tiny_tokenizer, short)
+    assert tiny_tokenizer.decode(sample.prompt + sample.completion) == short + "\n" + short
+    assert sample.completion[-1] == tiny_tokenizer.eos_id and not sample.silent
+    long = "".join(f" {a}{b}:{i % 100:02d}" for i, (a, b) in enumerate(zip("abcdefghijklmnopqrstuvwxyz" * 2, "qwertyuiopasdfghjklzxcvbnm" * 2)))
+    cut = copy_sample(tiny_tokenizer, long)
+    assert len(cut.completion) == MAX_COMPLETION_TOKENS and cut.silent == {MAX_COMPLETION_TOKENS - 1}
+    assert ("\n" + long).startswith(tiny_tokenizer.decode(cut.completion[:-1]))
 
 
 def test_silent_completion_tokens_carry_no_loss_in_either_model():

@@ -9,4 +9,4 @@ if ! ls "$export_dir"/*/backbone/model.plan > /dev/null 2>&1; then
 fi
 python3 -m builder.assemble --engine tensorrt --export-dir "$export_dir" --out /cache/model_repository
 exec python3 -m dualend.launch --model-repository /cache/model_repository --no-build --host 0.0.0.0 \
-    --api-keys /etc/dualend/api_keys --model-control-mode explicit --load-model '*' "$@"
+    --api-keys /etc/dualend/api_keys "$@"

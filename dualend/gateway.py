@@ -122,6 +122,20 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
     down_check = (f"if (-f {prefix}/down/$deployment) {{ return 503 '{{\"error\":\"$deployment is restoring a failed "
                   "component; retry in a few seconds\"}'; }")
     models = "|".join(PUBLIC_DEPLOYMENTS)
+
+    def generate_location(model_pattern: str, deployment: str, triton_uri: str) -> str:
+        """A generate route: key, rate, method, down mark, then the JSON check (which passes the
+        request on to `triton_uri`)."""
+        return f"""location ~ ^/v2/models/{model_pattern}/(generate|generate_stream)$ {{
+            {check}
+            limit_req zone=per_client burst={settings.burst} nodelay;
+            limit_except POST {{ deny all; }}
+            set $deployment {deployment};
+            {down_check}
+            set $triton_uri {triton_uri};
+            js_content request.check;
+        }}"""
+
     grpc_methods = "|".join(GRPC_METHODS)
     return f"""# written by dualend.gateway; edits are overwritten
 load_module {NJS_MODULE};
@@ -165,24 +179,8 @@ http {{
         proxy_buffering off;
         proxy_read_timeout 300s;
         add_header X-Dualend-Deployment $deployment always;
-        location ~ ^/v2/models/({models})/(generate|generate_stream)$ {{
-            {check}
-            limit_req zone=per_client burst={settings.burst} nodelay;
-            limit_except POST {{ deny all; }}
-            set $deployment $1;
-            {down_check}
-            set $triton_uri $uri;
-            js_content request.check;
-        }}
-        location ~ ^/v2/models/{CANARY_MODEL}/(generate|generate_stream)$ {{
-            {check}
-            limit_req zone=per_client burst={settings.burst} nodelay;
-            limit_except POST {{ deny all; }}
-            set $deployment $canary;
-            {down_check}
-            set $triton_uri /v2/models/$canary/$1;
-            js_content request.check;
-        }}
+        {generate_location(f"({models})", "$1", "$uri")}
+        {generate_location(CANARY_MODEL, "$canary", "/v2/models/$canary/$1")}
         location @triton {{ proxy_pass http://triton_http$triton_uri; }}  # a checked generate request
         location ~ ^/v2/models/({models})(/ready)?$ {{
             limit_except GET {{ deny all; }}

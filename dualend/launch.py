@@ -225,6 +225,15 @@ def free_ports(host: str, count: int) -> list[int]:
             s.close()
 
 
+def _answers(url: str) -> bool:
+    """Whether GET `url` answers 200 within a second."""
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -382,8 +391,8 @@ class TritonServer:
                     f"tritonserver exited with code {self._process.returncode} before it was "
                     f"ready; last lines of {self.log_file}:\n{_tail(self.log_file)}"
                 )
-            if self.is_ready():
-                return
+            if self.is_ready() and (_answers(self.metrics_url) or "--allow-metrics=false" in self.extra_args):
+                return  # (tritonserver starts its metrics endpoint after the health endpoints)
             time.sleep(0.1)
         raise ServerStartError(
             f"tritonserver not ready after {self.startup_timeout:.0f} s; last lines of "
@@ -394,11 +403,7 @@ class TritonServer:
         """True when GET /v2/health/ready answers 200 (server and every loaded model ready)."""
         if self._process is None or self._process.poll() is not None:
             return False
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1.0) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return _answers(f"http://{self.http_url}/v2/health/ready")
 
     def drain(self, timeout_s: float = 5.0) -> int:
         """Ends every running stream at once with a clear error (each deployment's decode loop is told

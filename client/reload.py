@@ -66,17 +66,17 @@ def served_checkpoint(client, deployment: str) -> str:
 
 
 def loaded_models(client, deployment: str, headers) -> dict[str, list[str]]:
-    """{generation: its READY models} of the deployment, e.g. {"dualend_v1": ["dualend_v1_backbone", ...]}."""
+    """{pipeline: its READY models} of the deployment, e.g. {"dualend_v1": ["dualend_v1_backbone", ...]}."""
     loaded: dict[str, list[str]] = {}
     for model in client.get_model_repository_index(headers=headers):
         generation = generation_of(model["name"], deployment)
-        if generation and model.get("state") == "READY":
+        if generation is not None and model.get("state") == "READY":
             loaded.setdefault(pipeline_name(deployment, generation), []).append(model["name"])
     return loaded
 
 
 def loaded_pipelines(client, deployment: str, headers) -> list[str]:
-    """The generations of the deployment with a model loaded, e.g. ["dualend_v1"]."""
+    """The pipelines (one per generation) of the deployment with a model loaded, e.g. ["dualend_v1"]."""
     return sorted(loaded_models(client, deployment, headers))
 
 

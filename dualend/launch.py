@@ -391,13 +391,20 @@ class TritonServer:
                     f"tritonserver exited with code {self._process.returncode} before it was "
                     f"ready; last lines of {self.log_file}:\n{_tail(self.log_file)}"
                 )
-            if self.is_ready() and (_answers(self.metrics_url) or "--allow-metrics=false" in self.extra_args):
+            if self.is_ready() and (not self.serves_metrics or _answers(self.metrics_url)):
                 return  # (tritonserver starts its metrics endpoint after the health endpoints)
             time.sleep(0.1)
         raise ServerStartError(
             f"tritonserver not ready after {self.startup_timeout:.0f} s; last lines of "
             f"{self.log_file}:\n{_tail(self.log_file)}"
         )
+
+    @property
+    def serves_metrics(self) -> bool:
+        """False when the extra flags turn tritonserver's metrics off (`--allow-metrics=false`, `0`, ...)."""
+        flags = " ".join(self.extra_args).replace("=", " ").split()
+        values = [flags[i + 1].lower() for i, flag in enumerate(flags[:-1]) if flag == "--allow-metrics"]
+        return not values or values[-1] not in ("false", "0", "no", "off")
 
     def is_ready(self) -> bool:
         """True when GET /v2/health/ready answers 200 (server and every loaded model ready)."""

@@ -107,7 +107,8 @@ def served_generation(repository: Path, deployment: str) -> int | None:
 
 
 def generations(repository: Path, deployment: str) -> list[int]:
-    return sorted({g for p in repository.glob(f"{deployment}_v*_*") if (g := generation_of(p.name, deployment))})
+    return sorted({g for p in repository.glob(f"{deployment}_v*_*")
+                   if (g := generation_of(p.name, deployment)) is not None})
 
 
 def prune_generations(repository: Path, deployment: str, keep: set[str]) -> list[str]:

@@ -181,7 +181,9 @@ def draw_reject_ratio(rng: random.Random) -> float:
 @dataclass
 class DualEndRow:
     pairs: list[int]         # [2n] tokens, read as n pairs
-    next_token: list[int]    # [n] backbone target at pair i (first token of pair i+1)
+    next_token: list[int]    # [n] backbone target at pair i (first token of pair i+1), IGNORE where no loss
+    mtp_input: list[int]     # [n] what the MTP head reads at pair i: that same token, also where it
+                             # carries no loss (PAD before the prompt's last pair and past the end)
     draft_target: list[int]  # [n] MTP target: the real token after next_token
     real_tokens: list[int]   # the sequence without any PAD, what the baseline teacher reads
     next_index: list[int]    # [n] index in real_tokens of next_token, or -1
@@ -201,13 +203,14 @@ def dualend_row(sample: Sample, pad_id: int, reject_ratio: float, rng: random.Ra
         real_index.append(counter if token != pad_id else -1)
         counter += token != pad_id
     n_pairs, n_prompt_pairs = len(sequence) // 2, len(prompt) // 2
-    next_token, draft_target, next_index, draft_index = [], [], [], []
+    next_token, mtp_input, draft_target, next_index, draft_index = [], [], [], [], []
     for i in range(n_pairs):
         slot = 2 * (i + 1)
         if i < n_prompt_pairs - 1 or slot >= len(sequence):
-            next_token.append(IGNORE), draft_target.append(IGNORE)
+            next_token.append(IGNORE), draft_target.append(IGNORE), mtp_input.append(pad_id)
             next_index.append(-1), draft_index.append(-1)
             continue
+        mtp_input.append(sequence[slot])
         r = real_index[slot]
         trained = r - len(sample.prompt) not in sample.silent
         next_token.append(sequence[slot] if trained else IGNORE)
@@ -215,7 +218,7 @@ def dualend_row(sample: Sample, pad_id: int, reject_ratio: float, rng: random.Ra
         has_draft = r + 1 < len(real_tokens) and r + 1 - len(sample.prompt) not in sample.silent
         draft_target.append(real_tokens[r + 1] if has_draft else IGNORE)
         draft_index.append(r + 1 if has_draft else -1)
-    return DualEndRow(sequence, next_token, draft_target, real_tokens, next_index, draft_index,
+    return DualEndRow(sequence, next_token, mtp_input, draft_target, real_tokens, next_index, draft_index,
                       n_prompt_pairs - 1)
 
 
@@ -240,6 +243,7 @@ def dualend_batch(samples: list[Sample], pad_id: int, rng: random.Random,
     return {
         "pairs": _pad_rows([r.pairs for r in rows], pad_id).view(len(rows), -1, 2),
         "next_token": _pad_rows([r.next_token for r in rows], IGNORE),
+        "mtp_input": _pad_rows([r.mtp_input for r in rows], pad_id),
         "draft_target": _pad_rows([r.draft_target for r in rows], IGNORE),
         "real_tokens": _pad_rows([r.real_tokens for r in rows], pad_id),
         "next_index": _pad_rows([r.next_index for r in rows], -1),
@@ -295,8 +299,8 @@ def dualend_loss(model: LanguageModel, batch: dict[str, torch.Tensor],
     hidden, _, _ = model.backbone(model.latents(pairs), positions,
                                   torch.ones(n_batch, n_pairs, dtype=torch.bool))
     next_logits = model.lm_head(hidden)  # [B, n, V]
-    t1 = next_token.clamp(min=0)  # teacher forcing: the MTP reads the gold first token
-    draft_logits, confidence, _, _ = model.mtp_forward(t1, hidden, positions, batch["mtp_valid"])
+    # teacher forcing: the MTP head reads the gold first token, also where that token carries no loss
+    draft_logits, confidence, _, _ = model.mtp_forward(batch["mtp_input"], hidden, positions, batch["mtp_valid"])
 
     next_soft = draft_soft = None
     if teacher is not None and distill_weight > 0:

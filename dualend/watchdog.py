@@ -79,7 +79,8 @@ class Watchdog:
     def served(self, model: str) -> bool:
         """Whether the ensemble on disk still names this model's generation (a redeploy may have moved on)."""
         deployment = self.deployment_of(model)
-        return served_generation(self.server.model_repository, deployment) == generation_of(model, deployment)
+        generation = generation_of(model, deployment)
+        return generation is not None and served_generation(self.server.model_repository, deployment) == generation
 
     def run(self) -> None:
         retry: set[str] = set()

@@ -106,3 +106,10 @@ def test_start_failure_reports_log_tail(identity_repository, tmp_path):
     with pytest.raises(ServerStartError, match="no_such_model"):
         server.start()
     assert server.pid is None
+
+
+@pytest.mark.parametrize("extra, serves", [([], True), (["--allow-metrics=false"], False),
+                                           (["--allow-metrics", "False"], False), (["--allow-metrics=0"], False),
+                                           (["--allow-metrics=true"], True), (["--log-verbose=1"], True)])
+def test_readiness_waits_for_metrics_only_when_tritonserver_serves_them(tmp_path, extra, serves):
+    assert TritonServer(tmp_path, extra_args=extra).serves_metrics is serves

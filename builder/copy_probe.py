@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from dualend.checkpoint import load_checkpoint
-from dualend.data import examples
+from dualend.data import examples, lookup_context
 from dualend.training import IGNORE, baseline_batch, baseline_forward, copy_sample, lookup_sample
 
 
@@ -40,7 +40,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"{args.checkpoint} is a dual-end checkpoint; the probe reads token-level baselines")
     model, tokenizer = checkpoint.model.eval(), checkpoint.tokenizer
     held_out = list(itertools.islice(examples("lookup", "calibration", 0), args.contexts))
-    copies = [copy_sample(tokenizer, e.prompt.split("\nget ")[0]) for e in held_out]
+    copies = [copy_sample(tokenizer, lookup_context(e)) for e in held_out]
     queries = [lookup_sample(tokenizer, e, []) for e in held_out]
     print(f"{args.checkpoint} ({checkpoint.id}), {args.contexts} held-out lookup contexts, greedy, teacher-forced")
     for name, samples in (("copy of the context", copies), ("query", queries)):

@@ -85,6 +85,16 @@ def _lookup(rng: random.Random, entries: tuple[int, int] = SHORT_LOOKUP_ENTRIES)
 _LOOKUP_KEYS = [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase]
 
 
+def lookup_context(example: Example) -> str:
+    """A lookup prompt's key/value entries (" ab:12 nq:37 ..."), without the query."""
+    return example.prompt.split("\nget ")[0]
+
+
+def lookup_entries(example: Example) -> list[tuple[str, str]]:
+    """A lookup prompt's (key, value) entries, in context order."""
+    return [tuple(entry.split(":")) for entry in lookup_context(example).split()]
+
+
 def _code_source(rng: random.Random) -> str:
     a, b, c, i = rng.randint(0, 9), rng.randint(1, 9), rng.randint(1, 9), rng.randint(0, 2)
     op = rng.choice("+-*")

@@ -4,7 +4,8 @@ It bounds request bodies (tritonserver 2.51 crashes on an 8 MB JSON body and has
 it), checks the JSON of generate requests against the public inputs (`gateway_request.js`, njs:
 tritonserver answers a wrong type with a 500 naming no field), checks per-client API keys and
 rate limits, exposes only the public routes of the two ensembles, and splits `llm` requests between
-the dual-end and baseline deployments by weight (a canary), naming the deployment that answered in the `X-Dualend-Deployment` header:
+the dual-end and baseline deployments by weight (a canary), naming the deployment that answered in
+the `X-Dualend-Deployment` header:
 
     POST /v2/models/{dualend,baseline,llm}/generate[_stream]   key required; `llm` = canary split
     GET  /v2/models/{dualend,baseline}[/ready], /v2/health/{live,ready}

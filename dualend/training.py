@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from .data import FAMILIES, Example, examples, sized_examples, stdlib_chunks
+from .data import FAMILIES, Example, examples, lookup_context, lookup_entries, sized_examples, stdlib_chunks
 from .decode import pad_prompt
 from .model import LanguageModel
 from .tokenizer import TextTokenizer
@@ -35,7 +35,7 @@ def task_sample(tokenizer: TextTokenizer, example: Example, rng: random.Random) 
     """A task example; a lookup also asks up to LOOKUP_EXTRA_QUERIES more keys of its context, or
     becomes a copy of its context (LOOKUP_COPY_FRACTION)."""
     if example.family == "lookup" and rng.random() < LOOKUP_COPY_FRACTION:
-        return copy_sample(tokenizer, example.prompt.split("\nget ")[0])
+        return copy_sample(tokenizer, lookup_context(example))
     if example.family == "lookup" and LOOKUP_EXTRA_QUERIES:
         return lookup_sample(tokenizer, example, more_queries(example, rng, rng.randint(0, LOOKUP_EXTRA_QUERIES)))
     return Sample(tokenizer.encode_prompt(example.prompt),
@@ -44,8 +44,8 @@ def task_sample(tokenizer: TextTokenizer, example: Example, rng: random.Random) 
 
 def more_queries(example: Example, rng: random.Random, count: int) -> list[tuple[str, str]]:
     """`count` (key, value) entries of a lookup's context, drawn with replacement."""
-    entries = [entry.split(":") for entry in example.prompt.split("\nget ")[0].split()]
-    return [tuple(rng.choice(entries)) for _ in range(count)]
+    entries = lookup_entries(example)
+    return [rng.choice(entries) for _ in range(count)]
 
 
 def lookup_sample(tokenizer: TextTokenizer, example: Example, queries: list[tuple[str, str]]) -> Sample:

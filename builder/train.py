@@ -13,6 +13,7 @@ the checkpoint with the best held-out greedy accuracy so far. Re-running the sam
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import math
@@ -29,14 +30,14 @@ from dualend.data import FAMILIES, examples, stdlib_chunks
 from dualend.evaluation import evaluate_pass1
 from dualend.model import LanguageModel, ModelConfig, count_parameters, default_ffn_hidden
 from dualend.tokenizer import TextTokenizer, train_tokenizer
-from dualend.training import (AUGMENTATIONS, baseline_batch, baseline_loss, batch_stream, dualend_batch,
-                              dualend_loss)
+from dualend.training import (AUGMENTATIONS, baseline_batch, baseline_loss, batch_stream, batch_stream_in_workers,
+                              dualend_batch, dualend_loss)
 
 DEFAULTS = dict(
     vocab_size=1024, d_model=256, n_layers=4, n_heads=4, batch_size=32, max_tokens=192,
     context=1024, long_fraction=0.5,
     lr=2e-3, warmup=200, text_fraction=0.1, eval_every=500, eval_examples=40, patience=4,
-    distill_weight=0.5, seed=0, threads=2,
+    distill_weight=0.5, seed=0, threads=2, device="cpu", data_workers=0, time_limit_minutes=0.0,
 )
 
 
@@ -54,15 +55,33 @@ def cmd_tokenizer(args) -> None:
     print(f"tokenizer: {tokenizer.get_vocab_size()} tokens -> {args.out}")
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine from `peak` to a tenth of it as `progress`
+    (the share of the run done, 0..1) goes."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def run_progress(args, step: int, elapsed_s: float) -> float:
+    """Steps done after warm-up over those planned, or the share of the time limit spent when
+    that is further along (so a time-limited run still ends its schedule)."""
+    by_steps = max(0, step - args.warmup) / max(1, args.steps - args.warmup)
+    by_time = elapsed_s / (60 * args.time_limit_minutes) if args.time_limit_minutes else 0.0
+    return max(by_steps, by_time)
+
+
+def on_cpu(model: LanguageModel) -> LanguageModel:
+    """The model itself on a CPU run; a CPU copy of it otherwise, for evaluation and saving."""
+    if next(model.parameters()).device.type == "cpu":
+        return model
+    return copy.deepcopy(model).to("cpu")
 
 
 def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dict, loss_fn,
                make_batch, trainable) -> None:
+    """With --device cuda, batches and model live on the GPU and evaluation runs on a CPU copy;
+    --time-limit-minutes ends a run early (evaluated and saved) when its wall time is spent."""
     run = Path(args.run)
     run.mkdir(parents=True, exist_ok=True)
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -70,26 +89,29 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
     step, best, stale, elapsed = 0, -1.0, 0, 0.0
     data_rng = random.Random(args.seed)
     def batches(seed: int):
-        return batch_stream(tokenizer, seed, batch_size=args.batch_size, text_fraction=args.text_fraction,
-                            short_tokens=args.max_tokens, context=args.context,
-                            long_fraction=args.long_fraction)
+        settings = dict(batch_size=args.batch_size, text_fraction=args.text_fraction, short_tokens=args.max_tokens,
+                        context=args.context, long_fraction=args.long_fraction)
+        if args.data_workers:
+            return batch_stream_in_workers(tokenizer, seed, args.data_workers, **settings)
+        return batch_stream(tokenizer, seed, **settings)
 
     stream = batches(args.seed)
     if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=False, map_location=args.device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, best, stale, elapsed = state["step"], state["best"], state["stale"], state["elapsed"]
         data_rng.setstate(state["data_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"].cpu())
         stream = batches(args.seed + step)
         print(f"resumed at step {step} (best held-out accuracy {best:.3f})")
     bar = tqdm(total=args.steps, initial=step, desc=recipe["kind"], file=sys.stdout, mininterval=30)
     started = time.time() - elapsed
-    while step < args.steps and stale < args.patience:
+    out_of_time = False
+    while step < args.steps and stale < args.patience and not out_of_time:
         model.train()
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            group["lr"] = lr_at(step, run_progress(args, step, time.time() - started), args.lr, args.warmup)
         batch = make_batch(next(stream), data_rng)
         loss, parts = loss_fn(model, batch)
         optimizer.zero_grad(set_to_none=True)
@@ -100,9 +122,12 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
         bar.update(1)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % args.eval_every == 0 or step == args.steps:
+        out_of_time = bool(args.time_limit_minutes) and time.time() - started > 60 * args.time_limit_minutes
+        if step % args.eval_every == 0 or step == args.steps or out_of_time:
             model.eval()
-            accuracy = evaluate_pass1(model, tokenizer, args.eval_examples, args.context, seed=1)
+            with torch.device("cpu"):
+                evaluated = on_cpu(model)
+                accuracy = evaluate_pass1(evaluated, tokenizer, args.eval_examples, args.context, seed=1)
             mean = sum(accuracy.values()) / len(accuracy)
             improved = mean > best
             best, stale = (mean, 0) if improved else (best, stale + 1)
@@ -114,18 +139,19 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
             print(json.dumps(record), flush=True)
             if improved:
                 recipe.update(steps=step, minutes=record["minutes"], heldout_pass1=accuracy)
-                Checkpoint(model, tokenizer, dict(recipe)).save(run / "best")
+                Checkpoint(evaluated, tokenizer, dict(recipe)).save(run / "best")
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "step": step, "best": best, "stale": stale,
                         "elapsed": time.time() - started, "data_rng": data_rng.getstate(),
                         "torch_rng": torch.get_rng_state()}, state_path)
     bar.close()
-    print(f"done at step {step}; best held-out mean pass@1 {best:.3f} -> {run / 'best'}")
+    print(f"done at step {step}{' (time limit)' if out_of_time else ''}; "
+          f"best held-out mean pass@1 {best:.3f} -> {run / 'best'}")
 
 
 def _recipe(args, kind: str) -> dict:
     keys = ("batch_size", "max_tokens", "context", "long_fraction", "lr", "warmup", "text_fraction", "seed",
-            "steps")
+            "steps", "device")
     keys += ("distill_weight",) if kind == "dualend" else ()
     return {"kind": kind, "python": sys.version.split()[0], "torch": torch.__version__,
             **{k: getattr(args, k) for k in keys if hasattr(args, k)}}
@@ -151,6 +177,7 @@ def cmd_baseline(args) -> None:
         model = LanguageModel(cfg)
     cfg = model.cfg
     print(f"baseline: {count_parameters(model) / 1e6:.2f}M parameters")
+    model.to(args.device)
     train_loop(args, model, tokenizer, recipe, baseline_loss,
                lambda samples, rng: baseline_batch(samples, cfg.pad_id), list(model.parameters()))
 
@@ -188,6 +215,8 @@ def cmd_dualend(args) -> None:
         recipe |= {"converted_from": teacher_ckpt.id, "compressor_init": args.compressor_init,
                    "position_stride": args.position_stride}
     pad = model.cfg.pad_id
+    model.to(args.device)
+    teacher.to(args.device)
     teacher_or_none = teacher if args.distill_weight > 0 else None
     train_loop(args, model, tokenizer, recipe,
                lambda m, b: dualend_loss(m, b, teacher_or_none, args.distill_weight),
@@ -250,6 +279,8 @@ def main(argv=None) -> None:
                                         "(converted from --baseline) instead of converting afresh")
     args = parser.parse_args(argv)
     torch.set_num_threads(getattr(args, "threads", 2))
+    if getattr(args, "device", "cpu") != "cpu":
+        torch.set_default_device(args.device)  # batches are built where the model is
     commands = {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend, "merge": cmd_merge,
                 "promote": cmd_promote}
     commands[args.command](args)

@@ -1,6 +1,7 @@
 """Training samples, batches and losses for the baseline and the dual-end model."""
 from __future__ import annotations
 
+import multiprocessing
 import random
 from dataclasses import dataclass
 from typing import Iterator
@@ -129,6 +130,24 @@ def batch_stream(tokenizer: TextTokenizer, seed: int, *, batch_size: int, text_f
             yield [next(long[bucket]) for _ in range(rows)]
         else:
             yield [next(short) for _ in range(batch_size)]
+
+
+def _produce_batches(queue, tokenizer: TextTokenizer, seed: int, settings: dict) -> None:
+    for batch in batch_stream(tokenizer, seed, **settings):
+        queue.put(batch)
+
+
+def batch_stream_in_workers(tokenizer: TextTokenizer, seed: int, workers: int, **settings) -> Iterator[list[Sample]]:
+    """batch_stream drawn by `workers` processes with seeds of their own, for a trainer (on a GPU)
+    that consumes batches faster than one Python process builds them. The order between workers
+    is not reproducible; each worker's batches are."""
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue(maxsize=8 * workers)
+    for worker in range(workers):
+        context.Process(target=_produce_batches, args=(queue, tokenizer, seed * 1000 + worker, settings),
+                        daemon=True).start()
+    while True:
+        yield queue.get()
 
 
 def gated_pairs(completion: list[int], reject_ratio: float, pad_id: int,

@@ -140,6 +140,7 @@ class DecodeLoop:
         self.releases: list[int] = []
         self._inbox = _Inbox()
         self._wake = threading.Condition()
+        self._drained: str | None = None  # the message every request gets once the loop drained
 
     # --- any thread ---------------------------------------------------------------------------
 
@@ -163,7 +164,8 @@ class DecodeLoop:
             self._wake.notify()
 
     def drain(self, message: str) -> None:
-        """Ends every request (running, queued or just submitted) with `message` at the next iteration."""
+        """Ends every request (running, queued or just submitted) with `message` at the next iteration,
+        and every request submitted after that with the same message: a drained loop stays drained."""
         with self._wake:
             self._inbox.drain = message
             self._wake.notify()
@@ -290,14 +292,14 @@ class DecodeLoop:
             submitted, self._inbox.submitted = self._inbox.submitted, []
             cancelled, self._inbox.cancelled = self._inbox.cancelled, set()
             drain, self._inbox.drain = self._inbox.drain, None
+        self._drained = drain or self._drained
         now = self.clock()
         for sequence in submitted:
-            try:
-                self.scheduler.submit(sequence)
-            except (CapacityError, InvalidRequest) as error:
-                self.observer.refused("queue_full" if isinstance(error, CapacityError) else "too_large")
+            refusal = self._admit(sequence)
+            if refusal is not None:
+                self.observer.refused(refusal[0])
                 try:
-                    sequence.output.fail(str(error))
+                    sequence.output.fail(refusal[1])
                 except Exception:  # noqa: BLE001 - the client is gone; the other submissions go on
                     pass
                 continue
@@ -310,6 +312,18 @@ class DecodeLoop:
         if drain is not None:
             for sequence in list(self.live.values()):
                 self._end(sequence, error=drain, reason="shutdown")
+
+    def _admit(self, sequence: LiveSequence) -> tuple[str, str] | None:
+        """Hands a new request to the scheduler; (refusal reason, message) when it is refused."""
+        if self._drained is not None:
+            return "shutdown", self._drained
+        try:
+            self.scheduler.submit(sequence)
+        except CapacityError as error:
+            return "queue_full", str(error)
+        except InvalidRequest as error:
+            return "too_large", str(error)
+        return None
 
     def _check_cancelled(self) -> None:
         """Asking the server costs a round trip, so each sequence is asked every cancel_check_s."""

@@ -96,7 +96,6 @@ class TritonPythonModel:
                              preallocate_slots=int(parameters["max_sequence_slots"]))
         self.threshold = float(parameters["acceptance_threshold"])
         self.guard = PipelineGuard(args, checkpoint_id, deployment)
-        self.draining = False
         scheduler = Scheduler(
             max_running=int(parameters["max_concurrent_requests"]), max_queue=int(parameters["max_queue_size"]),
             wait_s=float(parameters["queue_wait_s"]), prefill_chunk=int(parameters["prefill_chunk_latents"]),
@@ -131,9 +130,6 @@ class TritonPythonModel:
                 self._control(control)
                 sender.send(flags=FINAL)
                 continue
-            if self.draining:
-                output.fail(SHUTDOWN_MESSAGE)
-                continue
             try:
                 prepared = PreparedRequest.from_json(params)
                 prompt_latents = pb_utils.get_input_tensor_by_name(request, "prompt_latents").as_numpy()
@@ -147,8 +143,7 @@ class TritonPythonModel:
         if "cancel" in control:
             self.loop.cancel(int(control["cancel"]))
         if control.get("drain"):
-            self.draining = True
-            self.loop.drain(SHUTDOWN_MESSAGE)
+            self.loop.drain(SHUTDOWN_MESSAGE)  # and every request after it
 
     def finalize(self):
         self.loop.drain(SHUTDOWN_MESSAGE)  # the loop's own thread ends every request

@@ -60,15 +60,17 @@ def print_time_breakdown(http_url: str) -> None:
     client.close()
 
 
-def closed_loop(url: str, model: str, prompt: str, new_tokens: int, clients: int, requests_per_client: int) -> dict:
-    """`clients` threads, each sending its next request as soon as its last one ends."""
+def closed_loop(url: str, model: str, prompt: str, new_tokens: int, clients: int, requests_per_client: int,
+                **params) -> dict:
+    """`clients` threads, each sending its next request as soon as its last one ends; `params` go
+    with every request."""
     results, errors = [], []
 
     def client():
         for _ in range(requests_per_client):
             try:
                 results.append(stream_grpc(url, model, prompt, new_tokens, ignore_eos=True,
-                                           exclude_input_in_output=True))
+                                           exclude_input_in_output=True, **params))
             except RequestError as error:
                 errors.append(str(error))
 
@@ -85,13 +87,19 @@ def closed_loop(url: str, model: str, prompt: str, new_tokens: int, clients: int
             "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99)}
 
 
-def sweep(url: str, prompt: str, levels: list[int], new_tokens: int, repeats: int) -> dict:
+def sweep(url: str, prompt: str, levels: list[int], new_tokens: int, repeats: int,
+          dualend_threshold: float | None = None) -> dict:
+    """`dualend_threshold`: the acceptance_threshold every dual-end request asks for (None: the
+    deployment's own)."""
     runs = {}
+    dualend_params = {} if dualend_threshold is None else {"acceptance_threshold": dualend_threshold}
     for _, clients, name in tqdm(list(itertools.product(range(repeats), levels, DEPLOYMENTS)), desc="sweep"):
-        run = closed_loop(url, name, prompt, new_tokens, clients, requests_per_client=max(2, 32 // clients))
+        run = closed_loop(url, name, prompt, new_tokens, clients, requests_per_client=max(2, 32 // clients),
+                          **(dualend_params if name == "dualend" else {}))
         runs.setdefault((name, clients), []).append(run)
+    asked = "the deployment's" if dualend_threshold is None else dualend_threshold
     print(f"\nClosed-loop clients, {new_tokens} new tokens (ignore_eos), median over {repeats} repeats; "
-          "ms for latencies")
+          f"ms for latencies; dual-end acceptance_threshold: {asked}")
     print(f"{'clients':>7} | {'model':8} | {'tokens/s':>8} | {'req/s':>6} | {'TTFT p50':>8} | {'TTFT p99':>8} | "
           f"{'ITL p50':>7} | {'ITL p99':>7} | errors")
     table = {}
@@ -158,6 +166,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sweep", type=int, nargs="+", default=None, metavar="CLIENTS",
                         help="concurrency sweep at the first of --lengths instead of the concurrency-1 comparison")
+    parser.add_argument("--dualend-threshold", type=float, default=None,
+                        help="with --sweep: acceptance_threshold sent with every dual-end request "
+                             "(default: the deployment's calibrated one)")
     parser.add_argument("--interference", action="store_true",
                         help="8 streams of 256-token prompts, alone and with 960-token prompts arriving")
     args = parser.parse_args(argv)
@@ -179,7 +190,8 @@ def main(argv=None) -> dict:
             stream_grpc(url, name, prompts[length], 4, ignore_eos=True)
         http_url = args.http_url or (None if args.grpc_url else triton.http_url)
         if args.sweep:
-            result = sweep(url, prompts[args.lengths[0]], args.sweep, args.new_tokens, args.repeats)
+            result = sweep(url, prompts[args.lengths[0]], args.sweep, args.new_tokens, args.repeats,
+                           args.dualend_threshold)
             if http_url:
                 print_time_breakdown(http_url)
             return result

@@ -6,6 +6,8 @@
     python -m builder.train dualend --baseline checkpoints/baseline --init-from checkpoints/dualend \
         --run runs/dualend_more --steps 3000 --lr 5e-4 --seed 1
     python -m builder.train promote --source runs/dualend/best --to checkpoints/dualend
+    python -m builder.train baseline --init-from checkpoints/baseline --run runs/baseline_gpu --steps 30000 \
+        --device cuda --data-workers 10 --batch-size 64 --time-limit-minutes 4
 
 A run folder holds `state.pt` (resumable: model, optimizer, step, RNG), `log.jsonl`, and `best/`,
 the checkpoint with the best held-out greedy accuracy so far. Re-running the same command resumes.
@@ -107,7 +109,7 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
         print(f"resumed at step {step} (best held-out accuracy {best:.3f})")
     bar = tqdm(total=args.steps, initial=step, desc=recipe["kind"], file=sys.stdout, mininterval=30)
     started = time.time() - elapsed
-    out_of_time = False
+    out_of_time = bool(args.time_limit_minutes) and elapsed >= 60 * args.time_limit_minutes  # a finished run stays so
     while step < args.steps and stale < args.patience and not out_of_time:
         model.train()
         for group in optimizer.param_groups:
@@ -137,21 +139,22 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
             with log_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             print(json.dumps(record), flush=True)
-            if improved:
-                recipe.update(steps=step, minutes=record["minutes"], heldout_pass1=accuracy)
+            if improved:  # `steps`: those behind this checkpoint; `planned_steps`: the run's --steps
+                recipe.update(steps=step, planned_steps=args.steps, minutes=record["minutes"], heldout_pass1=accuracy)
                 Checkpoint(evaluated, tokenizer, dict(recipe)).save(run / "best")
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "step": step, "best": best, "stale": stale,
                         "elapsed": time.time() - started, "data_rng": data_rng.getstate(),
                         "torch_rng": torch.get_rng_state()}, state_path)
     bar.close()
+    stream.close()  # ends its workers, if any
     print(f"done at step {step}{' (time limit)' if out_of_time else ''}; "
           f"best held-out mean pass@1 {best:.3f} -> {run / 'best'}")
 
 
 def _recipe(args, kind: str) -> dict:
     keys = ("batch_size", "max_tokens", "context", "long_fraction", "lr", "warmup", "text_fraction", "seed",
-            "steps", "device")
+            "steps", "device", "data_workers", "time_limit_minutes")
     keys += ("distill_weight",) if kind == "dualend" else ()
     return {"kind": kind, "python": sys.version.split()[0], "torch": torch.__version__,
             **{k: getattr(args, k) for k in keys if hasattr(args, k)}}
@@ -279,11 +282,10 @@ def main(argv=None) -> None:
                                         "(converted from --baseline) instead of converting afresh")
     args = parser.parse_args(argv)
     torch.set_num_threads(getattr(args, "threads", 2))
-    if getattr(args, "device", "cpu") != "cpu":
-        torch.set_default_device(args.device)  # batches are built where the model is
     commands = {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend, "merge": cmd_merge,
                 "promote": cmd_promote}
-    commands[args.command](args)
+    with torch.device(getattr(args, "device", "cpu")):  # batches are built where the model is
+        commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -292,7 +292,8 @@ class DecodeLoop:
             submitted, self._inbox.submitted = self._inbox.submitted, []
             cancelled, self._inbox.cancelled = self._inbox.cancelled, set()
             drain, self._inbox.drain = self._inbox.drain, None
-        self._drained = drain or self._drained
+        if drain is not None:
+            self._drained = drain
         now = self.clock()
         for sequence in submitted:
             refusal = self._admit(sequence)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import random
+from queue import Empty, Full
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -133,21 +134,41 @@ def batch_stream(tokenizer: TextTokenizer, seed: int, *, batch_size: int, text_f
 
 
 def _produce_batches(queue, tokenizer: TextTokenizer, seed: int, settings: dict) -> None:
+    parent = multiprocessing.parent_process()
     for batch in batch_stream(tokenizer, seed, **settings):
-        queue.put(batch)
+        while True:  # a full queue waits for the trainer, but not for a trainer that died
+            try:
+                queue.put(batch, timeout=1.0)
+                break
+            except Full:
+                if not parent.is_alive():
+                    return
 
 
 def batch_stream_in_workers(tokenizer: TextTokenizer, seed: int, workers: int, **settings) -> Iterator[list[Sample]]:
     """batch_stream drawn by `workers` processes with seeds of their own, for a trainer (on a GPU)
     that consumes batches faster than one Python process builds them. The order between workers
-    is not reproducible; each worker's batches are."""
-    context = multiprocessing.get_context("fork")
+    is not reproducible; each worker's batches are. A worker that dies stops the stream with its
+    exit code; closing the stream ends the workers."""
+    context = multiprocessing.get_context("forkserver")  # workers never share the trainer's threads or CUDA
     queue = context.Queue(maxsize=8 * workers)
-    for worker in range(workers):
-        context.Process(target=_produce_batches, args=(queue, tokenizer, seed * 1000 + worker, settings),
-                        daemon=True).start()
-    while True:
-        yield queue.get()
+    processes = [context.Process(target=_produce_batches, args=(queue, tokenizer, seed * 1000 + worker, settings),
+                                 daemon=True) for worker in range(workers)]
+    for process in processes:
+        process.start()
+    try:
+        while True:
+            try:
+                yield queue.get(timeout=5.0)
+            except Empty:
+                dead = [p.exitcode for p in processes if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"{len(dead)} of {workers} batch workers died (exit codes {dead})") from None
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(5)
 
 
 def gated_pairs(completion: list[int], reject_ratio: float, pad_id: int,

@@ -221,17 +221,21 @@ def test_stopping_ends_every_request_with_the_reason(exported, tiny_tokenizer):
     assert not loop.live and not loop.scheduler.running
 
 
-def test_a_drained_loop_refuses_what_arrives_later_with_the_same_message(exported, tiny_tokenizer):
+def test_a_drained_loop_refuses_what_arrives_with_or_after_the_drain_with_the_same_message(exported, tiny_tokenizer):
     _, directory = exported["baseline"]
     engine, loop = make_loop(directory, tiny_tokenizer, 1.0)
+    recorder = loop.observer = Recorder()
     running = submit(loop, engine, tiny_tokenizer, 1, PROMPTS[0], max_tokens=100)
     loop.run_once()
+    alongside = submit(loop, engine, tiny_tokenizer, 2, PROMPTS[1])
     loop.drain("the server is shutting down")
     loop.run_once()
-    late = submit(loop, engine, tiny_tokenizer, 2, PROMPTS[1])
+    late = submit(loop, engine, tiny_tokenizer, 3, PROMPTS[2])
     run_until_idle(loop)
-    assert running.error == late.error == "the server is shutting down"
-    assert not late.responses and not loop.live and not engine.backbone.cache.sequences
+    assert running.error == alongside.error == late.error == "the server is shutting down"
+    assert not alongside.responses and not late.responses
+    assert not loop.live and not engine.backbone.cache.sequences
+    assert recorder.calls["refused"] == [("shutdown",)] * 3
 
 
 class Recorder:

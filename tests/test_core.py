@@ -567,3 +567,54 @@ def test_merge_moves_the_dual_end_model_by_what_the_baseline_learned(tmp_path, t
     with pytest.raises(SystemExit, match="was converted from"):
         train_main(["merge", "--dualend", str(tmp_path / "merged"), "--baseline-before", str(tmp_path / "before"),
                     "--baseline-after", str(tmp_path / "after"), "--out", str(tmp_path / "again")])
+
+
+def test_the_schedule_warms_up_then_follows_steps_or_time_whichever_is_further():
+    from types import SimpleNamespace
+
+    from builder.train import lr_at, run_progress
+
+    assert lr_at(0, 0.0, 1.0, warmup=10) == pytest.approx(0.1)
+    assert lr_at(10, 0.0, 1.0, warmup=10) == pytest.approx(1.0)
+    assert lr_at(50, 0.5, 1.0, warmup=10) == pytest.approx(0.55)  # half-way down the cosine to a tenth
+    assert lr_at(99, 1.0, 1.0, warmup=10) == lr_at(99, 3.0, 1.0, warmup=10) == pytest.approx(0.1)
+    by_steps = SimpleNamespace(warmup=10, steps=110, time_limit_minutes=0.0)
+    assert run_progress(by_steps, 60, elapsed_s=1e6) == pytest.approx(0.5)
+    by_time = SimpleNamespace(warmup=10, steps=110, time_limit_minutes=1.0)
+    assert run_progress(by_time, 20, elapsed_s=45) == pytest.approx(0.75)
+    assert run_progress(by_time, 100, elapsed_s=6) == pytest.approx(0.9)
+
+
+def test_batch_workers_hand_out_their_own_seeds_batches_and_end_when_the_stream_closes(tiny_tokenizer):
+    import multiprocessing
+
+    from dualend.training import batch_stream, batch_stream_in_workers
+
+    settings = dict(batch_size=3, text_fraction=0.2, short_tokens=64, context=64, long_fraction=0.0)
+    before = set(multiprocessing.active_children())
+    stream = batch_stream_in_workers(tiny_tokenizer, 5, 2, **settings)
+    received = [next(stream) for _ in range(6)]
+    workers = set(multiprocessing.active_children()) - before
+    assert len(workers) == 2
+    stream.close()
+    assert not any(w.is_alive() for w in workers)
+    own = {tuple(tuple(s.prompt + s.completion) for s in batch)
+           for seed in (5000, 5001) for batch in itertools.islice(batch_stream(tiny_tokenizer, seed, **settings), 12)}
+    for batch in received:
+        assert len(batch) == 3 and tuple(tuple(s.prompt + s.completion) for s in batch) in own
+
+
+def test_a_run_that_spent_its_time_limit_is_saved_and_left_alone_when_run_again(tmp_path, tiny_tokenizer):
+    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer.to_json(), encoding="utf-8")
+    command = ["baseline", "--tokenizer", str(tmp_path / "tokenizer.json"), "--run", str(tmp_path / "run"),
+               "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--batch-size", "2", "--max-tokens", "48",
+               "--context", "256", "--steps", "1000", "--eval-every", "1000", "--eval-examples", "1",
+               "--time-limit-minutes", "0.0001"]
+    train_main(command)
+    state = torch.load(tmp_path / "run" / "state.pt", weights_only=False)
+    assert state["step"] < 1000 and (tmp_path / "run" / "best").exists()
+    recipe = load_checkpoint(tmp_path / "run" / "best").recipe
+    assert recipe["steps"] == state["step"] and recipe["planned_steps"] == 1000
+    train_main(command)
+    again = torch.load(tmp_path / "run" / "state.pt", weights_only=False)
+    assert again["step"] == state["step"] and again["stale"] == state["stale"]

@@ -16,6 +16,7 @@ import argparse
 import collections
 import os
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -92,6 +93,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--pass-s", type=float, default=300.0)
     args = parser.parse_args(argv)
+    try:  # a soak that every request fails (no key, wrong port) should say so at once, not after its passes
+        stream_grpc(args.url, DEPLOYMENTS[0], "Q: 1+1\nA:", 1, api_key=args.api_key)
+    except RequestError as error:
+        sys.exit(f"soak: the first request to {args.url} failed, nothing was run: {error}")
     history = []
     for number in range(1, args.passes + 1):
         figures = one_pass(args.url, args.streams, args.pass_s, args.api_key, seed=number)

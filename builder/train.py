@@ -65,12 +65,15 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def time_share(args, elapsed_s: float) -> float:
+    """The share of --time-limit-minutes spent (0 without a limit); at 1 the run stops."""
+    return elapsed_s / (60 * args.time_limit_minutes) if args.time_limit_minutes else 0.0
+
+
 def run_progress(args, step: int, elapsed_s: float) -> float:
     """Steps done after warm-up over those planned, or the share of the time limit spent when
     that is further along (so a time-limited run still ends its schedule)."""
-    by_steps = max(0, step - args.warmup) / max(1, args.steps - args.warmup)
-    by_time = elapsed_s / (60 * args.time_limit_minutes) if args.time_limit_minutes else 0.0
-    return max(by_steps, by_time)
+    return max(max(0, step - args.warmup) / max(1, args.steps - args.warmup), time_share(args, elapsed_s))
 
 
 def on_cpu(model: LanguageModel) -> LanguageModel:
@@ -109,7 +112,7 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
         print(f"resumed at step {step} (best held-out accuracy {best:.3f})")
     bar = tqdm(total=args.steps, initial=step, desc=recipe["kind"], file=sys.stdout, mininterval=30)
     started = time.time() - elapsed
-    out_of_time = bool(args.time_limit_minutes) and elapsed >= 60 * args.time_limit_minutes  # a finished run stays so
+    out_of_time = time_share(args, elapsed) >= 1  # a run that spent its limit stays finished
     while step < args.steps and stale < args.patience and not out_of_time:
         model.train()
         for group in optimizer.param_groups:
@@ -124,7 +127,7 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
         bar.update(1)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
-        out_of_time = bool(args.time_limit_minutes) and time.time() - started > 60 * args.time_limit_minutes
+        out_of_time = time_share(args, time.time() - started) >= 1
         if step % args.eval_every == 0 or step == args.steps or out_of_time:
             model.eval()
             with torch.device("cpu"):

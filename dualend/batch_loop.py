@@ -298,9 +298,10 @@ class DecodeLoop:
         for sequence in submitted:
             refusal = self._admit(sequence)
             if refusal is not None:
-                self.observer.refused(refusal[0])
+                reason, message = refusal
+                self.observer.refused(reason)
                 try:
-                    sequence.output.fail(refusal[1])
+                    sequence.output.fail(message)
                 except Exception:  # noqa: BLE001 - the client is gone; the other submissions go on
                     pass
                 continue

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import multiprocessing
 import random
-from queue import Empty, Full
 from dataclasses import dataclass
+from queue import Empty, Full
 from typing import Iterator
 
 import torch

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,8 +35,11 @@ from dualend.launch import TritonServer
 from dualend.onnx_engine import OnnxComponents
 
 from .api import RequestError, median_and_spread, percentile, stream_grpc
+from .processes import cpu_snapshot, cpu_used, server_processes
 
 DEPLOYMENTS = ("dualend", "baseline")
+CPU_ROLES = ("tritonserver", "preprocessing", "compressor", "backbone", "mtp_verify", "postprocessing", "other",
+             "client")
 
 
 def med(values):
@@ -82,6 +86,7 @@ def closed_loop(url: str, model: str, prompt: str, new_tokens: int, clients: int
     gaps = [g for r in results for g in r.inter_token_s]
     ttfts = [r.ttft_s for r in results]
     return {"tokens_per_s": sum(r.output_tokens for r in results) / elapsed,
+            "output_tokens": sum(r.output_tokens for r in results),
             "requests_per_s": len(results) / elapsed, "errors": len(errors), "error_sample": errors[:1],
             "ttft_p50": percentile(ttfts, 0.5), "ttft_p99": percentile(ttfts, 0.99),
             "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99)}
@@ -93,9 +98,13 @@ def sweep(url: str, prompt: str, levels: list[int], new_tokens: int, repeats: in
     deployment's own)."""
     runs = {}
     dualend_params = {} if dualend_threshold is None else {"acceptance_threshold": dualend_threshold}
+    processes = server_processes()
     for _, clients, name in tqdm(list(itertools.product(range(repeats), levels, DEPLOYMENTS)), desc="sweep"):
+        before, client_before = cpu_snapshot(processes), time.process_time()
         run = closed_loop(url, name, prompt, new_tokens, clients, requests_per_client=max(2, 32 // clients),
                           **(dualend_params if name == "dualend" else {}))
+        used = cpu_used(before, cpu_snapshot(processes)) | {"client": time.process_time() - client_before}
+        run["cpu_ms_per_1k_tokens"] = cpu_by_role(name, used, run["output_tokens"])
         runs.setdefault((name, clients), []).append(run)
     asked = "the deployment's" if dualend_threshold is None else dualend_threshold
     print(f"\nClosed-loop clients, {new_tokens} new tokens (ignore_eos), median over {repeats} repeats; "
@@ -106,7 +115,9 @@ def sweep(url: str, prompt: str, levels: list[int], new_tokens: int, repeats: in
     for clients in levels:
         for name in DEPLOYMENTS:
             rows = runs[(name, clients)]
-            row = {k: med([r[k] for r in rows]) for k in rows[0] if k != "error_sample"}
+            row = {k: med([r[k] for r in rows]) for k in rows[0] if k not in ("error_sample", "cpu_ms_per_1k_tokens")}
+            row["cpu_ms_per_1k_tokens"] = {role: med([r["cpu_ms_per_1k_tokens"][role] for r in rows])
+                                           for role in rows[0]["cpu_ms_per_1k_tokens"]}
             row["errors"] = sum(r["errors"] for r in rows)
             table[f"{name}@c{clients}"] = row
             print(f"{clients:>7} | {name:8} | {row['tokens_per_s']:8.1f} | {row['requests_per_s']:6.2f} | "
@@ -120,7 +131,36 @@ def sweep(url: str, prompt: str, levels: list[int], new_tokens: int, repeats: in
             top = max(levels)
             print(f"{name}: tokens/s at c{top} / c1 = "
                   f"x{table[f'{name}@c{top}']['tokens_per_s'] / table[f'{name}@c1']['tokens_per_s']:.2f}")
+    if processes:
+        print_cpu_table(table, levels)
     return table
+
+
+def cpu_by_role(deployment: str, used: dict[str, float], tokens: int) -> dict[str, float]:
+    """CPU ms per 1000 output tokens, by role: tritonserver, each of `deployment`'s pipeline steps
+    (any version), every other process of the server, this load-generating client, and in all."""
+    roles = dict.fromkeys(CPU_ROLES, 0.0)
+    for process, seconds in used.items():
+        step = re.fullmatch(rf"{deployment}_v\d+_(\w+)", process)
+        if step and step.group(1) in roles:
+            roles[step.group(1)] += seconds
+        elif process in ("tritonserver", "client"):
+            roles[process] += seconds
+        else:
+            roles["other"] += seconds
+    roles["total"] = sum(roles.values())
+    return {role: 1e6 * seconds / max(tokens, 1) for role, seconds in roles.items()}
+
+
+def print_cpu_table(table: dict, levels: list[int]) -> None:
+    roles = [*CPU_ROLES, "total"]
+    print("\nCPU time per 1000 output tokens, ms, by process (median over repeats; 'other': the idle "
+          "deployment's steps and anything else of the server):")
+    print(f"{'clients':>7} | {'model':8} | " + " | ".join(f"{role:>14}" for role in roles))
+    for clients in levels:
+        for name in DEPLOYMENTS:
+            cpu = table[f"{name}@c{clients}"]["cpu_ms_per_1k_tokens"]
+            print(f"{clients:>7} | {name:8} | " + " | ".join(f"{cpu[role]:14.0f}" for role in roles))
 
 
 def interference(url: str, model: str, short_prompt: str, long_prompt: str, repeats: int,

@@ -14,42 +14,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import random
 import sys
 import threading
 import time
-from pathlib import Path
 
 from dualend.data import FAMILIES, eval_set
-from dualend.launch import stub_processes
 
 from .api import RequestError, percentile, stream_grpc
+from .processes import rss_mb, server_processes
 
 DEPLOYMENTS = ("dualend", "baseline")
-
-
-def server_processes() -> dict[str, int]:
-    """{name: pid} of tritonserver, each of its Python backend stubs (by model) and nginx here."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            program = os.path.basename((proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"))
-        except (OSError, IndexError):
-            continue
-        if program == "tritonserver":
-            found["tritonserver"] = int(proc.name)
-            found |= {model: pid for model, (pid, _) in stub_processes(int(proc.name)).items()}
-        elif program.startswith("nginx") and b"master" in (proc / "cmdline").read_bytes():
-            found["nginx"] = int(proc.name)
-    return found
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def one_pass(url: str, streams: int, seconds: float, api_key: str | None, seed: int) -> dict:

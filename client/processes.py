@@ -1,0 +1,56 @@
+"""The server processes on this machine and what they use: tritonserver, its Python backend stubs
+(named by model) and nginx's master, read from /proc."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dualend.launch import stub_processes
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def server_processes() -> dict[str, int]:
+    """{name: pid} of tritonserver, each of its Python backend stubs (by model) and nginx here."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            program = os.path.basename((proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"))
+        except (OSError, IndexError):
+            continue
+        if program == "tritonserver":
+            found["tritonserver"] = int(proc.name)
+            found |= {model: pid for model, (pid, _) in stub_processes(int(proc.name)).items()}
+        elif program.startswith("nginx") and b"master" in (proc / "cmdline").read_bytes():
+            found["nginx"] = int(proc.name)
+    return found
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of every thread of `pid` so far."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # the name may hold spaces; fields 14 and 15 follow it
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def cpu_snapshot(processes: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named process that is still running."""
+    snapshot = {}
+    for name, pid in processes.items():
+        try:
+            snapshot[name] = cpu_seconds(pid)
+        except (OSError, ValueError):
+            continue
+    return snapshot
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each process used between two snapshots (only processes in both)."""
+    return {name: after[name] - before[name] for name in after if name in before}

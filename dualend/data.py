@@ -155,7 +155,7 @@ def sized_examples(family: str, split: str, seed: int, count_tokens: Callable[[s
             if min_tokens <= length <= max_tokens:
                 yield example
     questions = examples(family, split, seed)
-    shots = list(itertools.islice(examples(family, split, seed + 1), SHOT_POOL))
+    shots = shot_pool(family, split, seed)
     while True:
         target = rng.randint(min_tokens, max_tokens)
         query = next(questions)
@@ -164,11 +164,21 @@ def sized_examples(family: str, split: str, seed: int, count_tokens: Callable[[s
             shot = rng.choice(shots)
             if shot.prompt == query.prompt:  # never show the question with its answer
                 continue
-            parts.insert(0, f"{shot.prompt}{shot.completion}\n\n")
+            parts.insert(0, solved(shot))
             estimate += count_tokens(parts[0]) - 1
         prompt = "".join(parts)
         if min_tokens <= count_tokens(prompt) <= max_tokens:
             yield Example(family, prompt, query.completion, query.answer)
+
+
+def solved(example: Example) -> str:
+    """A solved example as it precedes a question."""
+    return f"{example.prompt}{example.completion}\n\n"
+
+
+def shot_pool(family: str, split: str, seed: int) -> list[Example]:
+    """The solved examples that questions of `family` in `split` draw from."""
+    return list(itertools.islice(examples(family, split, seed + 1), SHOT_POOL))
 
 
 def eval_set(family: str, count: int, seed: int = 0, split: str = "calibration") -> list[Example]:

@@ -10,7 +10,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from .data import FAMILIES, Example, examples, lookup_context, lookup_entries, sized_examples, stdlib_chunks
+from .data import (FAMILIES, Example, examples, lookup_context, lookup_entries, shot_pool, sized_examples, solved,
+                   stdlib_chunks)
 from .decode import pad_prompt
 from .model import LanguageModel
 from .tokenizer import TextTokenizer
@@ -24,6 +25,10 @@ LOOKUP_EXTRA_QUERIES = 8
 # This share of training lookups is instead a copy of the context after itself, loss on every token:
 # dense practice in finding earlier tokens and copying what followed them, which lookup needs.
 LOOKUP_COPY_FRACTION = 0.5
+# This share of short math and code rows follows one or two solved examples. Without it every short
+# math prompt has an even length, so the dual-end model never learned a math prompt that ends on
+# (last token, PAD): on long prompts of odd length it solved 0.52 against 0.98 for even ones.
+SHORT_SHOTS_FRACTION = 0.5
 
 
 @dataclass
@@ -85,12 +90,19 @@ def sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float, max
     """
     rng = random.Random(seed)
     streams = {f: examples(f, "train", seed) for f in families}
+    shots = {f: shot_pool(f, "train", seed) for f in set(families) & {"math", "code"}}
     text = stdlib_chunks("train", chunk_chars=4 * text_tokens, seed=seed)
     while True:
         if rng.random() < text_fraction:
             yield text_sample(tokenizer, next(text), text_tokens)
             continue
-        sample = task_sample(tokenizer, next(streams[rng.choice(families)]), rng)
+        example = next(streams[rng.choice(families)])
+        if example.family in shots and rng.random() < SHORT_SHOTS_FRACTION:
+            before = [rng.choice(shots[example.family]) for _ in range(rng.randint(1, 2))]
+            if all(shot.prompt != example.prompt for shot in before):  # never the question with its answer
+                example = Example(example.family, "".join(map(solved, before)) + example.prompt, example.completion,
+                                  example.answer)
+        sample = task_sample(tokenizer, example, rng)
         if len(sample.prompt) + len(sample.completion) <= max_tokens:
             yield sample
 

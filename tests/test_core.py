@@ -19,7 +19,7 @@ from dualend.evaluation import (Outcome, outcome, paired_difference, reliability
 from dualend.reference import TorchBatch, TorchComponents, generate_batch
 from dualend.training import (IGNORE, MAX_COMPLETION_TOKENS, Sample, teacher_targets, baseline_batch, baseline_forward,
                               baseline_loss, dualend_batch, dualend_loss, dualend_row, gated_pairs,
-                              copy_sample, lookup_sample, more_queries, split_pairs)
+                              copy_sample, lookup_sample, more_queries, sample_stream, split_pairs)
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 10
@@ -121,6 +121,20 @@ def test_lookup_key_is_the_same_tokens_in_context_and_query(tiny_tokenizer):
         key_ids = tiny_tokenizer.encode(f" {key}:")
         context_ids = tiny_tokenizer.encode(example.prompt.split("\nget ")[0])
         assert _contains(query_ids, key_ids) and _contains(context_ids, key_ids)
+
+
+def test_short_math_and_code_rows_end_on_both_pair_parities(tiny_tokenizer):
+    # A math question alone always tokenizes to the same parity; the dual-end model must also learn
+    # prompts that end on (last token, PAD), so some rows follow solved examples.
+    for family in ("math", "code"):
+        rows = list(itertools.islice(sample_stream(tiny_tokenizer, 0, 0.0, 192, families=(family,)), 300))
+        assert {len(row.prompt) % 2 for row in rows} == {0, 1}
+        for row in rows:
+            prompt = tiny_tokenizer.decode(row.prompt)
+            asked = prompt.rsplit("\n\n", 1)[-1]
+            answer = tiny_tokenizer.decode(row.completion[:-1])
+            assert f"{asked}{answer}\n\n" not in prompt  # no solved example is the question itself
+        assert any("\n\n" in tiny_tokenizer.decode(row.prompt) for row in rows)
 
 
 def _contains(ids: list[int], part: list[int]) -> bool:

@@ -104,7 +104,7 @@ def timed_generation(components, prompt: list[int], params: SamplingParams, thre
 def step_cost(components, prompt: list[int], steps: int = 24) -> float:
     """Median seconds of one backbone decode step after a prefill of `prompt`."""
     pair = components.pair_size
-    tokens = prompt + [components.pad_id] * (-len(prompt) % pair)
+    tokens = pad_prompt(prompt, pair, components.pad_id)
     latents = components.compress(np.asarray(tokens).reshape(-1, pair))
     session = components.open_backbone()
     session.prefill(latents, len(latents) + steps)

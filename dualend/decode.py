@@ -114,8 +114,12 @@ class Step:
 
 
 def pad_prompt(prompt: Sequence[int], pair_size: int, pad_id: int) -> list[int]:
-    """Odd prompts get exactly one PAD so pair boundaries meet the prompt/answer boundary."""
-    return list(prompt) + [pad_id] * (-len(prompt) % pair_size)
+    """An odd prompt gets one PAD, right after its BOS, so its last token completes a pair: pairs
+    are aligned to the end of the prompt, and the text just before the answer (the question) is
+    paired the same way whatever comes before it. (With the PAD at the end, the v4 dual-end model
+    solved long math prompts of odd length 0.52 on calibration against 0.98 for even ones.)"""
+    prompt = list(prompt)
+    return prompt[:1] + [pad_id] * (-len(prompt) % pair_size) + prompt[1:]
 
 
 def gate(confidence: float, threshold: float) -> bool:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dualend.batch_loop import DecodeLoop, Executor
-from dualend.decode import CapacityError, InvalidRequest, SamplingParams, generate_text
+from dualend.decode import CapacityError, InvalidRequest, SamplingParams, generate_text, pad_prompt
 from dualend.onnx_engine import OnnxComponents
 from dualend.scheduler import Scheduler
 from dualend.serving import PreparedRequest
@@ -129,7 +129,7 @@ def make_loop(directory, tokenizer, threshold, **overrides):
 
 def submit(loop, engine, tokenizer, request_id, prompt, max_tokens=24):
     prepared = PreparedRequest(tokenizer.encode_prompt(prompt), SamplingParams(max_tokens=max_tokens), True, True)
-    prompt_ids = prepared.prompt_ids + [engine.pad_id] * (-len(prepared.prompt_ids) % engine.pair_size)
+    prompt_ids = pad_prompt(prepared.prompt_ids, engine.pair_size, engine.pad_id)
     output = ListOutput()
     loop.submit(request_id, prepared, engine.compress(np.asarray(prompt_ids).reshape(-1, engine.pair_size)), output)
     return output

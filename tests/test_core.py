@@ -107,7 +107,7 @@ def test_silent_completion_tokens_carry_no_loss_in_either_model():
     labels = baseline_batch([sample], PAD)["labels"][0].tolist()
     assert labels == [IGNORE, IGNORE, 7, IGNORE, IGNORE, 8, EOS, IGNORE]
     row = dualend_row(sample, PAD, reject_ratio=1.0, rng=random.Random(0))  # one token per pair
-    assert row.pairs == [BOS, 5, 6, PAD, 7, PAD, 3, PAD, 4, PAD, 8, PAD, EOS, PAD]
+    assert row.pairs == [BOS, PAD, 5, 6, 7, PAD, 3, PAD, 4, PAD, 8, PAD, EOS, PAD]
     assert row.next_token == [IGNORE, 7, IGNORE, IGNORE, 8, EOS, IGNORE]
     assert row.draft_target == [IGNORE, IGNORE, IGNORE, 8, EOS, IGNORE, IGNORE]
     # the MTP head still reads every real token, as it does when serving: 4 (silent) predicts 8
@@ -217,13 +217,13 @@ class ScriptedComponents:
         return Session()
 
 
-def test_odd_prompt_gets_exactly_one_pad():
-    assert pad_prompt([1, 5, 6], 2, PAD) == [1, 5, 6, PAD]
+def test_an_odd_prompt_gets_one_pad_after_bos_so_its_last_token_completes_a_pair():
+    assert pad_prompt([1, 5, 6], 2, PAD) == [1, PAD, 5, 6]
     assert pad_prompt([1, 5, 6, 7], 2, PAD) == [1, 5, 6, 7]
     assert pad_prompt([1, 5, 6], 1, PAD) == [1, 5, 6]
     fake = ScriptedComponents([3, EOS])
     list(generate(fake, [BOS, 5, 6], SamplingParams(max_tokens=5), threshold=2.0))
-    assert fake.compressed[0] == [[BOS, 5], [6, PAD]]
+    assert fake.compressed[0] == [[BOS, PAD], [5, 6]]
 
 
 def test_gate_edges():
@@ -437,7 +437,7 @@ def test_teacher_forced_text_matches_the_training_forward(tiny_tokenizer):
 def test_dualend_row_targets_skip_pads():
     sample = Sample(prompt=[BOS, 5, 6], completion=[7, 8, 9, EOS])
     row = dualend_row(sample, PAD, reject_ratio=1.0, rng=random.Random(0))
-    assert row.pairs == [BOS, 5, 6, PAD, 7, PAD, 8, PAD, 9, PAD, EOS, PAD]
+    assert row.pairs == [BOS, PAD, 5, 6, 7, PAD, 8, PAD, 9, PAD, EOS, PAD]
     assert row.next_token == [IGNORE, 7, 8, 9, EOS, IGNORE]
     assert row.draft_target == [IGNORE, 8, 9, EOS, IGNORE, IGNORE]
     assert [row.real_tokens[i] for i in row.next_index[1:5]] == [7, 8, 9, EOS]

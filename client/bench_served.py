@@ -35,7 +35,7 @@ from dualend.launch import TritonServer
 from dualend.onnx_engine import OnnxComponents
 
 from .api import RequestError, median_and_spread, percentile, stream_grpc
-from .processes import cpu_snapshot, cpu_used, server_processes
+from .processes import cpu_snapshot, cpu_used, server_processes, server_tree
 
 DEPLOYMENTS = ("dualend", "baseline")
 CPU_ROLES = ("tritonserver", "preprocessing", "compressor", "backbone", "mtp_verify", "postprocessing", "other",
@@ -93,12 +93,13 @@ def closed_loop(url: str, model: str, prompt: str, new_tokens: int, clients: int
 
 
 def sweep(url: str, prompt: str, levels: list[int], new_tokens: int, repeats: int,
-          dualend_threshold: float | None = None) -> dict:
+          dualend_threshold: float | None = None, server_pid: int | None = None) -> dict:
     """`dualend_threshold`: the acceptance_threshold every dual-end request asks for (None: the
-    deployment's own)."""
+    deployment's own). CPU time is read from the tritonserver `server_pid` and its stubs, or, without
+    it, from every tritonserver on this machine."""
     runs = {}
     dualend_params = {} if dualend_threshold is None else {"acceptance_threshold": dualend_threshold}
-    processes = server_processes()
+    processes = server_tree(server_pid) if server_pid else server_processes()
     for _, clients, name in tqdm(list(itertools.product(range(repeats), levels, DEPLOYMENTS)), desc="sweep"):
         before, client_before = cpu_snapshot(processes), time.process_time()
         run = closed_loop(url, name, prompt, new_tokens, clients, requests_per_client=max(2, 32 // clients),
@@ -231,7 +232,7 @@ def main(argv=None) -> dict:
         http_url = args.http_url or (None if args.grpc_url else triton.http_url)
         if args.sweep:
             result = sweep(url, prompts[args.lengths[0]], args.sweep, args.new_tokens, args.repeats,
-                           args.dualend_threshold)
+                           args.dualend_threshold, None if args.grpc_url else triton.pid)
             if http_url:
                 print_time_breakdown(http_url)
             return result

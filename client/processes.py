@@ -10,6 +10,11 @@ from dualend.launch import stub_processes
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def server_tree(server_pid: int) -> dict[str, int]:
+    """{name: pid} of one tritonserver and its Python backend stubs (by model)."""
+    return {"tritonserver": server_pid} | {model: pid for model, (pid, _) in stub_processes(server_pid).items()}
+
+
 def server_processes() -> dict[str, int]:
     """{name: pid} of tritonserver, each of its Python backend stubs (by model) and nginx here."""
     found = {}
@@ -19,8 +24,7 @@ def server_processes() -> dict[str, int]:
         except (OSError, IndexError):
             continue
         if program == "tritonserver":
-            found["tritonserver"] = int(proc.name)
-            found |= {model: pid for model, (pid, _) in stub_processes(int(proc.name)).items()}
+            found |= server_tree(int(proc.name))
         elif program.startswith("nginx") and b"master" in (proc / "cmdline").read_bytes():
             found["nginx"] = int(proc.name)
     return found

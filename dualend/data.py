@@ -159,21 +159,26 @@ def sized_examples(family: str, split: str, seed: int, count_tokens: Callable[[s
     while True:
         target = rng.randint(min_tokens, max_tokens)
         query = next(questions)
-        parts, estimate = [query.prompt], count_tokens(query.prompt)
+        before, estimate = [], count_tokens(query.prompt)
         while estimate < target:  # the sum of the parts' lengths, checked whole below
             shot = rng.choice(shots)
             if shot.prompt == query.prompt:  # never show the question with its answer
                 continue
-            parts.insert(0, solved(shot))
-            estimate += count_tokens(parts[0]) - 1
-        prompt = "".join(parts)
-        if min_tokens <= count_tokens(prompt) <= max_tokens:
-            yield Example(family, prompt, query.completion, query.answer)
+            before.insert(0, shot)
+            estimate += count_tokens(solved(shot)) - 1
+        example = after_solved(query, before)
+        if min_tokens <= count_tokens(example.prompt) <= max_tokens:
+            yield example
 
 
 def solved(example: Example) -> str:
     """A solved example as it precedes a question."""
     return f"{example.prompt}{example.completion}\n\n"
+
+
+def after_solved(query: Example, shots: list[Example]) -> Example:
+    """`query` asked after the solved `shots` (none may be the query itself)."""
+    return Example(query.family, "".join(map(solved, shots)) + query.prompt, query.completion, query.answer)
 
 
 def shot_pool(family: str, split: str, seed: int) -> list[Example]:

@@ -10,8 +10,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from .data import (FAMILIES, Example, examples, lookup_context, lookup_entries, shot_pool, sized_examples, solved,
-                   stdlib_chunks)
+from .data import (FAMILIES, Example, after_solved, examples, lookup_context, lookup_entries, shot_pool,
+                   sized_examples, stdlib_chunks)
 from .decode import pad_prompt
 from .model import LanguageModel
 from .tokenizer import TextTokenizer
@@ -25,9 +25,9 @@ LOOKUP_EXTRA_QUERIES = 8
 # This share of training lookups is instead a copy of the context after itself, loss on every token:
 # dense practice in finding earlier tokens and copying what followed them, which lookup needs.
 LOOKUP_COPY_FRACTION = 0.5
-# This share of short math and code rows follows one or two solved examples. Without it every short
-# math prompt has an even length, so the dual-end model never learned a math prompt that ends on
-# (last token, PAD): on long prompts of odd length it solved 0.52 against 0.98 for even ones.
+# This share of short math and code rows follows one or two solved examples: the format of long
+# prompts in short rows, and prompts of both lengths' parities (a math question alone always
+# tokenizes to an even length, so without them the PAD after BOS would never be met in math).
 SHORT_SHOTS_FRACTION = 0.5
 
 
@@ -100,8 +100,7 @@ def sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float, max
         if example.family in shots and rng.random() < SHORT_SHOTS_FRACTION:
             before = [rng.choice(shots[example.family]) for _ in range(rng.randint(1, 2))]
             if all(shot.prompt != example.prompt for shot in before):  # never the question with its answer
-                example = Example(example.family, "".join(map(solved, before)) + example.prompt, example.completion,
-                                  example.answer)
+                example = after_solved(example, before)
         sample = task_sample(tokenizer, example, rng)
         if len(sample.prompt) + len(sample.completion) <= max_tokens:
             yield sample

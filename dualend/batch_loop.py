@@ -11,6 +11,7 @@ where the backbone is a Triton model reached over BLS.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,56 @@ class Output(Protocol):
     def fail(self, message: str) -> None: ...         # an error, and the request is over
     def end(self) -> None: ...                        # over without a response (cancelled)
     def is_cancelled(self) -> bool: ...
+
+
+class SendThread:
+    """Delivers responses on one background thread, in the order they were queued.
+
+    In Triton each send is a blocking round trip to the server process (it releases the GIL), so
+    sending from here lets the loop's next backbone call overlap this iteration's sends. A full
+    queue makes the loop wait: the sends pace the loop, they do not pile up."""
+
+    def __init__(self, on_error, max_queued: int = 4096):
+        self.on_error = on_error  # (message) -> None; a send to a client that is gone
+        self._jobs: queue.Queue = queue.Queue(max_queued)
+        self._thread = threading.Thread(target=self._run, name="response-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, job, *args) -> None:
+        self._jobs.put((job, args))
+
+    def close(self, timeout_s: float) -> bool:
+        """Sends what is queued, then stops; False when that took longer than timeout_s."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, args = item
+            try:
+                job(*args)
+            except Exception as error:  # noqa: BLE001 - one lost client must not stop everyone's sends
+                self.on_error(f"a response could not be sent: {error!r}")
+
+
+class QueuedOutput:
+    """An `Output` whose send, fail and end go through a `SendThread`; is_cancelled asks at once."""
+
+    def __init__(self, output: Output, sends: SendThread):
+        self.output, self.sends = output, sends
+
+    def send(self, response: Response) -> None:
+        self.sends.put(self.output.send, response)
+
+    def fail(self, message: str) -> None:
+        self.sends.put(self.output.fail, message)
+
+    def end(self) -> None:
+        self.sends.put(self.output.end)
+
+    def is_cancelled(self) -> bool:
+        return self.output.is_cancelled()
 
 
 class Backbone(Protocol):

@@ -1,13 +1,15 @@
 """The batched decode loop without a server: the scheduler's decisions on hand-built cases, and
 the loop on the exported tiny models against the one-at-a-time decoder."""
+import threading
+
 import numpy as np
 import pytest
 
-from dualend.batch_loop import DecodeLoop, Executor
+from dualend.batch_loop import DecodeLoop, Executor, QueuedOutput, SendThread
 from dualend.decode import CapacityError, InvalidRequest, SamplingParams, generate_text, pad_prompt
 from dualend.onnx_engine import OnnxComponents
 from dualend.scheduler import Scheduler
-from dualend.serving import PreparedRequest
+from dualend.serving import PreparedRequest, Response
 
 PROMPTS = ["Q: 1+2+3\nA:", "get ab\nA:", "def f(x):\n    return x + 1\nprint(f(2))\n# output:",
            "Q: 4*5-6\nA:", "x = 3\ny = x * 2\nprint(y)\n# output:"]
@@ -127,11 +129,12 @@ def make_loop(directory, tokenizer, threshold, **overrides):
     return engine, DecodeLoop(Executor.in_process(engine), tokenizer, Scheduler(**settings), threshold)
 
 
-def submit(loop, engine, tokenizer, request_id, prompt, max_tokens=24):
+def submit(loop, engine, tokenizer, request_id, prompt, max_tokens=24, sends=None):
     prepared = PreparedRequest(tokenizer.encode_prompt(prompt), SamplingParams(max_tokens=max_tokens), True, True)
     prompt_ids = pad_prompt(prepared.prompt_ids, engine.pair_size, engine.pad_id)
     output = ListOutput()
-    loop.submit(request_id, prepared, engine.compress(np.asarray(prompt_ids).reshape(-1, engine.pair_size)), output)
+    loop.submit(request_id, prepared, engine.compress(np.asarray(prompt_ids).reshape(-1, engine.pair_size)),
+                output if sends is None else QueuedOutput(output, sends))
     return output
 
 
@@ -301,3 +304,44 @@ def test_an_unexpected_error_ends_the_requests_in_the_loop_and_the_loop_goes_on(
     later = submit(loop, engine, tiny_tokenizer, 2, PROMPTS[1])
     run_until_idle(loop)
     assert later.responses[-1].finish_reason and later.error is None
+
+
+def test_sends_through_the_send_thread_arrive_as_the_loop_sent_them(exported, tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, 0.5)
+    sends = SendThread(on_error=pytest.fail)
+    outputs = [submit(loop, engine, tiny_tokenizer, i + 1, p, sends=sends) for i, p in enumerate(PROMPTS)]
+    run_until_idle(loop)
+    assert sends.close(timeout_s=10)
+    for prompt, output in zip(PROMPTS, outputs):
+        alone = generate_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), 0.5)
+        assert output.tokens == alone.tokens and output.responses[-1].finish_reason == alone.finish_reason
+
+
+class ThreadRecordingOutput(ListOutput):
+    def __init__(self, fail_sends=False):
+        super().__init__()
+        self.fail_sends, self.threads = fail_sends, set()
+
+    def send(self, response):
+        self.threads.add(threading.get_ident())
+        if self.fail_sends:
+            raise RuntimeError("the client is gone")
+        super().send(response)
+
+
+def test_the_send_thread_keeps_order_survives_a_lost_client_and_delivers_everything_before_closing():
+    errors = []
+    sends = SendThread(on_error=errors.append, max_queued=2)  # a small queue: put waits for the thread
+    lost, kept = ThreadRecordingOutput(fail_sends=True), ThreadRecordingOutput()
+    lost_out, kept_out = QueuedOutput(lost, sends), QueuedOutput(kept, sends)
+    for i in range(50):
+        lost_out.send(Response([i], {}, None))
+        kept_out.send(Response([i], {}, None))
+    kept_out.end()
+    assert sends.close(timeout_s=10)
+    assert [r.output_ids for r in kept.responses] == [[i] for i in range(50)] and kept.ended
+    assert len(errors) == 50 and all("the client is gone" in e for e in errors)
+    assert threading.get_ident() not in kept.threads | lost.threads
+    kept.cancel_asked = True
+    assert kept_out.is_cancelled()

@@ -3,8 +3,8 @@
 `execute` only parses a request and submits it; one thread runs `batch_loop.DecodeLoop`, which
 batches every live sequence into one backbone call per iteration (over BLS, to this deployment's
 backbone model), runs the MTP head and confidence gate in-process, and answers through each
-request's response sender: exactly one FINAL response per request, also after an error or a
-cancellation.
+request's response sender (from a `SendThread`, so the sends overlap the next backbone call):
+exactly one FINAL response per request, also after an error or a cancellation.
 
 Triton 2.51 does not pass a client's cancellation of an ensemble on to a step that is already
 running; it marks the ensemble's next step requests (postprocessing) as cancelled instead. So
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.batch_loop import DecodeLoop, Executor
+from dualend.batch_loop import DecodeLoop, Executor, QueuedOutput, SendThread
 from dualend.decode import InvalidRequest
 from dualend.manifest import verify_component, verify_siblings
 from dualend.metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSAL_REASONS, REFUSALS, PhaseMetrics
@@ -104,6 +104,7 @@ class TritonPythonModel:
         executor = Executor(BLSBackbone(backbone, self.guard.secret), local,
                             exported.settings["d_model"])
         self.loop = DecodeLoop(executor, exported.tokenizer(), scheduler, self.threshold, self.metrics)
+        self.sends = SendThread(pb_utils.Logger.log_warn)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.loop.serve_forever, args=(self.stopping,), daemon=True)
         self.thread.start()
@@ -136,7 +137,7 @@ class TritonPythonModel:
             except (InvalidRequest, KeyError, TypeError, ValueError) as error:
                 output.fail(f"malformed request: {error}")
                 continue
-            self.loop.submit(request_id, prepared, prompt_latents, output)
+            self.loop.submit(request_id, prepared, prompt_latents, QueuedOutput(output, self.sends))
         return None
 
     def _control(self, control):
@@ -154,6 +155,7 @@ class TritonPythonModel:
         self.thread.join(timeout=10)
         if not self.thread.is_alive():
             self.loop.close(SHUTDOWN_MESSAGE)  # what arrived after the drain
+        self.sends.close(timeout_s=5)
 
 
 class _TritonMetrics(PhaseMetrics):

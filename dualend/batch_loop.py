@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,7 +23,7 @@ import numpy as np
 from .decode import CapacityError, InvalidRequest, SequenceDecoder, TextStream
 from .metrics import PhaseMetrics
 from .onnx_engine import BackboneBatch, BackboneResult, MTPComponent, OnnxComponents
-from .scheduler import Scheduler
+from .scheduler import Plan, Scheduler
 from .serving import PreparedRequest, Response, ResponseStream
 from .tokenizer import TextTokenizer
 
@@ -114,13 +115,29 @@ class Executor:
 
     def __init__(self, backbone: Backbone, local: MTPComponent, d_model: int):
         self.backbone, self.local, self.d_model = backbone, local, d_model
+        self._calls: ThreadPoolExecutor | None = None  # the one thread background calls run on
 
     @classmethod
     def in_process(cls, engine: OnnxComponents) -> "Executor":
         return cls(engine.backbone, engine, engine.exported.settings["d_model"])
 
-    def run_backbone(self, batch: BackboneBatch) -> BackboneResult:
-        return self.backbone.run_batch(batch)
+    def start_backbone(self, batch: BackboneBatch, background: bool) -> Future:
+        """The call's result (or error) as a Future: run on a background thread, in the order of
+        the calls, or here and now."""
+        if background:
+            if self._calls is None:
+                self._calls = ThreadPoolExecutor(1, thread_name_prefix="backbone-call")
+            return self._calls.submit(self.backbone.run_batch, batch)
+        done: Future = Future()
+        try:
+            done.set_result(self.backbone.run_batch(batch))
+        except Exception as error:  # noqa: BLE001 - it reaches the caller through the Future
+            done.set_exception(error)
+        return done
+
+    def close(self) -> None:
+        if self._calls is not None:
+            self._calls.shutdown(wait=False)
 
     def release(self, seq_ids: list[int]) -> None:
         self.backbone.run_batch(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], seq_ids))
@@ -173,6 +190,15 @@ class LiveSequence:
 
 
 @dataclass
+class _BackboneCall:
+    plan: Plan
+    rows: list[LiveSequence]  # the plan's sequences, in the batch's row order
+    batch: BackboneBatch
+    started: float
+    result: Future            # -> BackboneResult
+
+
+@dataclass
 class _Inbox:
     submitted: list[LiveSequence] = field(default_factory=list)
     cancelled: set[int] = field(default_factory=set)
@@ -181,9 +207,14 @@ class _Inbox:
 
 class DecodeLoop:
     def __init__(self, executor: Executor, tokenizer: TextTokenizer, scheduler: Scheduler, threshold: float,
-                 observer: Observer | None = None, cancel_check_s: float = 0.5, clock=time.monotonic):
+                 observer: Observer | None = None, cancel_check_s: float = 0.5, clock=time.monotonic,
+                 overlap: bool = True):
+        """overlap: with two or more sequences decoding, split them in two halves whose backbone
+        calls alternate, each running in the background while the loop finishes the other half's
+        step (MTP head, sampling, sends)."""
         self.executor, self.tokenizer, self.scheduler = executor, tokenizer, scheduler
-        self.threshold, self.observer = threshold, observer or PhaseMetrics()
+        self.threshold, self.observer, self.overlap = threshold, observer or PhaseMetrics(), overlap
+        self._in_flight: _BackboneCall | None = None
         self.cancel_check_s, self.clock = cancel_check_s, clock
         local = executor.local
         self.pair_size, self.pad_id, self.eos_id, self.bos_id = local.pair_size, local.pad_id, local.eos_id, local.bos_id
@@ -251,15 +282,33 @@ class DecodeLoop:
         _, expired = self.scheduler.admit()
         for sequence, error in expired:
             self._end(sequence, error=str(error), reason="queue_timeout")
-        plan = self.scheduler.plan()
-        if not plan:
-            if self.releases:  # idle: free the caches now rather than with the next request
-                releases, self.releases = self.releases, []
-                try:
-                    self.executor.release(releases)
-                except Exception:  # noqa: BLE001 - the backbone's idle eviction frees them instead
-                    pass
+        in_flight, self._in_flight = self._in_flight, None
+        plan = self.scheduler.plan(in_flight.rows if in_flight else (), split=self.overlap and in_flight is None)
+        if not plan and in_flight is None:
+            self._release_now()
             return False
+        background = in_flight is not None or plan.split
+        call = self._start(plan, background) if plan else None
+        if in_flight is not None:
+            self._finish(in_flight)
+        if call is None:
+            self._release_now()
+        elif background:
+            self._in_flight = call
+        else:
+            self._finish(call)
+        return True
+
+    def _release_now(self) -> None:
+        """With no call in flight: frees the caches of ended sequences now rather than with the next call."""
+        if self.releases:
+            releases, self.releases = self.releases, []
+            try:
+                self.executor.release(releases)
+            except Exception:  # noqa: BLE001 - the backbone's idle eviction frees them instead
+                pass
+
+    def _start(self, plan: Plan, background: bool) -> _BackboneCall:
         rows = plan.decode + [chunk.sequence for chunk in plan.prefill]
         parts = []
         if plan.decode:
@@ -277,17 +326,28 @@ class DecodeLoop:
             if chunk.start == 0:
                 chunk.sequence.started_at = started
                 self.observer.queued(started - chunk.sequence.submitted_at)
+        return _BackboneCall(plan, rows, batch, started, self.executor.start_backbone(batch, background))
+
+    def _finish(self, call: _BackboneCall) -> None:
+        """Takes the call's result; a sequence that ended while the call was in flight is skipped (and
+        the cache its first chunk may have reserved is released)."""
+        plan, rows = call.plan, call.rows
+        first_chunks = {id(c.sequence) for c in plan.prefill if c.start == 0}
         try:
-            result = self.executor.run_backbone(batch)
-        except Exception as error:  # noqa: BLE001 - the iteration's sequences fail, the loop goes on
+            result = call.result.result()
+        except Exception as error:  # noqa: BLE001 - the call's sequences fail, the loop goes on
             # The call may have got as far as the cache: release what it was to release, and what
             # the first chunks may have reserved (releasing an unknown sequence is harmless).
-            self.releases += batch.releases + [c.sequence.request_id for c in plan.prefill if c.start == 0]
+            self.releases += call.batch.releases + [s.request_id for s in rows if id(s) in first_chunks]
             for sequence in rows:
                 self._end(sequence, error=_backbone_message(str(error)), reason="backbone")
-            return True
+            return
         ready = []
         for row, sequence in enumerate(rows):
+            if self.live.get(sequence.request_id) is not sequence:
+                if id(sequence) in first_chunks:
+                    self.releases.append(sequence.request_id)
+                continue
             if result.errors[row]:
                 self._end(sequence, error=_backbone_message(result.errors[row]), reason="backbone")
                 continue
@@ -300,8 +360,7 @@ class DecodeLoop:
             ready.append((row, sequence))
         if ready:
             self._decode(ready, result)
-        self.observer.iteration(self.clock() - started)
-        return True
+        self.observer.iteration(self.clock() - call.started)
 
     def _decode(self, ready: list[tuple[int, LiveSequence]], result: BackboneResult) -> None:
         t1 = np.array([s.decoder.first_token(result.logits[row]) for row, s in ready])
@@ -408,6 +467,7 @@ class DecodeLoop:
         """Ends every request still here with `message`, at once (the loop's thread has stopped)."""
         self.drain(message)
         self._take_inbox()
+        self.executor.close()
 
 
 def _backbone_message(error: str) -> str:

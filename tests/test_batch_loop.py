@@ -1,6 +1,7 @@
 """The batched decode loop without a server: the scheduler's decisions on hand-built cases, and
 the loop on the exported tiny models against the one-at-a-time decoder."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -33,6 +34,22 @@ def scheduler(**overrides):
                     clock=FakeClock())
     settings.update(overrides)
     return Scheduler(**settings)
+
+
+def test_a_split_plan_decodes_the_first_half_and_leaves_out_the_sequences_in_flight():
+    s = scheduler(max_running=6, prefill_chunk=8)
+    decoding = [Seq(4) for _ in range(5)]
+    prefilling = Seq(6)
+    for sequence in decoding:
+        sequence.prefilled = 4
+        s.submit(sequence)
+    s.submit(prefilling)
+    first = s.plan(split=True)
+    assert first.split and first.decode == decoding[:3] and [c.sequence for c in first.prefill] == [prefilling]
+    second = s.plan(in_flight=first.decode + [prefilling], split=False)
+    assert not second.split and second.decode == decoding[3:] and not second.prefill
+    alone = s.plan(in_flight=decoding[1:] + [prefilling], split=True)
+    assert not alone.split and alone.decode == decoding[:1]  # one sequence is never split
 
 
 def test_admission_runs_up_to_the_limit_then_queues_in_arrival_order():
@@ -122,11 +139,11 @@ class ListOutput:
         return [t for r in self.responses for t in r.output_ids]
 
 
-def make_loop(directory, tokenizer, threshold, **overrides):
+def make_loop(directory, tokenizer, threshold, overlap=True, **overrides):
     engine = OnnxComponents(directory)
     settings = dict(max_running=16, max_queue=16, wait_s=30.0, prefill_chunk=4, kv_blocks=1000, kv_block_size=16)
     settings.update(overrides)
-    return engine, DecodeLoop(Executor.in_process(engine), tokenizer, Scheduler(**settings), threshold)
+    return engine, DecodeLoop(Executor.in_process(engine), tokenizer, Scheduler(**settings), threshold, overlap=overlap)
 
 
 def submit(loop, engine, tokenizer, request_id, prompt, max_tokens=24, sends=None):
@@ -145,11 +162,12 @@ def run_until_idle(loop, limit=500):
     raise AssertionError("the loop never went idle")
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("name, threshold", [("baseline", 1.0), ("dualend", -1.0), ("dualend", 0.5),
                                              ("dualend", 1.0)])
-def test_batched_chunked_decoding_equals_one_at_a_time(exported, tiny_tokenizer, name, threshold):
+def test_batched_chunked_decoding_equals_one_at_a_time(exported, tiny_tokenizer, name, threshold, overlap):
     _, directory = exported[name]
-    engine, loop = make_loop(directory, tiny_tokenizer, threshold)
+    engine, loop = make_loop(directory, tiny_tokenizer, threshold, overlap)
     outputs = [submit(loop, engine, tiny_tokenizer, i + 1, p) for i, p in enumerate(PROMPTS)]
     run_until_idle(loop)
     for prompt, output in zip(PROMPTS, outputs):
@@ -179,9 +197,10 @@ def test_a_full_queue_refuses_and_the_others_go_on(exported, tiny_tokenizer):
     assert all(o.responses[-1].finish_reason for o in outputs[:2])
 
 
-def test_cancelling_frees_every_cache_at_once(exported, tiny_tokenizer):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cancelling_frees_every_cache_at_once(exported, tiny_tokenizer, overlap):
     _, directory = exported["dualend"]
-    engine, loop = make_loop(directory, tiny_tokenizer, -1.0)
+    engine, loop = make_loop(directory, tiny_tokenizer, -1.0, overlap)
     by_id, by_sender = (submit(loop, engine, tiny_tokenizer, i, PROMPTS[i], max_tokens=200) for i in (1, 2))
     for _ in range(4):
         loop.run_once()
@@ -345,3 +364,36 @@ def test_the_send_thread_keeps_order_survives_a_lost_client_and_delivers_everyth
     assert threading.get_ident() not in kept.threads | lost.threads
     kept.cancel_asked = True
     assert kept_out.is_cancelled()
+
+
+class WatchedBackbone:
+    """The in-process backbone, noting each call's decode rows and whether one is running."""
+
+    def __init__(self, backbone):
+        self.backbone, self.calls, self.running = backbone, [], False
+
+    def run_batch(self, batch):
+        self.running = True
+        try:
+            self.calls.append([i for i, n, r in zip(batch.sequence_ids, batch.counts, batch.reserve_slots)
+                               if n == 1 and r == 0])
+            time.sleep(0.005)  # long enough that the loop's own work falls inside it
+            return self.backbone.run_batch(batch)
+        finally:
+            self.running = False
+
+
+def test_overlapping_halves_alternate_and_one_half_drafts_while_the_others_call_runs(exported, tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, -1.0)
+    watched = loop.executor.backbone = WatchedBackbone(engine.backbone)
+    drafted_during_a_call = []
+    draft = loop.executor.draft
+    loop.executor.draft = lambda *args: (drafted_during_a_call.append(watched.running), draft(*args))[1]
+    outputs = [submit(loop, engine, tiny_tokenizer, i + 1, PROMPTS[i % len(PROMPTS)], max_tokens=16) for i in range(4)]
+    run_until_idle(loop)
+    assert all(o.responses[-1].finish_reason for o in outputs)
+    assert max(len(rows) for rows in watched.calls) == 2  # four decoding: two halves, never all four
+    halves = [(set(a), set(b)) for a, b in zip(watched.calls, watched.calls[1:]) if len(a) == len(b) == 2]
+    assert len(halves) >= 4 and all(a.isdisjoint(b) for a, b in halves)
+    assert sum(drafted_during_a_call) >= len(drafted_during_a_call) // 2

@@ -57,8 +57,12 @@ class SendThread:
 
     def close(self, timeout_s: float) -> bool:
         """Sends what is queued, then stops; False when that took longer than timeout_s."""
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._jobs.put(None, timeout=timeout_s)
+        except queue.Full:
+            return False
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         return not self._thread.is_alive()
 
     def _run(self) -> None:
@@ -67,26 +71,37 @@ class SendThread:
             try:
                 job(*args)
             except Exception as error:  # noqa: BLE001 - one lost client must not stop everyone's sends
-                self.on_error(f"a response could not be sent: {error!r}")
+                try:
+                    self.on_error(f"a response could not be sent: {error!r}")
+                except Exception:  # noqa: BLE001 - nor may a failing report
+                    pass
 
 
 class QueuedOutput:
-    """An `Output` whose send, fail and end go through a `SendThread`; is_cancelled asks at once."""
+    """An `Output` whose send, fail and end go through a `SendThread`; is_cancelled asks at once, and
+    says yes once a send failed, so the loop stops decoding for a client that is gone."""
 
     def __init__(self, output: Output, sends: SendThread):
-        self.output, self.sends = output, sends
+        self.output, self.sends, self.send_failed = output, sends, False
 
     def send(self, response: Response) -> None:
-        self.sends.put(self.output.send, response)
+        self.sends.put(self._guarded, self.output.send, response)
 
     def fail(self, message: str) -> None:
-        self.sends.put(self.output.fail, message)
+        self.sends.put(self._guarded, self.output.fail, message)
 
     def end(self) -> None:
-        self.sends.put(self.output.end)
+        self.sends.put(self._guarded, self.output.end)
 
     def is_cancelled(self) -> bool:
-        return self.output.is_cancelled()
+        return self.send_failed or self.output.is_cancelled()
+
+    def _guarded(self, job, *args) -> None:
+        try:
+            job(*args)
+        except Exception:
+            self.send_failed = True
+            raise
 
 
 class Backbone(Protocol):
@@ -138,6 +153,7 @@ class Executor:
     def close(self) -> None:
         if self._calls is not None:
             self._calls.shutdown(wait=False)
+            self._calls = None
 
     def release(self, seq_ids: list[int]) -> None:
         self.backbone.run_batch(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], seq_ids))
@@ -169,15 +185,11 @@ class LiveSequence:
     output: Output
     prefilled: int = 0          # prompt latents already in the backbone's cache
     drafting: bool = False      # the MTP head holds a cache for it
+    reserved: bool = False      # its first prefill chunk went to the backbone (which may hold a cache for it)
     submitted_at: float = 0.0
     started_at: float = 0.0      # its first prefill chunk ran
     last_sent: float = 0.0       # its last response with tokens went out (0: none yet)
     next_cancel_check: float = 0.0
-
-    @property
-    def started(self) -> bool:
-        """The backbone holds a cache for it (its first prefill chunk ran)."""
-        return self.prefilled > 0
 
     @property
     def num_latents(self) -> int:
@@ -214,7 +226,8 @@ class DecodeLoop:
         step (MTP head, sampling, sends)."""
         self.executor, self.tokenizer, self.scheduler = executor, tokenizer, scheduler
         self.threshold, self.observer, self.overlap = threshold, observer or PhaseMetrics(), overlap
-        self._in_flight: _BackboneCall | None = None
+        self._in_flight: _BackboneCall | None = None   # started in the background, not yet finished
+        self._finishing: _BackboneCall | None = None   # being finished while the next one runs
         self.cancel_check_s, self.clock = cancel_check_s, clock
         local = executor.local
         self.pair_size, self.pad_id, self.eos_id, self.bos_id = local.pair_size, local.pad_id, local.eos_id, local.bos_id
@@ -267,6 +280,7 @@ class DecodeLoop:
         try:
             busy = self._iterate()
         except Exception as error:  # noqa: BLE001 - a dead loop would leave every stream hanging
+            self._settle_calls()
             for sequence in list(self.live.values()):
                 try:
                     self._end(sequence, error=f"internal error in the decode loop: {error!r}", reason="backbone")
@@ -282,22 +296,31 @@ class DecodeLoop:
         _, expired = self.scheduler.admit()
         for sequence, error in expired:
             self._end(sequence, error=str(error), reason="queue_timeout")
-        in_flight, self._in_flight = self._in_flight, None
+        in_flight = self._in_flight
         plan = self.scheduler.plan(in_flight.rows if in_flight else (), split=self.overlap and in_flight is None)
         if not plan and in_flight is None:
             self._release_now()
             return False
         background = in_flight is not None or plan.split
         call = self._start(plan, background) if plan else None
+        self._finishing, self._in_flight = in_flight, call if background else None
         if in_flight is not None:
             self._finish(in_flight)
+            self._finishing = None
         if call is None:
             self._release_now()
-        elif background:
-            self._in_flight = call
-        else:
+        elif not background:
             self._finish(call)
         return True
+
+    def _settle_calls(self) -> None:
+        """After an unexpected error: waits for the calls still running (so nothing else touches the
+        backbone meanwhile) and releases every sequence they carried."""
+        for call in (self._finishing, self._in_flight):
+            if call is not None:
+                call.result.exception()  # waits; its outcome no longer matters
+                self.releases += [s.request_id for s in call.rows]
+        self._finishing = self._in_flight = None
 
     def _release_now(self) -> None:
         """With no call in flight: frees the caches of ended sequences now rather than with the next call."""
@@ -324,29 +347,26 @@ class DecodeLoop:
         started = self.clock()
         for chunk in plan.prefill:
             if chunk.start == 0:
+                chunk.sequence.reserved = True
                 chunk.sequence.started_at = started
                 self.observer.queued(started - chunk.sequence.submitted_at)
         return _BackboneCall(plan, rows, batch, started, self.executor.start_backbone(batch, background))
 
     def _finish(self, call: _BackboneCall) -> None:
-        """Takes the call's result; a sequence that ended while the call was in flight is skipped (and
-        the cache its first chunk may have reserved is released)."""
+        """Takes the call's result; a sequence that ended while the call was in flight is skipped."""
         plan, rows = call.plan, call.rows
-        first_chunks = {id(c.sequence) for c in plan.prefill if c.start == 0}
         try:
             result = call.result.result()
         except Exception as error:  # noqa: BLE001 - the call's sequences fail, the loop goes on
-            # The call may have got as far as the cache: release what it was to release, and what
-            # the first chunks may have reserved (releasing an unknown sequence is harmless).
-            self.releases += call.batch.releases + [s.request_id for s in rows if id(s) in first_chunks]
+            # The call may have got as far as the cache: release what it was to release (the
+            # sequences' own caches are released as they end; an unknown sequence is harmless).
+            self.releases += call.batch.releases
             for sequence in rows:
                 self._end(sequence, error=_backbone_message(str(error)), reason="backbone")
             return
         ready = []
         for row, sequence in enumerate(rows):
             if self.live.get(sequence.request_id) is not sequence:
-                if id(sequence) in first_chunks:
-                    self.releases.append(sequence.request_id)
                 continue
             if result.errors[row]:
                 self._end(sequence, error=_backbone_message(result.errors[row]), reason="backbone")
@@ -452,7 +472,7 @@ class DecodeLoop:
         if self.live.pop(sequence.request_id, None) is None:
             return
         self.scheduler.finish(sequence)
-        if sequence.started:
+        if sequence.reserved:
             self.releases.append(sequence.request_id)
         if sequence.drafting:
             self.executor.close_drafts(sequence.request_id)

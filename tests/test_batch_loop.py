@@ -202,9 +202,10 @@ def test_cancelling_frees_every_cache_at_once(exported, tiny_tokenizer, overlap)
     _, directory = exported["dualend"]
     engine, loop = make_loop(directory, tiny_tokenizer, -1.0, overlap)
     by_id, by_sender = (submit(loop, engine, tiny_tokenizer, i, PROMPTS[i], max_tokens=200) for i in (1, 2))
-    for _ in range(4):
+    for _ in range(8):
         loop.run_once()
     assert len(engine.backbone.cache.sequences) == 2
+    assert (loop._in_flight is not None) == overlap  # with overlap, one of them has a call in flight
     loop.cancel(1)
     by_sender.cancel_asked = True
     for sequence in loop.live.values():
@@ -328,10 +329,11 @@ def test_an_unexpected_error_ends_the_requests_in_the_loop_and_the_loop_goes_on(
 def test_sends_through_the_send_thread_arrive_as_the_loop_sent_them(exported, tiny_tokenizer):
     _, directory = exported["dualend"]
     engine, loop = make_loop(directory, tiny_tokenizer, 0.5)
-    sends = SendThread(on_error=pytest.fail)
+    errors = []
+    sends = SendThread(on_error=errors.append)
     outputs = [submit(loop, engine, tiny_tokenizer, i + 1, p, sends=sends) for i, p in enumerate(PROMPTS)]
     run_until_idle(loop)
-    assert sends.close(timeout_s=10)
+    assert sends.close(timeout_s=10) and errors == []
     for prompt, output in zip(PROMPTS, outputs):
         alone = generate_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), 0.5)
         assert output.tokens == alone.tokens and output.responses[-1].finish_reason == alone.finish_reason
@@ -362,34 +364,33 @@ def test_the_send_thread_keeps_order_survives_a_lost_client_and_delivers_everyth
     assert [r.output_ids for r in kept.responses] == [[i] for i in range(50)] and kept.ended
     assert len(errors) == 50 and all("the client is gone" in e for e in errors)
     assert threading.get_ident() not in kept.threads | lost.threads
+    assert lost_out.is_cancelled() and not kept_out.is_cancelled()  # the loop stops decoding for a lost client
     kept.cancel_asked = True
     assert kept_out.is_cancelled()
 
 
 class WatchedBackbone:
-    """The in-process backbone, noting each call's decode rows and whether one is running."""
+    """The in-process backbone, noting each call's decode rows."""
 
     def __init__(self, backbone):
-        self.backbone, self.calls, self.running = backbone, [], False
+        self.backbone, self.calls = backbone, []
 
     def run_batch(self, batch):
-        self.running = True
-        try:
-            self.calls.append([i for i, n, r in zip(batch.sequence_ids, batch.counts, batch.reserve_slots)
-                               if n == 1 and r == 0])
-            time.sleep(0.005)  # long enough that the loop's own work falls inside it
-            return self.backbone.run_batch(batch)
-        finally:
-            self.running = False
+        self.calls.append([i for i, n, r in zip(batch.sequence_ids, batch.counts, batch.reserve_slots)
+                           if n == 1 and r == 0])
+        time.sleep(0.02)  # long enough that the loop's own work falls inside it
+        return self.backbone.run_batch(batch)
 
 
 def test_overlapping_halves_alternate_and_one_half_drafts_while_the_others_call_runs(exported, tiny_tokenizer):
     _, directory = exported["dualend"]
     engine, loop = make_loop(directory, tiny_tokenizer, -1.0)
-    watched = loop.executor.backbone = WatchedBackbone(engine.backbone)
-    drafted_during_a_call = []
-    draft = loop.executor.draft
-    loop.executor.draft = lambda *args: (drafted_during_a_call.append(watched.running), draft(*args))[1]
+    executor = loop.executor
+    watched = executor.backbone = WatchedBackbone(engine.backbone)
+    calls, drafted_during_a_call = [], []
+    start_backbone, draft = executor.start_backbone, executor.draft
+    executor.start_backbone = lambda *args: (calls.append(start_backbone(*args)), calls[-1])[1]
+    executor.draft = lambda *args: (drafted_during_a_call.append(not all(c.done() for c in calls)), draft(*args))[1]
     outputs = [submit(loop, engine, tiny_tokenizer, i + 1, PROMPTS[i % len(PROMPTS)], max_tokens=16) for i in range(4)]
     run_until_idle(loop)
     assert all(o.responses[-1].finish_reason for o in outputs)
@@ -397,3 +398,18 @@ def test_overlapping_halves_alternate_and_one_half_drafts_while_the_others_call_
     halves = [(set(a), set(b)) for a, b in zip(watched.calls, watched.calls[1:]) if len(a) == len(b) == 2]
     assert len(halves) >= 4 and all(a.isdisjoint(b) for a, b in halves)
     assert sum(drafted_during_a_call) >= len(drafted_during_a_call) // 2
+
+
+def test_an_unexpected_error_with_a_call_in_flight_waits_for_it_and_frees_every_cache(exported, tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, -1.0)
+    outputs = [submit(loop, engine, tiny_tokenizer, i + 1, PROMPTS[i % len(PROMPTS)], max_tokens=200) for i in range(4)]
+    while loop._in_flight is None or len(engine.backbone.cache.sequences) < 4:
+        loop.run_once()
+    in_flight = loop._in_flight.result
+    loop.executor.compress = lambda pairs: (_ for _ in ()).throw(MemoryError("no room"))
+    assert loop.run_once() is False
+    assert in_flight.done() and loop._in_flight is None
+    assert all(o.error == "internal error in the decode loop: MemoryError('no room')" for o in outputs)
+    run_until_idle(loop)  # idle: the releases go out
+    assert not engine.backbone.cache.sequences and not engine.mtp_pool_sequences()

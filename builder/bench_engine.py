@@ -61,11 +61,11 @@ class _Counter:
 
 
 def batched_throughput(components: OnnxComponents, prompt: list[int], params: SamplingParams, threshold: float,
-                       batch: int, overlap: bool = True) -> float:
+                       batch: int) -> float:
     """Output tokens/s of `batch` requests submitted together to the in-process batched loop."""
     loop = DecodeLoop(Executor.in_process(components), components.exported.tokenizer(),
                       Scheduler(max_running=batch, max_queue=0, wait_s=60, prefill_chunk=128, kv_blocks=10 ** 6,
-                                kv_block_size=16), threshold, overlap=overlap)
+                                kv_block_size=16), threshold)
     pairs = np.asarray(pad_prompt(prompt, components.pair_size, components.pad_id)).reshape(-1, components.pair_size)
     request = PreparedRequest(list(prompt), params, True, True)
     started = time.perf_counter()
@@ -76,7 +76,6 @@ def batched_throughput(components: OnnxComponents, prompt: list[int], params: Sa
     while loop.run_once():
         pass
     elapsed = time.perf_counter() - started
-    loop.executor.close()
     assert all(o.done and o.error is None for o in outputs), [o.error for o in outputs if o.error]
     return sum(o.tokens for o in outputs) / elapsed
 
@@ -135,8 +134,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--export-dir", default=str(ASSEMBLE_DEFAULTS["export_dir"]))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="measure the batched decode loop's throughput at these batch sizes instead")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="batched: one backbone call per iteration for every sequence (the loop's overlap off)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     threshold = args.threshold if args.threshold is not None else calibrated_threshold(
@@ -151,8 +148,7 @@ def main(argv=None) -> dict:
     prompts = {length: long_prompt(tokenizer, length) for length in args.lengths}
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     if args.batch_sizes:
-        return batched_sweep(engines, prompts[args.lengths[0]], params, threshold, args.batch_sizes, args.repeats,
-                             not args.no_overlap)
+        return batched_sweep(engines, prompts[args.lengths[0]], params, threshold, args.batch_sizes, args.repeats)
 
     figures = {(n, L): {"ttft": [], "tpot": [], "tokens_per_step": []} for n in engines for L in args.lengths}
     for name, length in itertools.product(engines, args.lengths):  # warm-up, not measured
@@ -198,14 +194,14 @@ def main(argv=None) -> dict:
 
 
 def batched_sweep(engines: dict, prompt: list[int], params: SamplingParams, threshold: float, sizes: list[int],
-                  repeats: int, overlap: bool = True) -> dict:
+                  repeats: int) -> dict:
     rates = {(n, b): [] for n in engines for b in sizes}
     for name in engines:  # warm-up
         batched_throughput(engines[name], prompt, SamplingParams(max_tokens=4, ignore_eos=True), threshold, 2)
     for _, size, name in tqdm(list(itertools.product(range(repeats), sizes, engines)), desc="batched runs"):
-        rates[(name, size)].append(batched_throughput(engines[name], prompt, params, threshold, size, overlap))
-    print(f"\nIn-process batched decode loop ({'overlapping halves' if overlap else 'no overlap'}), {len(prompt)}-token "
-          f"prompts, {params.max_tokens} new tokens, threshold {threshold}; output tokens/s, median (p10-p90) of {repeats}")
+        rates[(name, size)].append(batched_throughput(engines[name], prompt, params, threshold, size))
+    print(f"\nIn-process batched decode loop, {len(prompt)}-token prompts, {params.max_tokens} new tokens, threshold "
+          f"{threshold}; output tokens/s, median (p10-p90) of {repeats}")
     summary = {}
     for size in sizes:
         row = {name: median_and_spread(rates[(name, size)])[0] for name in engines}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,7 +22,7 @@ import numpy as np
 from .decode import CapacityError, InvalidRequest, SequenceDecoder, TextStream
 from .metrics import PhaseMetrics
 from .onnx_engine import BackboneBatch, BackboneResult, MTPComponent, OnnxComponents
-from .scheduler import Plan, Scheduler
+from .scheduler import Scheduler
 from .serving import PreparedRequest, Response, ResponseStream
 from .tokenizer import TextTokenizer
 
@@ -130,30 +129,13 @@ class Executor:
 
     def __init__(self, backbone: Backbone, local: MTPComponent, d_model: int):
         self.backbone, self.local, self.d_model = backbone, local, d_model
-        self._calls: ThreadPoolExecutor | None = None  # the one thread background calls run on
 
     @classmethod
     def in_process(cls, engine: OnnxComponents) -> "Executor":
         return cls(engine.backbone, engine, engine.exported.settings["d_model"])
 
-    def start_backbone(self, batch: BackboneBatch, background: bool) -> Future:
-        """The call's result (or error) as a Future: run on a background thread, in the order of
-        the calls, or here and now."""
-        if background:
-            if self._calls is None:
-                self._calls = ThreadPoolExecutor(1, thread_name_prefix="backbone-call")
-            return self._calls.submit(self.backbone.run_batch, batch)
-        done: Future = Future()
-        try:
-            done.set_result(self.backbone.run_batch(batch))
-        except Exception as error:  # noqa: BLE001 - it reaches the caller through the Future
-            done.set_exception(error)
-        return done
-
-    def close(self) -> None:
-        if self._calls is not None:
-            self._calls.shutdown(wait=False)
-            self._calls = None
+    def run_backbone(self, batch: BackboneBatch) -> BackboneResult:
+        return self.backbone.run_batch(batch)
 
     def release(self, seq_ids: list[int]) -> None:
         self.backbone.run_batch(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], seq_ids))
@@ -185,11 +167,15 @@ class LiveSequence:
     output: Output
     prefilled: int = 0          # prompt latents already in the backbone's cache
     drafting: bool = False      # the MTP head holds a cache for it
-    reserved: bool = False      # its first prefill chunk went to the backbone (which may hold a cache for it)
     submitted_at: float = 0.0
     started_at: float = 0.0      # its first prefill chunk ran
     last_sent: float = 0.0       # its last response with tokens went out (0: none yet)
     next_cancel_check: float = 0.0
+
+    @property
+    def started(self) -> bool:
+        """The backbone holds a cache for it (its first prefill chunk ran)."""
+        return self.prefilled > 0
 
     @property
     def num_latents(self) -> int:
@@ -202,15 +188,6 @@ class LiveSequence:
 
 
 @dataclass
-class _BackboneCall:
-    plan: Plan
-    rows: list[LiveSequence]  # the plan's sequences, in the batch's row order
-    batch: BackboneBatch
-    started: float
-    result: Future            # -> BackboneResult
-
-
-@dataclass
 class _Inbox:
     submitted: list[LiveSequence] = field(default_factory=list)
     cancelled: set[int] = field(default_factory=set)
@@ -219,15 +196,9 @@ class _Inbox:
 
 class DecodeLoop:
     def __init__(self, executor: Executor, tokenizer: TextTokenizer, scheduler: Scheduler, threshold: float,
-                 observer: Observer | None = None, cancel_check_s: float = 0.5, clock=time.monotonic,
-                 overlap: bool = True):
-        """overlap: with two or more sequences decoding, split them in two halves whose backbone
-        calls alternate, each running in the background while the loop finishes the other half's
-        step (MTP head, sampling, sends)."""
+                 observer: Observer | None = None, cancel_check_s: float = 0.5, clock=time.monotonic):
         self.executor, self.tokenizer, self.scheduler = executor, tokenizer, scheduler
-        self.threshold, self.observer, self.overlap = threshold, observer or PhaseMetrics(), overlap
-        self._in_flight: _BackboneCall | None = None   # started in the background, not yet finished
-        self._finishing: _BackboneCall | None = None   # being finished while the next one runs
+        self.threshold, self.observer = threshold, observer or PhaseMetrics()
         self.cancel_check_s, self.clock = cancel_check_s, clock
         local = executor.local
         self.pair_size, self.pad_id, self.eos_id, self.bos_id = local.pair_size, local.pad_id, local.eos_id, local.bos_id
@@ -280,7 +251,6 @@ class DecodeLoop:
         try:
             busy = self._iterate()
         except Exception as error:  # noqa: BLE001 - a dead loop would leave every stream hanging
-            self._settle_calls()
             for sequence in list(self.live.values()):
                 try:
                     self._end(sequence, error=f"internal error in the decode loop: {error!r}", reason="backbone")
@@ -296,42 +266,15 @@ class DecodeLoop:
         _, expired = self.scheduler.admit()
         for sequence, error in expired:
             self._end(sequence, error=str(error), reason="queue_timeout")
-        in_flight = self._in_flight
-        plan = self.scheduler.plan(in_flight.rows if in_flight else (), split=self.overlap and in_flight is None)
-        if not plan and in_flight is None:
-            self._release_now()
+        plan = self.scheduler.plan()
+        if not plan:
+            if self.releases:  # idle: free the caches now rather than with the next request
+                releases, self.releases = self.releases, []
+                try:
+                    self.executor.release(releases)
+                except Exception:  # noqa: BLE001 - the backbone's idle eviction frees them instead
+                    pass
             return False
-        background = in_flight is not None or plan.split
-        call = self._start(plan, background) if plan else None
-        self._finishing, self._in_flight = in_flight, call if background else None
-        if in_flight is not None:
-            self._finish(in_flight)
-            self._finishing = None
-        if call is None:
-            self._release_now()
-        elif not background:
-            self._finish(call)
-        return True
-
-    def _settle_calls(self) -> None:
-        """After an unexpected error: waits for the calls still running (so nothing else touches the
-        backbone meanwhile) and releases every sequence they carried."""
-        for call in (self._finishing, self._in_flight):
-            if call is not None:
-                call.result.exception()  # waits; its outcome no longer matters
-                self.releases += [s.request_id for s in call.rows]
-        self._finishing = self._in_flight = None
-
-    def _release_now(self) -> None:
-        """With no call in flight: frees the caches of ended sequences now rather than with the next call."""
-        if self.releases:
-            releases, self.releases = self.releases, []
-            try:
-                self.executor.release(releases)
-            except Exception:  # noqa: BLE001 - the backbone's idle eviction frees them instead
-                pass
-
-    def _start(self, plan: Plan, background: bool) -> _BackboneCall:
         rows = plan.decode + [chunk.sequence for chunk in plan.prefill]
         parts = []
         if plan.decode:
@@ -347,27 +290,19 @@ class DecodeLoop:
         started = self.clock()
         for chunk in plan.prefill:
             if chunk.start == 0:
-                chunk.sequence.reserved = True
                 chunk.sequence.started_at = started
                 self.observer.queued(started - chunk.sequence.submitted_at)
-        return _BackboneCall(plan, rows, batch, started, self.executor.start_backbone(batch, background))
-
-    def _finish(self, call: _BackboneCall) -> None:
-        """Takes the call's result; a sequence that ended while the call was in flight is skipped."""
-        plan, rows = call.plan, call.rows
         try:
-            result = call.result.result()
-        except Exception as error:  # noqa: BLE001 - the call's sequences fail, the loop goes on
-            # The call may have got as far as the cache: release what it was to release (the
-            # sequences' own caches are released as they end; an unknown sequence is harmless).
-            self.releases += call.batch.releases
+            result = self.executor.run_backbone(batch)
+        except Exception as error:  # noqa: BLE001 - the iteration's sequences fail, the loop goes on
+            # The call may have got as far as the cache: release what it was to release, and what
+            # the first chunks may have reserved (releasing an unknown sequence is harmless).
+            self.releases += batch.releases + [c.sequence.request_id for c in plan.prefill if c.start == 0]
             for sequence in rows:
                 self._end(sequence, error=_backbone_message(str(error)), reason="backbone")
-            return
+            return True
         ready = []
         for row, sequence in enumerate(rows):
-            if self.live.get(sequence.request_id) is not sequence:
-                continue
             if result.errors[row]:
                 self._end(sequence, error=_backbone_message(result.errors[row]), reason="backbone")
                 continue
@@ -380,7 +315,8 @@ class DecodeLoop:
             ready.append((row, sequence))
         if ready:
             self._decode(ready, result)
-        self.observer.iteration(self.clock() - call.started)
+        self.observer.iteration(self.clock() - started)
+        return True
 
     def _decode(self, ready: list[tuple[int, LiveSequence]], result: BackboneResult) -> None:
         t1 = np.array([s.decoder.first_token(result.logits[row]) for row, s in ready])
@@ -472,7 +408,7 @@ class DecodeLoop:
         if self.live.pop(sequence.request_id, None) is None:
             return
         self.scheduler.finish(sequence)
-        if sequence.reserved:
+        if sequence.started:
             self.releases.append(sequence.request_id)
         if sequence.drafting:
             self.executor.close_drafts(sequence.request_id)
@@ -487,7 +423,6 @@ class DecodeLoop:
         """Ends every request still here with `message`, at once (the loop's thread has stopped)."""
         self.drain(message)
         self._take_inbox()
-        self.executor.close()
 
 
 def _backbone_message(error: str) -> str:

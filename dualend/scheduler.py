@@ -6,10 +6,7 @@ Engine-free and clock-injected, so it is tested without a server, as vLLM keeps 
   the queue is full or its wait runs out, and the message says which;
 - chunked prefill: each iteration prefills at most `prefill_chunk` prompt latents, spread over the
   sequences still prefilling in arrival order, so a long prompt never stalls the decoding ones;
-- decode: every sequence past its prefill takes one step in every iteration, except while its
-  previous step is still in flight: then the loop may split the decoding sequences in two halves
-  whose backbone calls alternate (`plan(in_flight, split)`), so one half's call runs while the
-  loop finishes the other half's step.
+- decode: every sequence past its prefill takes one step in every iteration.
 The KV memory itself lives with the backbone engine (`kv_pool.KVCache`); the scheduler only counts
 blocks, so it never admits a sequence the cache could not hold.
 """
@@ -18,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from .decode import CapacityError, InvalidRequest
 from .kv_pool import blocks_for
@@ -45,7 +42,6 @@ class PrefillChunk:
 class Plan:
     decode: list[Schedulable] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
-    split: bool = False  # some decoding sequences were left for the next iteration
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -101,17 +97,12 @@ class Scheduler:
     def _fits(self, sequence: Schedulable) -> bool:
         return len(self.running) < self.max_running and self.used_blocks + self.blocks(sequence) <= self.kv_blocks
 
-    def plan(self, in_flight: Iterable[Schedulable] = (), split: bool = False) -> Plan:
-        """This iteration's work, leaving out the sequences `in_flight` (a call carries them); with
-        `split`, only the first half of the decoding sequences (at least one) decode."""
+    def plan(self) -> Plan:
         plan, budget = Plan(), self.prefill_chunk
-        busy = {id(s) for s in in_flight}
-        ready = [s for s in self.running if id(s) not in busy]
-        decoding = [s for s in ready if s.prefilled == s.num_latents]
-        plan.split = split and len(decoding) >= 2
-        plan.decode = decoding[:(len(decoding) + 1) // 2] if plan.split else decoding
-        for sequence in ready:
-            if sequence.prefilled < sequence.num_latents and budget > 0:
+        for sequence in self.running:
+            if sequence.prefilled == sequence.num_latents:
+                plan.decode.append(sequence)
+            elif budget > 0:
                 stop = min(sequence.num_latents, sequence.prefilled + budget)
                 plan.prefill.append(PrefillChunk(sequence, sequence.prefilled, stop))
                 budget -= stop - sequence.prefilled

@@ -1,7 +1,6 @@
 """The batched decode loop without a server: the scheduler's decisions on hand-built cases, and
 the loop on the exported tiny models against the one-at-a-time decoder."""
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -34,22 +33,6 @@ def scheduler(**overrides):
                     clock=FakeClock())
     settings.update(overrides)
     return Scheduler(**settings)
-
-
-def test_a_split_plan_decodes_the_first_half_and_leaves_out_the_sequences_in_flight():
-    s = scheduler(max_running=6, prefill_chunk=8)
-    decoding = [Seq(4) for _ in range(5)]
-    prefilling = Seq(6)
-    for sequence in decoding:
-        sequence.prefilled = 4
-        s.submit(sequence)
-    s.submit(prefilling)
-    first = s.plan(split=True)
-    assert first.split and first.decode == decoding[:3] and [c.sequence for c in first.prefill] == [prefilling]
-    second = s.plan(in_flight=first.decode + [prefilling], split=False)
-    assert not second.split and second.decode == decoding[3:] and not second.prefill
-    alone = s.plan(in_flight=decoding[1:] + [prefilling], split=True)
-    assert not alone.split and alone.decode == decoding[:1]  # one sequence is never split
 
 
 def test_admission_runs_up_to_the_limit_then_queues_in_arrival_order():
@@ -139,11 +122,11 @@ class ListOutput:
         return [t for r in self.responses for t in r.output_ids]
 
 
-def make_loop(directory, tokenizer, threshold, overlap=True, **overrides):
+def make_loop(directory, tokenizer, threshold, **overrides):
     engine = OnnxComponents(directory)
     settings = dict(max_running=16, max_queue=16, wait_s=30.0, prefill_chunk=4, kv_blocks=1000, kv_block_size=16)
     settings.update(overrides)
-    return engine, DecodeLoop(Executor.in_process(engine), tokenizer, Scheduler(**settings), threshold, overlap=overlap)
+    return engine, DecodeLoop(Executor.in_process(engine), tokenizer, Scheduler(**settings), threshold)
 
 
 def submit(loop, engine, tokenizer, request_id, prompt, max_tokens=24, sends=None):
@@ -162,12 +145,11 @@ def run_until_idle(loop, limit=500):
     raise AssertionError("the loop never went idle")
 
 
-@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("name, threshold", [("baseline", 1.0), ("dualend", -1.0), ("dualend", 0.5),
                                              ("dualend", 1.0)])
-def test_batched_chunked_decoding_equals_one_at_a_time(exported, tiny_tokenizer, name, threshold, overlap):
+def test_batched_chunked_decoding_equals_one_at_a_time(exported, tiny_tokenizer, name, threshold):
     _, directory = exported[name]
-    engine, loop = make_loop(directory, tiny_tokenizer, threshold, overlap)
+    engine, loop = make_loop(directory, tiny_tokenizer, threshold)
     outputs = [submit(loop, engine, tiny_tokenizer, i + 1, p) for i, p in enumerate(PROMPTS)]
     run_until_idle(loop)
     for prompt, output in zip(PROMPTS, outputs):
@@ -197,15 +179,13 @@ def test_a_full_queue_refuses_and_the_others_go_on(exported, tiny_tokenizer):
     assert all(o.responses[-1].finish_reason for o in outputs[:2])
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_cancelling_frees_every_cache_at_once(exported, tiny_tokenizer, overlap):
+def test_cancelling_frees_every_cache_at_once(exported, tiny_tokenizer):
     _, directory = exported["dualend"]
-    engine, loop = make_loop(directory, tiny_tokenizer, -1.0, overlap)
+    engine, loop = make_loop(directory, tiny_tokenizer, -1.0)
     by_id, by_sender = (submit(loop, engine, tiny_tokenizer, i, PROMPTS[i], max_tokens=200) for i in (1, 2))
-    for _ in range(8):
+    for _ in range(4):
         loop.run_once()
     assert len(engine.backbone.cache.sequences) == 2
-    assert (loop._in_flight is not None) == overlap  # with overlap, one of them has a call in flight
     loop.cancel(1)
     by_sender.cancel_asked = True
     for sequence in loop.live.values():
@@ -367,49 +347,3 @@ def test_the_send_thread_keeps_order_survives_a_lost_client_and_delivers_everyth
     assert lost_out.is_cancelled() and not kept_out.is_cancelled()  # the loop stops decoding for a lost client
     kept.cancel_asked = True
     assert kept_out.is_cancelled()
-
-
-class WatchedBackbone:
-    """The in-process backbone, noting each call's decode rows."""
-
-    def __init__(self, backbone):
-        self.backbone, self.calls = backbone, []
-
-    def run_batch(self, batch):
-        self.calls.append([i for i, n, r in zip(batch.sequence_ids, batch.counts, batch.reserve_slots)
-                           if n == 1 and r == 0])
-        time.sleep(0.02)  # long enough that the loop's own work falls inside it
-        return self.backbone.run_batch(batch)
-
-
-def test_overlapping_halves_alternate_and_one_half_drafts_while_the_others_call_runs(exported, tiny_tokenizer):
-    _, directory = exported["dualend"]
-    engine, loop = make_loop(directory, tiny_tokenizer, -1.0)
-    executor = loop.executor
-    watched = executor.backbone = WatchedBackbone(engine.backbone)
-    calls, drafted_during_a_call = [], []
-    start_backbone, draft = executor.start_backbone, executor.draft
-    executor.start_backbone = lambda *args: (calls.append(start_backbone(*args)), calls[-1])[1]
-    executor.draft = lambda *args: (drafted_during_a_call.append(not all(c.done() for c in calls)), draft(*args))[1]
-    outputs = [submit(loop, engine, tiny_tokenizer, i + 1, PROMPTS[i % len(PROMPTS)], max_tokens=16) for i in range(4)]
-    run_until_idle(loop)
-    assert all(o.responses[-1].finish_reason for o in outputs)
-    assert max(len(rows) for rows in watched.calls) == 2  # four decoding: two halves, never all four
-    halves = [(set(a), set(b)) for a, b in zip(watched.calls, watched.calls[1:]) if len(a) == len(b) == 2]
-    assert len(halves) >= 4 and all(a.isdisjoint(b) for a, b in halves)
-    assert sum(drafted_during_a_call) >= len(drafted_during_a_call) // 2
-
-
-def test_an_unexpected_error_with_a_call_in_flight_waits_for_it_and_frees_every_cache(exported, tiny_tokenizer):
-    _, directory = exported["dualend"]
-    engine, loop = make_loop(directory, tiny_tokenizer, -1.0)
-    outputs = [submit(loop, engine, tiny_tokenizer, i + 1, PROMPTS[i % len(PROMPTS)], max_tokens=200) for i in range(4)]
-    while loop._in_flight is None or len(engine.backbone.cache.sequences) < 4:
-        loop.run_once()
-    in_flight = loop._in_flight.result
-    loop.executor.compress = lambda pairs: (_ for _ in ()).throw(MemoryError("no room"))
-    assert loop.run_once() is False
-    assert in_flight.done() and loop._in_flight is None
-    assert all(o.error == "internal error in the decode loop: MemoryError('no room')" for o in outputs)
-    run_until_idle(loop)  # idle: the releases go out
-    assert not engine.backbone.cache.sequences and not engine.mtp_pool_sequences()

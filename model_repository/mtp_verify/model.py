@@ -155,7 +155,8 @@ class TritonPythonModel:
         self.thread.join(timeout=10)
         if not self.thread.is_alive():
             self.loop.close(SHUTDOWN_MESSAGE)  # what arrived after the drain
-        self.sends.close(timeout_s=5)
+        if not self.sends.close(timeout_s=5):
+            pb_utils.Logger.log_warn("mtp_verify: responses still queued at shutdown after 5 s; they are lost")
 
 
 class _TritonMetrics(PhaseMetrics):

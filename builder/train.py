@@ -32,12 +32,12 @@ from dualend.data import FAMILIES, examples, stdlib_chunks
 from dualend.evaluation import evaluate_pass1
 from dualend.model import LanguageModel, ModelConfig, count_parameters, default_ffn_hidden
 from dualend.tokenizer import TextTokenizer, train_tokenizer
-from dualend.training import (AUGMENTATIONS, baseline_batch, baseline_loss, batch_stream, batch_stream_in_workers,
-                              dualend_batch, dualend_loss)
+from dualend.training import (AUGMENTATIONS, TRAIN_MIX, baseline_batch, baseline_loss, batch_stream,
+                              batch_stream_in_workers, dualend_batch, dualend_loss)
 
 DEFAULTS = dict(
     vocab_size=1024, d_model=256, n_layers=4, n_heads=4, batch_size=32, max_tokens=192,
-    context=1024, long_fraction=0.5,
+    context=1024, long_fraction=0.5, mix=TRAIN_MIX,
     lr=2e-3, warmup=200, text_fraction=0.1, eval_every=500, eval_examples=40, patience=4,
     distill_weight=0.5, seed=0, threads=2, device="cpu", data_workers=0, time_limit_minutes=0.0,
 )
@@ -95,7 +95,7 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
     data_rng = random.Random(args.seed)
     def batches(seed: int):
         settings = dict(batch_size=args.batch_size, text_fraction=args.text_fraction, short_tokens=args.max_tokens,
-                        context=args.context, long_fraction=args.long_fraction)
+                        context=args.context, long_fraction=args.long_fraction, mix=args.mix)
         if args.data_workers:
             return batch_stream_in_workers(tokenizer, seed, args.data_workers, **settings)
         return batch_stream(tokenizer, seed, **settings)
@@ -156,7 +156,7 @@ def train_loop(args, model: LanguageModel, tokenizer: TextTokenizer, recipe: dic
 
 
 def _recipe(args, kind: str) -> dict:
-    keys = ("batch_size", "max_tokens", "context", "long_fraction", "lr", "warmup", "text_fraction", "seed",
+    keys = ("batch_size", "max_tokens", "context", "long_fraction", "mix", "lr", "warmup", "text_fraction", "seed",
             "steps", "device", "data_workers", "time_limit_minutes")
     keys += ("distill_weight",) if kind == "dualend" else ()
     return {"kind": kind, "python": sys.version.split()[0], "torch": torch.__version__,

@@ -18,7 +18,7 @@ from .tokenizer import TextTokenizer
 
 IGNORE = -100
 MAX_COMPLETION_TOKENS = 64  # room left after a long prompt for its answer
-TRAIN_MIX = ("math", "math", "lookup", "lookup", "code", "code")  # families drawn with these weights
+TRAIN_MIX = "math=2,lookup=2,code=2"  # families drawn with these weights
 LONG_TEXT_FRACTION = 0.25  # at least this share of long rows is text, whatever the short mix
 # A training lookup row asks up to this many more keys of the same context, each value carrying loss.
 LOOKUP_EXTRA_QUERIES = 8
@@ -123,17 +123,32 @@ def long_sample_stream(tokenizer: TextTokenizer, seed: int, text_fraction: float
         yield task_sample(tokenizer, next(streams[rng.choice(families)]), rng)
 
 
+def family_draws(mix: str) -> tuple[str, ...]:
+    """"math=2,lookup=3,code=1" -> each family repeated by its weight, for rng.choice."""
+    draws = []
+    for part in mix.split(","):
+        family, _, weight = part.partition("=")
+        if family not in FAMILIES or not weight.isdigit():
+            raise ValueError(f"bad family mix {mix!r}: expected family=weight pairs of {FAMILIES}, e.g. {TRAIN_MIX}")
+        draws += [family] * int(weight)
+    if not draws:
+        raise ValueError(f"family mix {mix!r} draws no family")
+    return tuple(draws)
+
+
 def batch_stream(tokenizer: TextTokenizer, seed: int, *, batch_size: int, text_fraction: float,
-                 short_tokens: int, context: int, long_fraction: float,
+                 short_tokens: int, context: int, long_fraction: float, mix: str = TRAIN_MIX,
                  long_buckets: int = 4) -> Iterator[list[Sample]]:
     """Batches of short samples, and with probability `long_fraction` a batch from one of
     `long_buckets` length ranges between short_tokens and context, sized to about as many tokens
-    as a short batch holds, so rows of one batch are of similar length."""
+    as a short batch holds, so rows of one batch are of similar length. Task families are drawn
+    by the weights of `mix`."""
     rng = random.Random(seed)
-    short = sample_stream(tokenizer, seed, text_fraction, short_tokens, families=TRAIN_MIX)
+    families = family_draws(mix)
+    short = sample_stream(tokenizer, seed, text_fraction, short_tokens, families=families)
     edges = [short_tokens + (context - short_tokens) * i // long_buckets for i in range(long_buckets + 1)]
     long = [long_sample_stream(tokenizer, seed + i, max(text_fraction, LONG_TEXT_FRACTION), edges[i] + 1, edges[i + 1],
-                               TRAIN_MIX)
+                               families)
             for i in range(long_buckets)] if context > short_tokens else []
     while True:
         if long and rng.random() < long_fraction:

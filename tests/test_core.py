@@ -618,6 +618,25 @@ def test_batch_workers_hand_out_their_own_seeds_batches_and_end_when_the_stream_
         assert len(batch) == 3 and tuple(tuple(s.prompt + s.completion) for s in batch) in own
 
 
+def test_family_mix_weights_the_task_families_of_short_and_long_rows(tiny_tokenizer):
+    from collections import Counter
+
+    from dualend.training import TRAIN_MIX, batch_stream, family_draws
+
+    assert Counter(family_draws(TRAIN_MIX)) == {"math": 2, "lookup": 2, "code": 2}
+    for bad in ("math=2,poetry=1", "math=two", "lookup=0"):
+        with pytest.raises(ValueError, match="family mix"):
+            family_draws(bad)
+    settings = dict(batch_size=8, text_fraction=0.0, short_tokens=160, context=640, long_fraction=0.5)
+    rows = [row for batch in itertools.islice(batch_stream(tiny_tokenizer, 3, mix="lookup=1", **settings), 30)
+            for row in batch]
+    text = [tiny_tokenizer.decode(row.prompt) for row in rows]
+    # every task row is a lookup (or its context-copy variant): key:value entries, no math or code
+    assert all(not t.lstrip().startswith(("Q:", "def ")) and "print(" not in t for t in text)
+    assert any("\nget " in t for t in text)
+    assert any(len(row.prompt) > 160 for row in rows)  # long rows drawn from the same mix
+
+
 def test_a_run_that_spent_its_time_limit_is_saved_and_left_alone_when_run_again(tmp_path, tiny_tokenizer):
     (tmp_path / "tokenizer.json").write_text(tiny_tokenizer.to_json(), encoding="utf-8")
     command = ["baseline", "--tokenizer", str(tmp_path / "tokenizer.json"), "--run", str(tmp_path / "run"),

@@ -54,14 +54,20 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, stride: int = 1) -> torch.Tensor:
-    # x: [B, heads, S, Dh], positions: [B, S] (pair indices)
-    positions = positions * stride + (stride - 1)
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+def rotary(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, 1, S, Dh/2] of the RoPE angles of `positions` [B, S] (pair indices); computed
+    once per forward and shared by every layer."""
+    positions = positions * cfg.position_stride + (cfg.position_stride - 1)
+    half = cfg.head_dim // 2
+    inv_freq = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float32, device=positions.device) / half)
     angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # [B, 1, S, half]
-    cos, sin = angles.cos(), angles.sin()
-    x1, x2 = x[..., :half], x[..., half:]
+    return angles.cos(), angles.sin()
+
+
+def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], half: int) -> torch.Tensor:
+    # x: [B, heads, S, 2 * half]; `half` a Python int, so the export splits by a constant
+    cos, sin = cos_sin
+    x1, x2 = x.split(half, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -87,30 +93,28 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x, positions, mask, past_k=None, past_v=None, last_only=False):
-        # x: [B, S, D]; past_k/v: [B, heads, T, Dh]; mask: [B, 1, S, T+S]
-        batch, seq, _ = x.shape
+    def forward(self, x, cos_sin, mask, past_k=None, past_v=None, last_only=False):
+        # x: [B, S, D]; cos_sin: rotary(); past_k/v: [B, heads, T, Dh]; mask: [B, 1, S, T+S]
         heads, head_dim = self.cfg.n_heads, self.cfg.head_dim
-        q, k, v = self.qkv(x).view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        cfg = self.cfg
-        q, k = (rope(t, positions, cfg.rope_theta, cfg.position_stride) for t in (q, k))
+        q, k, v = self.qkv(x).unflatten(-1, (3, heads, head_dim)).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = rope(q, cos_sin, head_dim // 2), rope(k, cos_sin, head_dim // 2)
         if last_only:
             q, mask = q[:, :, -1:], mask[:, :, -1:]
         if past_k is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
-            y = _attend_past_and_new(q, past_k, past_v, k, v, mask)
-        y = y.transpose(1, 2).reshape(batch, q.shape[2], heads * head_dim)
+            y = _attend_past_and_new(q, past_k, past_v, k, v, mask, head_dim ** -0.5)
+        y = y.transpose(1, 2).flatten(2)
         return self.out(y), k, v
 
 
-def _attend_past_and_new(q, past_k, past_v, k, v, mask):
+def _attend_past_and_new(q, past_k, past_v, k, v, mask, scale: float):
     """Attention over past and new keys without concatenating them: a step reads the past once
     and copies none of it (only the [S, T+S] scores are joined).
 
-    q: [B, heads, S, Dh]; past_k/v: [B, heads, T, Dh]; k/v: [B, heads, S', Dh]; mask [B, 1, S, T+S']
+    q: [B, heads, S, Dh]; past_k/v: [B, heads, T, Dh]; k/v: [B, heads, S', Dh]; mask [B, 1, S, T+S'];
+    scale: Dh ** -0.5, a Python float (a constant in the export)
     """
-    scale = q.shape[-1] ** -0.5
     scores = torch.cat([q @ past_k.transpose(-1, -2), q @ k.transpose(-1, -2)], dim=-1) * scale
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     past_len = past_k.shape[2]
@@ -120,11 +124,12 @@ def _attend_past_and_new(q, past_k, past_v, k, v, mask):
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.hidden = cfg.ffn_hidden
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
         self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate, up = self.gate_up(x).split(self.hidden, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
@@ -134,8 +139,8 @@ class Block(nn.Module):
         self.attn_norm, self.ffn_norm = RMSNorm(cfg.d_model), RMSNorm(cfg.d_model)
         self.attn, self.ffn = Attention(cfg), FeedForward(cfg)
 
-    def forward(self, x, positions, mask, past_k=None, past_v=None, last_only=False):
-        attn_out, k, v = self.attn(self.attn_norm(x), positions, mask, past_k, past_v, last_only)
+    def forward(self, x, cos_sin, mask, past_k=None, past_v=None, last_only=False):
+        attn_out, k, v = self.attn(self.attn_norm(x), cos_sin, mask, past_k, past_v, last_only)
         x = (x[:, -1:] if last_only else x) + attn_out
         return x + self.ffn(self.ffn_norm(x)), k, v
 
@@ -145,6 +150,7 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model)
 
@@ -152,13 +158,13 @@ class Backbone(nn.Module):
                 last_only=False):
         # x: [B, S, D]; past_k/v: [L, B, heads, T, Dh]; returns hidden [B, S or 1, D],
         # present_k/v: [L, B, heads, S, Dh]
-        mask = attention_mask(past_valid, new_valid)
+        mask, cos_sin = attention_mask(past_valid, new_valid), rotary(positions, self.cfg)
         present_k, present_v = [], []
         for index, layer in enumerate(self.layers):
             last = last_only and index == len(self.layers) - 1
             pk = None if past_k is None else past_k[index]
             pv = None if past_v is None else past_v[index]
-            x, k, v = layer(x, positions, mask, pk, pv, last_only=last)
+            x, k, v = layer(x, cos_sin, mask, pk, pv, last_only=last)
             present_k.append(k)
             present_v.append(v)
         return self.norm(x), torch.stack(present_k), torch.stack(present_v)
@@ -196,6 +202,7 @@ class MTPHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.token_norm, self.hidden_norm = RMSNorm(cfg.d_model), RMSNorm(cfg.d_model)
         self.proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
         self.layer = Block(cfg)
@@ -206,7 +213,7 @@ class MTPHead(nn.Module):
         # t1_embedding, hidden: [B, S, D]; past_k/v: [B, heads, T, Dh]
         x = self.proj(torch.cat([self.token_norm(t1_embedding), self.hidden_norm(hidden)], -1))
         mask = attention_mask(past_valid, new_valid)
-        x, k, v = self.layer(x, positions, mask, past_k, past_v)
+        x, k, v = self.layer(x, rotary(positions, self.cfg), mask, past_k, past_v)
         return self.norm(x), k, v
 
 

@@ -22,7 +22,9 @@ COMPONENTS_BASELINE = ("tokenizer", "compressor", "backbone")
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 
-EXPORT_FORMAT = 2  # 2: the past as one [B, heads, T, Dh] input per layer
+# 2: the past as one [B, heads, T, Dh] input per layer; 3: the same inputs and outputs, RoPE angles
+# computed once per call and splits by constants (graphs a third smaller; older exports are redone)
+EXPORT_FORMAT = 3
 DEFAULT_MAX_SEQUENCES = 64  # KV cache rows of an in-process engine
 BACKBONE_OUTPUTS = ("logits", "hidden", "present_keys", "present_values")
 MTP_INPUTS = ("t1", "hidden", "positions", "past_valid", "past_keys", "past_values")

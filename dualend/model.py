@@ -97,7 +97,8 @@ class Attention(nn.Module):
         # x: [B, S, D]; cos_sin: rotary(); past_k/v: [B, heads, T, Dh]; mask: [B, 1, S, T+S]
         heads, head_dim = self.cfg.n_heads, self.cfg.head_dim
         q, k, v = self.qkv(x).unflatten(-1, (3, heads, head_dim)).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = rope(q, cos_sin, head_dim // 2), rope(k, cos_sin, head_dim // 2)
+        half = head_dim // 2
+        q, k = rope(q, cos_sin, half), rope(k, cos_sin, half)
         if last_only:
             q, mask = q[:, :, -1:], mask[:, :, -1:]
         if past_k is None:

@@ -23,7 +23,7 @@ MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 
 # 2: the past as one [B, heads, T, Dh] input per layer; 3: the same inputs and outputs, RoPE angles
-# computed once per call and splits by constants (graphs a third smaller; older exports are redone)
+# computed once per call and splits by constants (the backbone graph a third smaller; older exports are redone)
 EXPORT_FORMAT = 3
 DEFAULT_MAX_SEQUENCES = 64  # KV cache rows of an in-process engine
 BACKBONE_OUTPUTS = ("logits", "hidden", "present_keys", "present_values")

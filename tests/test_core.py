@@ -75,6 +75,19 @@ def test_lookup_answer_is_the_value_of_the_queried_key():
         assert table[query.removesuffix(":")] == example.answer == example.completion
 
 
+def test_a_misread_lookup_digit_is_traced_to_the_nearest_entry_that_starts_with_it():
+    from builder.copy_probe import misread_offset, random_reader_offsets
+
+    example = Example("lookup", " aa:11 bb:52 cc:33 dd:54 ee:35\nget cc:", "33", "33")
+    assert misread_offset(example, "3") == "right"
+    assert misread_offset(example, "5") == -1  # bb:52 and dd:54 are both one away: the earlier wins
+    assert misread_offset(example, "1") == -2
+    assert misread_offset(example, "9") == "none"
+    short = Example("lookup", " aa:11 bb:52 cc:33\nget cc:", "33", "33")
+    counts = random_reader_offsets([short], draws=200)
+    assert set(counts) == {-2, -1} and counts[-2] + counts[-1] == 1 and 0.3 < counts[-1] < 0.7
+
+
 def test_extra_lookup_queries_train_each_value_and_stop_only_after_the_last(tiny_tokenizer):
     rng = random.Random(0)
     for example in itertools.islice(examples("lookup", "train", 0), 50):

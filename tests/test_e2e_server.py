@@ -316,6 +316,44 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
         http.close()
 
 
+def test_long_grpc_streams_finish_across_a_reload(tmp_path):
+    """Six 900-token gRPC streams across a reload, short requests arriving all along: the old
+    generation unloads only after every stream got all its tokens and its end, and no request fails.
+    (HTTP generate_stream streams are not covered: README, known limits.)"""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from client.api import generate_http
+    from client.reload import reload
+
+    def assemble():
+        return assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
+                              "--export-dir", str(tmp_path / "export"), "--deployments", "dualend"])
+    repository = assemble()
+    with TritonServer(repository, model_control_mode="explicit", load_models=["dualend_v1_backbone", "dualend"],
+                      log_file=tmp_path / "server.log") as triton:
+        assemble()  # generation 2, same checkpoint
+        stop, short = threading.Event(), []
+
+        def short_requests():  # the traffic that keeps arriving during a redeploy
+            while not stop.is_set():
+                short.append(generate_http(triton.http_url, "dualend", PROMPTS[1], 16).output_tokens)
+
+        with ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(stream_grpc, triton.grpc_url, "dualend", PROMPTS[i % len(PROMPTS)], 900,
+                                   ignore_eos=True, timeout_s=60) for i in range(6)]
+            senders = [pool.submit(short_requests) for _ in range(2)]
+            try:
+                assert wait_for(lambda: metric(triton, "dualend_running_sequences", "dualend_v1_mtp_verify") >= 6, 30)
+                reload(triton.http_url, triton.metrics_url, "dualend", repository)
+                results = [stream.result() for stream in streams]
+            finally:
+                stop.set()
+            [sender.result() for sender in senders]
+        assert [r.output_tokens for r in results] == [900] * 6 and set(short) == {16}
+        assert all(r.finish_reason == "length" for r in results)
+
+
 @pytest.mark.parametrize("model, inputs", [
     ("dualend_v1_backbone", {"latents": np.zeros((1, 4), np.float32), "sequence_ids": np.array([1], np.int64),
                           "new_latents": np.array([1], np.int32), "reserve_slots": np.array([9999], np.int32)}),

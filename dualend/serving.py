@@ -4,6 +4,7 @@ The Triton models in model_repository/ are thin adapters over these functions.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -64,28 +65,44 @@ def pipeline_key(secret: str, checkpoint_id: str) -> str:
     return f"{secret}:{checkpoint_id}"
 
 
+def request_token(secret: str, request_params: bytes) -> str:
+    """The `pipeline_key` preprocessing hands the later steps with a request: an HMAC of the request
+    parameters it wrote. Preprocessing answers clients too (it is the ensemble's first step), so it
+    never hands out the secret itself; a client that calls it gets a token valid only for parameters
+    preprocessing wrote (a generation request, never a control message), which opens no step that
+    does not read those parameters."""
+    return hmac.new(secret.encode(), b"request\0" + request_params, hashlib.sha256).hexdigest()
+
+
 class PipelineGuard:
     """An internal step's check that a request comes from its own pipeline: the same server start
-    and the same checkpoint."""
+    and the same checkpoint. Steps calling each other (mtp_verify -> backbone, postprocessing's
+    cancel, the launcher's drain) present the secret; the ensemble's steps after preprocessing
+    present its request token, checked against the request parameters they were given."""
 
     def __init__(self, args: dict, checkpoint_id: str, deployment: str):
         self.secret = pipeline_secret(args, checkpoint_id)
         self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=deployment)
 
-    def refuses(self, key) -> str | None:
-        """The refusal message for a request whose `pipeline_key` input (None when absent) is not
-        the pipeline's secret; None for one from the pipeline."""
-        return None if from_pipeline(key, self.secret) else self.refusal
+    def refuses(self, key, request_params: bytes | None = None) -> str | None:
+        """The refusal message for a request whose `pipeline_key` input (None when absent) is neither
+        the pipeline's secret nor the request token of `request_params`; None for one from the pipeline."""
+        given = _key_bytes(key)
+        if given is not None and (hmac.compare_digest(given, self.secret.encode()) or (
+                request_params is not None
+                and hmac.compare_digest(given, request_token(self.secret, request_params).encode()))):
+            return None
+        return self.refusal
 
 
-def from_pipeline(key, secret: str) -> bool:
-    """Whether a request's `pipeline_key` input (None when absent) is the pipeline's secret."""
+def _key_bytes(key) -> bytes | None:
+    """A `pipeline_key` input's one value as bytes; None when absent or not one value."""
     if key is None:
-        return False
+        return None
     value = np.asarray(key, dtype=object).reshape(-1)
-    given = value[0] if value.size == 1 else b""
-    given = given.encode() if isinstance(given, str) else bytes(given)
-    return hmac.compare_digest(given, secret.encode())
+    if value.size != 1:
+        return None
+    return value[0].encode() if isinstance(value[0], str) else bytes(value[0])
 
 
 def pipeline_name(deployment: str, generation: int) -> str:
@@ -156,6 +173,14 @@ class PreparedRequest:
         params = raw.pop("params")
         params["stop_words"] = tuple(params["stop_words"])
         return cls(params=SamplingParams(**params), **raw)
+
+    def check_latents(self, latents: int, pair_size: int, pad_id: int) -> None:
+        """Refuses prompt latents that are not this prompt's (a step called with another request's
+        parameters and token would otherwise escape the prompt limit preprocessing checked)."""
+        expected = len(pad_prompt(self.prompt_ids, pair_size, pad_id)) // pair_size
+        if latents != expected:
+            raise InvalidRequest(f"{latents} prompt latents for a prompt of {len(self.prompt_ids)} tokens "
+                                 f"({expected} latents)")
 
 
 def _scalar(value, name: str, kind):

@@ -3,6 +3,7 @@
 The server is started once for the module from a repository assembled into a temporary folder;
 the in-process ONNX Runtime engine on the same export is the reference for every text.
 """
+import json
 import os
 import re
 import time
@@ -357,7 +358,7 @@ def test_long_grpc_streams_finish_across_a_reload(tmp_path):
 @pytest.mark.parametrize("model, inputs", [
     ("dualend_v1_backbone", {"latents": np.zeros((1, 4), np.float32), "sequence_ids": np.array([1], np.int64),
                           "new_latents": np.array([1], np.int32), "reserve_slots": np.array([9999], np.int32)}),
-    ("dualend_v1_compressor", {"input_ids": np.array([[5, 6]], np.int64)}),
+    ("dualend_v1_compressor", {"input_ids": np.array([[5, 6]], np.int64), "request_params": np.array([b"{}"], object)}),
 ])
 def test_internal_models_refuse_calls_from_outside_their_pipeline(server, model, inputs):
     import tritonclient.http as httpclient
@@ -369,7 +370,7 @@ def test_internal_models_refuse_calls_from_outside_their_pipeline(server, model,
     tensors = []
     for name, value in inputs.items():
         tensor = httpclient.InferInput(name, list(value.shape), {np.float32: "FP32", np.int64: "INT64",
-                                                                 np.int32: "INT32"}[value.dtype.type])
+                                                                 np.int32: "INT32", np.object_: "BYTES"}[value.dtype.type])
         tensor.set_data_from_numpy(value)
         tensors.append(tensor)
     key = httpclient.InferInput("pipeline_key", [1], "BYTES")
@@ -382,23 +383,66 @@ def test_internal_models_refuse_calls_from_outside_their_pipeline(server, model,
     assert metric(server, "dualend_kv_live_sequences", "dualend_v1_backbone") == 0
 
 
-def test_mtp_verify_refuses_a_forged_drain(server):
+def grpc_inputs(**arrays):
+    import tritonclient.grpc as grpcclient
+
+    kinds = {np.float32: "FP32", np.int64: "INT64", np.int32: "INT32", np.object_: "BYTES"}
+    tensors = []
+    for name, value in arrays.items():
+        tensors.append(grpcclient.InferInput(name, list(value.shape), kinds[value.dtype.type]))
+        tensors[-1].set_data_from_numpy(value)
+    return tensors
+
+
+def forged_drain_error(server, key: bytes, params: bytes = b'{"drain": true}', latents: int = 1) -> str:
+    """The error a request sent straight to dualend's mtp_verify with `key` gets (the stream's first):
+    by default a drain."""
     import tritonclient.grpc as grpcclient
 
     errors = []
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: errors.append(error))
-    latents = grpcclient.InferInput("prompt_latents", [1, 256], "FP32")
-    latents.set_data_from_numpy(np.zeros((1, 256), np.float32))
-    params = grpcclient.InferInput("request_params", [1], "BYTES")
-    params.set_data_from_numpy(np.array([b'{"drain": true}'], dtype=object))
-    key = grpcclient.InferInput("pipeline_key", [1], "BYTES")
-    key.set_data_from_numpy(np.array([b"guess"], dtype=object))
-    client.async_stream_infer("dualend_v1_mtp_verify", [latents, params, key])
+    client.async_stream_infer("dualend_v1_mtp_verify", grpc_inputs(
+        prompt_latents=np.zeros((latents, 256), np.float32), request_params=np.array([params], object),
+        pipeline_key=np.array([key], object)))
     assert wait_for(lambda: errors, 10)
     client.stop_stream()
     client.close()
-    assert "internal step of the dualend pipeline" in str(errors[0])
+    return str(errors[0])
+
+
+def test_mtp_verify_refuses_a_forged_drain(server):
+    assert "internal step of the dualend pipeline" in forged_drain_error(server, b"guess")
+    assert stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 4).output_tokens > 0  # not drained
+
+
+def test_the_key_preprocessing_answers_a_client_opens_only_that_clients_own_request(server):
+    """Preprocessing is the ensemble's first step, so a client can call it and read the key it hands
+    on: that key must not drain the decode loop, reach the backbone, or vouch for other parameters."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    result = client.infer("dualend_v1_preprocessing", grpc_inputs(
+        text_input=np.array([PROMPTS[0].encode()], object), max_tokens=np.array([4], np.int32)))
+    key, params = result.as_numpy("pipeline_key"), result.as_numpy("request_params")
+    refusal = "internal step of the dualend pipeline"
+    assert refusal in forged_drain_error(server, bytes(key[0]))
+    prompt_tokens = len(json.loads(params[0])["prompt_ids"])
+    assert f"3000 prompt latents for a prompt of {prompt_tokens} tokens" in forged_drain_error(
+        server, bytes(key[0]), bytes(params[0]), latents=3000)  # its own parameters, not its prompt
+    with pytest.raises(Exception, match=refusal):
+        client.infer("dualend_v1_backbone", grpc_inputs(
+            latents=np.zeros((1, 256), np.float32), sequence_ids=np.array([1], np.int64),
+            new_latents=np.array([1], np.int32), reserve_slots=np.array([9999], np.int32), pipeline_key=key))
+    with pytest.raises(Exception, match=refusal):
+        client.infer("dualend_v1_compressor", grpc_inputs(
+            input_ids=result.as_numpy("input_ids"), request_params=np.array([b'{"drain": true}'], object),
+            pipeline_key=key))
+    latents = client.infer("dualend_v1_compressor", grpc_inputs(  # its own request: what the ensemble does
+        input_ids=result.as_numpy("input_ids"), request_params=params, pipeline_key=key)).as_numpy("prompt_latents")
+    assert latents.shape == (len(result.as_numpy("input_ids")), 256)
+    client.close()
+    assert metric(server, "dualend_kv_live_sequences", "dualend_v1_backbone") == 0
     assert stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 4).output_tokens > 0  # not drained
 
 

@@ -7,8 +7,9 @@ import pytest
 
 from builder.tensorrt_build import main as tensorrt_main
 from dualend.decode import Chunk, InvalidRequest
-from dualend.serving import (Limits, PreparedRequest, ResponseStream, generation_of, generations, model_parameters,
-                             prepare_request, served_generation)
+from dualend.serving import (PIPELINE_SECRET_ENV, Limits, PipelineGuard, PreparedRequest, ResponseStream,
+                             generation_of, generations, model_parameters, prepare_request, request_token,
+                             served_generation)
 from dualend.tensorrt_engine import gpu_available
 
 LIMITS = Limits(raw_context_limit=64, pair_size=2, max_new_tokens=32)
@@ -56,6 +57,33 @@ def _request(stream, exclude=True):
 
 
 CHUNKS = [Chunk([7, 8], 1, 1, 1), Chunk([9], 1, 1, 0), Chunk([], 1, 0, 0, "eos")]
+
+
+def test_a_step_takes_the_secret_or_the_token_of_the_parameters_it_is_given(monkeypatch):
+    monkeypatch.setenv(PIPELINE_SECRET_ENV, "per-start-secret")
+    guard = PipelineGuard({"model_name": "dualend_v1_mtp_verify"}, "ckpt", "dualend")
+    params, other = b'{"prompt_ids": [1, 5]}', b'{"drain": true}'
+    token = np.array([request_token(guard.secret, params).encode()], dtype=object)
+    assert guard.secret == "per-start-secret:ckpt"
+    assert guard.refuses(np.array([guard.secret.encode()], dtype=object)) is None  # a step calling a step
+    assert guard.refuses(token, params) is None
+    refusal = "refused: dualend_v1_mtp_verify is an internal step of the dualend pipeline"
+    assert guard.refuses(token, other).startswith(refusal)  # the token opens only its own parameters
+    assert guard.refuses(token).startswith(refusal)  # nor a step that reads no parameters (the backbone)
+    assert guard.refuses(np.array([b"guess"], dtype=object), params).startswith(refusal)
+    assert guard.refuses(None, params).startswith(refusal)
+    monkeypatch.setenv(PIPELINE_SECRET_ENV, "next-start")
+    assert PipelineGuard({"model_name": "m"}, "ckpt", "dualend").refuses(token, params)  # another server start
+
+
+def test_prompt_latents_must_be_the_prompts(tiny_tokenizer):
+    prepared = prepare(tiny_tokenizer)  # BOS + the prompt's tokens, padded to pairs
+    latents = -(-len(prepared.prompt_ids) // 2)
+    prepared.check_latents(latents, 2, tiny_tokenizer.pad_id)
+    with pytest.raises(InvalidRequest, match=f"{latents + 100} prompt latents for a prompt of "
+                                             f"{len(prepared.prompt_ids)} tokens"):
+        prepared.check_latents(latents + 100, 2, tiny_tokenizer.pad_id)
+    prepared.check_latents(len(prepared.prompt_ids), 1, tiny_tokenizer.pad_id)
 
 
 def test_streaming_sends_one_response_per_step_and_marks_the_last():

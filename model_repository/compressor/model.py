@@ -18,7 +18,7 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            refusal = self.guard.refuses(_input(request, "pipeline_key"))
+            refusal = self.guard.refuses(_input(request, "pipeline_key"), bytes(_input(request, "request_params")[0]))
             if refusal:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal)))
                 continue

@@ -11,7 +11,8 @@ running; it marks the ensemble's next step requests (postprocessing) as cancelle
 every response carries `request_id`, and postprocessing, on seeing a cancelled request, sends
 this model a control request `{"cancel": request_id}` over BLS. The launcher, on SIGTERM, sends
 `{"drain": true}`: every stream ends at once with SHUTDOWN_MESSAGE and new requests are refused.
-Every request, control or not, must carry the pipeline's secret (`pipeline_key`).
+Every request carries a `pipeline_key`: preprocessing's token for its request parameters, or, for a
+control request, the pipeline's secret (`serving.PipelineGuard`).
 """
 import json
 import secrets
@@ -104,6 +105,7 @@ class TritonPythonModel:
         executor = Executor(BLSBackbone(backbone, self.guard.secret), local,
                             exported.settings["d_model"])
         self.loop = DecodeLoop(executor, exported.tokenizer(), scheduler, self.threshold, self.metrics)
+        self.pair_size, self.pad_id = pair_size, local.pad_id
         self.sends = SendThread(pb_utils.Logger.log_warn)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.loop.serve_forever, args=(self.stopping,), daemon=True)
@@ -117,15 +119,16 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            params = pb_utils.get_input_tensor_by_name(request, "request_params").as_numpy()[0].decode()
+            raw_params = bytes(pb_utils.get_input_tensor_by_name(request, "request_params").as_numpy()[0])
             sender = request.get_response_sender()
             request_id = secrets.randbits(63)  # also the backbone's sequence id: not guessable
             output = ResponseSenderOutput(sender, request_id)
             key = pb_utils.get_input_tensor_by_name(request, "pipeline_key")
-            refusal = self.guard.refuses(None if key is None else key.as_numpy())
+            refusal = self.guard.refuses(None if key is None else key.as_numpy(), raw_params)
             if refusal:
                 output.fail(refusal)
                 continue
+            params = raw_params.decode()
             control = json.loads(params)
             if "cancel" in control or "drain" in control:
                 self._control(control)
@@ -134,6 +137,7 @@ class TritonPythonModel:
             try:
                 prepared = PreparedRequest.from_json(params)
                 prompt_latents = pb_utils.get_input_tensor_by_name(request, "prompt_latents").as_numpy()
+                prepared.check_latents(len(prompt_latents), self.pair_size, self.pad_id)
             except (InvalidRequest, KeyError, TypeError, ValueError) as error:
                 output.fail(f"malformed request: {error}")
                 continue

@@ -3,7 +3,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dualend.decode import InvalidRequest, pad_prompt
-from dualend.serving import Limits, model_parameters, pipeline_secret, prepare_request, version_components
+from dualend.serving import (Limits, model_parameters, pipeline_secret, prepare_request, request_token,
+                             version_components)
 
 OPTIONAL_INPUTS = ("stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
                    "exclude_input_in_output", "acceptance_threshold", "ignore_eos")
@@ -16,7 +17,7 @@ class TritonPythonModel:
         self.tokenizer = exported.tokenizer()
         self.limits = Limits(int(parameters["raw_context_limit"]), int(parameters["pair_size"]),
                              int(parameters["max_new_tokens"]))
-        self.pipeline_key = np.asarray([pipeline_secret(args, exported.checkpoint_id).encode()], dtype=object)
+        self.secret = pipeline_secret(args, exported.checkpoint_id)
 
     def execute(self, requests):
         return [self._one(request) for request in requests]
@@ -35,8 +36,9 @@ class TritonPythonModel:
                 error=pb_utils.TritonError(f"invalid request: {error}", pb_utils.TritonError.INVALID_ARG))
         pairs = np.asarray(pad_prompt(prepared.prompt_ids, self.limits.pair_size, self.tokenizer.pad_id),
                            dtype=np.int64).reshape(-1, self.limits.pair_size)
+        params = prepared.to_json().encode()
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("input_ids", pairs),
-            pb_utils.Tensor("request_params", np.asarray([prepared.to_json().encode()], dtype=object)),
-            pb_utils.Tensor("pipeline_key", self.pipeline_key),
+            pb_utils.Tensor("request_params", np.asarray([params], dtype=object)),
+            pb_utils.Tensor("pipeline_key", np.asarray([request_token(self.secret, params).encode()], dtype=object)),
         ])

@@ -23,6 +23,10 @@ class CapacityError(RuntimeError):
     """The server cannot take the request now (KV pool full); the caller may retry."""
 
 
+MAX_STOP_WORDS = 32
+MAX_STOP_WORD_CHARS = 256  # a stop word also holds back as many characters of the stream, less one
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
@@ -45,8 +49,16 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.acceptance_threshold is not None and not math.isfinite(self.acceptance_threshold):
             raise InvalidRequest(f"acceptance_threshold must be a finite number, got {self.acceptance_threshold}")
+        if self.acceptance_threshold is not None and not -1 <= self.acceptance_threshold <= 1:
+            raise InvalidRequest(f"acceptance_threshold must be from -1 (every draft accepted) to 1 (drafting off), "
+                                 f"got {self.acceptance_threshold:g}")
         if any(not w for w in self.stop_words):
             raise InvalidRequest("stop_words must not contain an empty string")
+        if len(self.stop_words) > MAX_STOP_WORDS:
+            raise InvalidRequest(f"stop_words holds {len(self.stop_words)} words, at most {MAX_STOP_WORDS}")
+        longest = max((len(w) for w in self.stop_words), default=0)
+        if longest > MAX_STOP_WORD_CHARS:
+            raise InvalidRequest(f"a stop word is {longest} characters long, at most {MAX_STOP_WORD_CHARS}")
 
 
 class Sampler:

@@ -64,6 +64,9 @@ class GatewaySettings:
     keys_file: Path | None = None     # `name key` per line; None: no key check
     baseline_percent: float = 10.0    # share of `llm` requests that go to the baseline
     max_body: str = "1m"              # a prompt inside raw_context_limit is a few KB
+    # nginx bounds a gRPC stream's whole body, every request sent on it: long-lived streams carry
+    # many requests, so this bound is far larger; each request's prompt is bounded by preprocessing.
+    grpc_max_stream: str = "1g"
     rate_per_s: int = 50              # per client (API key), with a burst of `burst`
     burst: int = 100
 
@@ -130,8 +133,11 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
         return f"""location ~ ^/v2/models/{model_pattern}/(generate|generate_stream)$ {{
             {check}
             limit_req zone=per_client burst={settings.burst} nodelay;
-            limit_except POST {{ deny all; }}
             set $deployment {deployment};
+            if ($request_method != POST) {{
+                add_header Allow POST always;
+                return 405 '{{"error":"$request_method is not served here: send generate and generate_stream requests with POST"}}';
+            }}
             {down_check}
             set $triton_uri {triton_uri};
             js_content request.check;
@@ -184,8 +190,11 @@ http {{
         {generate_location(CANARY_MODEL, "$canary", "/v2/models/$canary/$1")}
         location @triton {{ proxy_pass http://triton_http$triton_uri; }}  # a checked generate request
         location ~ ^/v2/models/({models})(/ready)?$ {{
-            limit_except GET {{ deny all; }}
             set $deployment $1;
+            if ($request_method !~ ^(GET|HEAD)$) {{
+                add_header Allow "GET, HEAD" always;
+                return 405 '{{"error":"$request_method is not served here: model metadata and readiness answer GET"}}';
+            }}
             {down_check}
             proxy_pass http://triton_http;
         }}
@@ -205,15 +214,49 @@ http {{
     server {{
         listen {settings.host}:{settings.grpc_port} http2;
         default_type application/grpc;
+        set $deployment "";
+        client_max_body_size {settings.grpc_max_stream};
+        error_page 413 = @grpc_too_large;
+        error_page 429 = @grpc_too_many;
+        error_page 502 504 = @grpc_unavailable;
         location ~ ^/inference\\.GRPCInferenceService/({grpc_methods})$ {{
             {grpc_check}
+            limit_req zone=per_client burst={settings.burst} nodelay;
             grpc_read_timeout 300s;
             grpc_pass grpc://triton_grpc;
+        }}
+        location @grpc_too_large {{
+            add_header grpc-status 8;
+            add_header grpc-message "this gRPC stream sent over {settings.grpc_max_stream}; open a new stream";
+            return 204;
+        }}
+        location @grpc_too_many {{
+            add_header grpc-status 8;
+            add_header grpc-message "rate limit: over {settings.rate_per_s} requests/s for this API key (a stream counts once)";
+            return 204;
+        }}
+        location @grpc_unavailable {{
+            add_header grpc-status 14;
+            add_header grpc-message "the inference server behind the gateway is not answering";
+            return 204;
         }}
         location / {{ add_header grpc-status 12; add_header grpc-message "not a public method"; return 204; }}
     }}
 }}
 """
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is `pid` (nginx's workers, for its master)."""
+    children = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            children.add(int(stat.parent.name))
+    return children
 
 
 class Gateway:
@@ -285,11 +328,20 @@ class Gateway:
         self.stop()
         raise GatewayError(f"nginx did not listen on {self.http_url} within 10 s")
 
-    def set_baseline_percent(self, percent: float) -> None:
-        """New canary weight, applied by a graceful reload: no request in flight is dropped."""
+    def set_baseline_percent(self, percent: float, timeout_s: float = 10.0) -> None:
+        """New canary weight, applied by a graceful reload: no request in flight is dropped. Returns
+        once new workers serve it (the old ones stop taking connections as the new ones start)."""
         self.settings.baseline_percent = percent
         self.write_config()
-        os.kill(int((self.prefix / "nginx.pid").read_text()), signal.SIGHUP)
+        master = int((self.prefix / "nginx.pid").read_text())
+        before = _children(master)
+        os.kill(master, signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while not _children(master) - before:
+            if time.monotonic() > deadline:
+                raise GatewayError(f"nginx (pid {master}) started no worker with the new split within {timeout_s:g} s")
+            time.sleep(0.02)
+        time.sleep(0.1)  # the master tells the old workers to stop right after starting the new ones
 
     def stop(self) -> None:
         process, self.process = self.process, None

@@ -63,6 +63,28 @@ function textProblem(text, body) {
     return null;
 }
 
+// tritonserver's JSON parser answers a \uD800-\uDBFF escape without its low half with a 500. Each
+// backslash escape is read in turn, so an escaped backslash before "u" is not taken for one.
+function surrogateProblem(text) {
+    const escape = /\\(?:u([0-9a-fA-F]{4})|[\s\S])/g;
+    let match;
+    let highEnd = -1;  // where a high surrogate's escape ended, while its low half is awaited
+    while ((match = escape.exec(text)) !== null) {
+        const unit = match[1] ? parseInt(match[1], 16) : -1;
+        const low = unit >= 0xDC00 && unit <= 0xDFFF;
+        if ((highEnd >= 0 && !(low && match.index === highEnd)) || (highEnd < 0 && low)) {
+            break;
+        }
+        highEnd = unit >= 0xD800 && unit <= 0xDBFF ? escape.lastIndex : -1;
+    }
+    if (match === null && highEnd < 0) {
+        return null;
+    }
+    const at = highEnd >= 0 ? highEnd - 6 : match.index;  // the high half waiting, else the lone low one
+    return `the body holds an unpaired UTF-16 surrogate escape (${text.slice(at, at + 6)}), `
+        + 'which is no character: a character past U+FFFF is written as two escapes, high then low';
+}
+
 function bodyProblem(body) {
     if (body === null || typeof body !== 'object' || Array.isArray(body)) {
         return `the request body must be a JSON object of inputs, got ${shown(body)}`;
@@ -97,7 +119,7 @@ function check(r) {
         body = undefined;
     }
     const problem = body === undefined ? 'the request body is not valid JSON'
-        : bodyProblem(body) || textProblem(r.requestText, body);
+        : bodyProblem(body) || textProblem(r.requestText, body) || surrogateProblem(r.requestText);
     if (problem) {
         r.headersOut['Content-Type'] = 'application/json';
         r.return(400, JSON.stringify({error: problem}));

@@ -237,13 +237,16 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
     params.validate(limits.max_new_tokens)
     prompt_ids = tokenizer.encode_prompt(text)
     prompt_slots = len(pad_prompt(prompt_ids, limits.pair_size, tokenizer.pad_id))
-    if prompt_slots > limits.raw_context_limit:
+    counted = (f"{len(prompt_ids)} tokens" if prompt_slots == len(prompt_ids)
+               else f"{len(prompt_ids)} tokens, {prompt_slots} slots with the pair padding")
+    if prompt_slots >= limits.raw_context_limit:
         raise InvalidRequest(
-            f"prompt is {prompt_slots} tokens, over raw_context_limit {limits.raw_context_limit} "
-            f"({limits.effective_latent_limit} latents); prompts are never truncated, shorten it")
+            f"prompt is {counted}, leaving no room for a new token within raw_context_limit "
+            f"{limits.raw_context_limit} ({limits.effective_latent_limit} latents); prompts are never truncated, "
+            "shorten it")
     if prompt_slots + params.max_tokens > limits.raw_context_limit:
         raise InvalidRequest(
-            f"prompt ({prompt_slots} tokens) + max_tokens ({params.max_tokens}) exceeds raw_context_limit "
+            f"prompt ({counted}) + max_tokens ({params.max_tokens}) exceeds raw_context_limit "
             f"{limits.raw_context_limit}; lower max_tokens to at most {limits.raw_context_limit - prompt_slots}")
     return PreparedRequest(prompt_ids, params, bool(_scalar(stream, "stream", int) or False),
                            bool(_scalar(exclude_input_in_output, "exclude_input_in_output", int) or False))

@@ -111,6 +111,13 @@ WRONG_JSON = [  # (case, body, what the 400 must say); tritonserver alone answer
     ("field __proto__", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "__proto__": 1}', "unknown field '__proto__'"),
     ("misspelt field", {"temprature": 0.7}, "unknown field 'temprature'; the inputs are acceptance_threshold, .*, temperature, "),
     ("max_tokens missing", {"max_tokens": ...}, r"missing required field\(s\): max_tokens"),
+    # tritonserver's parser answers these with a 500
+    ("lone high surrogate", b'{"text_input": "\\ud83d hi", "max_tokens": 4}', r"unpaired UTF-16 surrogate escape \(\\ud83d\)"),
+    ("high surrogate at the end", b'{"text_input": "hi \\uD83D", "max_tokens": 4}', r"unpaired UTF-16 surrogate escape \(\\uD83D\)"),
+    ("two high surrogates", b'{"text_input": "\\ud83d\\ud83d\\ude00", "max_tokens": 4}', "unpaired UTF-16 surrogate"),
+    ("lone low surrogate", b'{"text_input": "a\\udc00", "max_tokens": 4}', r"unpaired UTF-16 surrogate escape \(\\udc00\)"),
+    ("lone surrogate in a stop word", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "stop_words": ["\\ud800"]}',
+     "unpaired UTF-16 surrogate"),
 ]
 
 
@@ -125,6 +132,76 @@ def test_a_wrongly_typed_request_is_a_400_that_names_the_field(stack, endpoint, 
         body = json.dumps({k: v for k, v in (good | body).items() if v is not ...}).encode()
     status, text = http(stack, f"/v2/models/dualend/{endpoint}", body)
     assert status == 400 and re.search(message, json.loads(text)["error"]), (status, text)
+
+
+def test_escapes_that_are_characters_pass(stack):
+    body = b'{"text_input": "Q: 1+1 \\ud83d\\ude00 \\\\ud83d \\u00e9\\nA:", "max_tokens": 2}'  # a pair, an escaped backslash
+    status, text = http(stack, "/v2/models/dualend/generate", body)
+    assert status == 200 and '"text_output"' in text, (status, text)
+
+
+@pytest.mark.parametrize("method, path, allowed", [
+    ("GET", "/v2/models/dualend/generate", "POST"), ("PUT", "/v2/models/baseline/generate_stream", "POST"),
+    ("DELETE", "/v2/models/llm/generate", "POST"), ("POST", "/v2/models/dualend", "GET"),
+    ("PUT", "/v2/models/dualend/ready", "GET"),
+])
+def test_a_wrong_method_is_a_405_that_says_which_one(stack, method, path, allowed):
+    import json
+
+    request = urllib.request.Request(f"http://{stack.http_url}{path}", method=method,
+                                     data=b"{}" if method != "GET" else None,
+                                     headers={"Authorization": f"Bearer {stack.key}"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.loads(refused.value.read().decode())["error"]
+    assert refused.value.code == 405 and method in error and allowed in error
+    assert allowed in refused.value.headers["Allow"]
+
+
+def grpc_stream_requests(gateway, bodies, timeout_s=30):
+    """Sends the (text_input, max_tokens) requests one after another on one gRPC stream through the
+    gateway; returns each one's error message or None, in order."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put(error),
+                        headers={"authorization": f"Bearer {gateway.key}"})
+    outcome = []
+    try:
+        for text, max_tokens in bodies:
+            inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("max_tokens", [1], "INT32")]
+            inputs[0].set_data_from_numpy(np.array([text], dtype=object))
+            inputs[1].set_data_from_numpy(np.array([max_tokens], np.int32))
+            client.async_stream_infer("dualend", inputs)
+            error = answers.get(timeout=timeout_s)
+            outcome.append(None if error is None else str(error))
+    finally:
+        client.stop_stream()
+        client.close()
+    return outcome
+
+
+def test_a_grpc_stream_may_carry_more_than_the_http_body_bound(stack):
+    """nginx bounds a gRPC stream's whole body: one stream carrying many requests must not be cut
+    at the 1 MB that bounds an HTTP body. Each 300 KB prompt is refused by its own byte bound."""
+    big = b"x" * (300 << 10)
+    outcome = grpc_stream_requests(stack, [(big, 4)] * 6 + [(PROMPT.encode(), 4)])
+    assert all("prompt is 307200 bytes" in error for error in outcome[:6]), outcome[:1]
+    assert outcome[6] is None  # the stream is still open after 1.8 MB
+
+
+def test_a_huge_grpc_request_is_refused_at_once_and_nobody_notices(stack):
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream_http, stack.http_url, "dualend", PROMPT, 64, api_key=stack.key,
+                              ignore_eos=True, exclude_input_in_output=True)
+        started = time.perf_counter()
+        outcome = grpc_stream_requests(stack, [(b"a" * (8 << 20), 4)])
+        assert "prompt is 8388608 bytes" in outcome[0] and time.perf_counter() - started < 1.0
+        assert running.result().output_tokens == 64
 
 
 def test_the_canary_route_checks_requests_too_and_good_ones_pass_every_route(stack):
@@ -179,8 +256,17 @@ def test_a_client_over_its_rate_is_refused_with_429(stack):
     with strict:
         statuses = [http(stack, "/v2/models/dualend/generate", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 1}',
                          url=strict.http_url) for _ in range(8)]
+        grpc_statuses = []
+        for _ in range(8):
+            try:
+                stream_grpc(strict.grpc_url, "dualend", PROMPT, 1, api_key=stack.key)
+                grpc_statuses.append(None)
+            except RequestError as error:
+                grpc_statuses.append(str(error))
     assert [s for s, _ in statuses].count(429) >= 3 and statuses[0][0] == 200
     assert "rate limit" in next(body for s, body in statuses if s == 429)
+    refused = [e for e in grpc_statuses if e is not None]
+    assert len(refused) >= 3 and all("rate limit: over 2 requests/s" in e for e in refused), grpc_statuses
 
 
 def test_tritonservers_repository_api_needs_the_admin_key(stack):

@@ -34,7 +34,7 @@ def test_a_good_request_round_trips_through_json(tiny_tokenizer):
 @pytest.mark.parametrize("overrides, message", [
     ({"text_input": np.array([b"   "], dtype=object)}, "text_input is empty"),
     ({"text_input": np.array([b"\xff\xfe ok"], dtype=object)}, "not valid UTF-8"),
-    ({"text_input": np.array([b"1+2 " * 40], dtype=object)}, "over raw_context_limit 64.*never truncated"),
+    ({"text_input": np.array([b"1+2 " * 40], dtype=object)}, "no room for a new token within raw_context_limit 64.*never truncated"),
     ({"max_tokens": np.array([0], np.int32)}, "max_tokens must be between 1 and 32"),
     ({"max_tokens": np.array([-3], np.int32)}, "max_tokens must be between 1 and 32"),
     ({"max_tokens": np.array([33], np.int32)}, "max_tokens must be between 1 and 32"),
@@ -45,10 +45,27 @@ def test_a_good_request_round_trips_through_json(tiny_tokenizer):
     ({"top_p": np.array([1.5], np.float32)}, r"top_p must be in \(0, 1\]"),
     ({"max_tokens": np.array([1, 2], np.int32)}, "max_tokens must hold exactly one value"),
     ({"stop_words": np.array([b""], dtype=object)}, "stop_words must not contain an empty string"),
+    ({"stop_words": np.array([b"w%d" % i for i in range(33)], dtype=object)}, "stop_words holds 33 words, at most 32"),
+    ({"stop_words": np.array([b"#", b"x" * 257], dtype=object)}, "a stop word is 257 characters long, at most 256"),
+    ({"acceptance_threshold": np.array([1.5], np.float32)}, "acceptance_threshold must be from -1 .* to 1 .*got 1.5"),
+    ({"acceptance_threshold": np.array([-2.0], np.float32)}, "acceptance_threshold must be from -1"),
 ])
 def test_bad_requests_say_what_is_wrong(tiny_tokenizer, overrides, message):
     with pytest.raises(InvalidRequest, match=message):
         prepare(tiny_tokenizer, **overrides)
+
+
+def test_a_prompt_that_leaves_no_room_for_a_token_is_refused_as_too_long(tiny_tokenizer):
+    from dualend.decode import pad_prompt
+
+    text = np.array([b"Q: 1+2\nA:"], dtype=object)
+    ids = tiny_tokenizer.encode_prompt("Q: 1+2\nA:")
+    slots = len(pad_prompt(ids, 2, tiny_tokenizer.pad_id))  # what the prompt takes of the limit
+    with pytest.raises(InvalidRequest, match=f"prompt is {len(ids)} tokens.*leaving no room for a new token "
+                                             f"within raw_context_limit {slots}"):
+        prepare_request(tiny_tokenizer, Limits(slots, 2, 32), text_input=text, max_tokens=np.array([1], np.int32))
+    fits = prepare_request(tiny_tokenizer, Limits(slots + 1, 2, 32), text_input=text, max_tokens=np.array([1], np.int32))
+    assert fits.prompt_ids == ids
 
 
 def _request(stream, exclude=True):

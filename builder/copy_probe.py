@@ -40,6 +40,8 @@ def misread_offset(example: Example, first_digit: str) -> int | str:
     starts with `first_digit`, or "none" when no value in the context does."""
     if first_digit == example.answer[0]:
         return "right"
+    if not first_digit:  # PAD, BOS or EOS: no value starts with it
+        return "none"
     entries = lookup_entries(example)
     target = [key for key, _ in entries].index(example.prompt.rsplit("\nget ", 1)[1].rstrip(":"))
     offsets = [i - target for i, (_, value) in enumerate(entries) if value.startswith(first_digit)]

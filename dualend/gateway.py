@@ -128,7 +128,7 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
     models = "|".join(PUBLIC_DEPLOYMENTS)
 
     def generate_location(model_pattern: str, deployment: str, triton_uri: str) -> str:
-        """A generate route: key, rate, method, down mark, then the JSON check (which passes the
+        """A generate route: key, method, down mark, rate, then the JSON check (which passes the
         request on to `triton_uri`)."""
         return f"""location ~ ^/v2/models/{model_pattern}/(generate|generate_stream)$ {{
             {check}
@@ -136,6 +136,7 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
             set $deployment {deployment};
             if ($request_method != POST) {{
                 add_header Allow POST always;
+                add_header X-Dualend-Deployment $deployment always;
                 return 405 '{{"error":"$request_method is not served here: send generate and generate_stream requests with POST"}}';
             }}
             {down_check}
@@ -193,6 +194,7 @@ http {{
             set $deployment $1;
             if ($request_method !~ ^(GET|HEAD)$) {{
                 add_header Allow "GET, HEAD" always;
+                add_header X-Dualend-Deployment $deployment always;
                 return 405 '{{"error":"$request_method is not served here: model metadata and readiness answer GET"}}';
             }}
             {down_check}
@@ -257,6 +259,14 @@ def _children(pid: int) -> set[int]:
         if int(fields[1]) == pid:
             children.add(int(stat.parent.name))
     return children
+
+
+def _stopping(pid: int) -> bool:
+    """Whether an nginx worker is gone or finishing its requests without taking new ones."""
+    try:
+        return b"shutting down" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return True
 
 
 class Gateway:
@@ -337,11 +347,11 @@ class Gateway:
         before = _children(master)
         os.kill(master, signal.SIGHUP)
         deadline = time.monotonic() + timeout_s
-        while not _children(master) - before:
+        while not (_children(master) - before and all(_stopping(pid) for pid in before)):
             if time.monotonic() > deadline:
-                raise GatewayError(f"nginx (pid {master}) started no worker with the new split within {timeout_s:g} s")
+                raise GatewayError(f"nginx (pid {master}) did not switch its workers to the new split within "
+                                   f"{timeout_s:g} s; see {self.prefix / 'error.log'}")
             time.sleep(0.02)
-        time.sleep(0.1)  # the master tells the old workers to stop right after starting the new ones
 
     def stop(self) -> None:
         process, self.process = self.process, None

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 import numpy as np
 
-from .decode import Chunk, InvalidRequest, SamplingParams, pad_prompt
+from .decode import MAX_STOP_WORDS, Chunk, InvalidRequest, SamplingParams, pad_prompt
 from .onnx_engine import ExportedModel
 from .tokenizer import TextTokenizer
 
@@ -66,31 +66,38 @@ def pipeline_key(secret: str, checkpoint_id: str) -> str:
 
 
 def request_token(secret: str, request_params: bytes) -> str:
-    """The `pipeline_key` preprocessing hands the later steps with a request: an HMAC of the request
+    """The `pipeline_key` preprocessing hands the compressor with a request: an HMAC of the request
     parameters it wrote. Preprocessing answers clients too (it is the ensemble's first step), so it
-    never hands out the secret itself; a client that calls it gets a token valid only for parameters
-    preprocessing wrote (a generation request, never a control message), which opens no step that
-    does not read those parameters."""
+    never hands out the secret itself; a client that calls it gets a token for parameters
+    preprocessing wrote, which the compressor takes only with that prompt's tokens."""
     return hmac.new(secret.encode(), b"request\0" + request_params, hashlib.sha256).hexdigest()
+
+
+def latents_token(secret: str, request_params: bytes, latents: np.ndarray) -> str:
+    """The `pipeline_key` the compressor hands mtp_verify: an HMAC of the parameters and of the prompt
+    latents it computed from their prompt, so mtp_verify decodes no latents a client made up."""
+    latents = np.ascontiguousarray(latents, dtype=np.float32)
+    message = b"latents\0%d\0%s\0" % (len(request_params), ",".join(map(str, latents.shape)).encode())
+    return hmac.new(secret.encode(), message + request_params + latents.tobytes(), hashlib.sha256).hexdigest()
 
 
 class PipelineGuard:
     """An internal step's check that a request comes from its own pipeline: the same server start
     and the same checkpoint. Steps calling each other (mtp_verify -> backbone, postprocessing's
-    cancel, the launcher's drain) present the secret; the ensemble's steps after preprocessing
-    present its request token, checked against the request parameters they were given."""
+    cancel, the launcher's drain) present the secret; along the ensemble each step presents the
+    token its predecessor made for the very data it passes on (`request_token`, `latents_token`)."""
 
     def __init__(self, args: dict, checkpoint_id: str, deployment: str):
         self.secret = pipeline_secret(args, checkpoint_id)
         self.refusal = NOT_FROM_PIPELINE.format(model=args["model_name"], deployment=deployment)
 
-    def refuses(self, key, request_params: bytes | None = None) -> str | None:
+    def refuses(self, key, token: str | None = None) -> str | None:
         """The refusal message for a request whose `pipeline_key` input (None when absent) is neither
-        the pipeline's secret nor the request token of `request_params`; None for one from the pipeline."""
+        the pipeline's secret nor `token`, the token this step expects for the data it was given;
+        None for one from the pipeline."""
         given = _key_bytes(key)
-        if given is not None and (hmac.compare_digest(given, self.secret.encode()) or (
-                request_params is not None
-                and hmac.compare_digest(given, request_token(self.secret, request_params).encode()))):
+        if given is not None and (hmac.compare_digest(given, self.secret.encode())
+                                  or token is not None and hmac.compare_digest(given, token.encode())):
             return None
         return self.refusal
 
@@ -174,13 +181,9 @@ class PreparedRequest:
         params["stop_words"] = tuple(params["stop_words"])
         return cls(params=SamplingParams(**params), **raw)
 
-    def check_latents(self, latents: int, pair_size: int, pad_id: int) -> None:
-        """Refuses prompt latents that are not this prompt's (a step called with another request's
-        parameters and token would otherwise escape the prompt limit preprocessing checked)."""
-        expected = len(pad_prompt(self.prompt_ids, pair_size, pad_id)) // pair_size
-        if latents != expected:
-            raise InvalidRequest(f"{latents} prompt latents for a prompt of {len(self.prompt_ids)} tokens "
-                                 f"({expected} latents)")
+    def prompt_pairs(self, pair_size: int, pad_id: int) -> np.ndarray:
+        """The prompt as the compressor reads it: [latents, pair_size] token ids, padded to pairs."""
+        return np.asarray(pad_prompt(self.prompt_ids, pair_size, pad_id), dtype=np.int64).reshape(-1, pair_size)
 
 
 def _scalar(value, name: str, kind):
@@ -202,6 +205,15 @@ def _text(value: bytes | str, name: str) -> str:
         return bytes(value).decode("utf-8")
     except UnicodeDecodeError as error:
         raise InvalidRequest(f"{name} is not valid UTF-8 (bad byte at offset {error.start})") from None
+
+
+def _stop_words(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    words = np.asarray(value, dtype=object).reshape(-1)
+    if words.size > MAX_STOP_WORDS:  # counted before any is decoded
+        raise InvalidRequest(f"stop_words holds {words.size} words, at most {MAX_STOP_WORDS}")
+    return tuple(_text(word, "stop_words") for word in words)
 
 
 def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max_tokens,
@@ -228,8 +240,7 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
         top_p=1.0 if top_p is None else _scalar(top_p, "top_p", float),
         seed=_scalar(random_seed, "random_seed", int) or 0,
         acceptance_threshold=_scalar(acceptance_threshold, "acceptance_threshold", float),
-        stop_words=tuple(_text(w, "stop_words") for w in np.asarray(stop_words, dtype=object).reshape(-1))
-        if stop_words is not None else (),
+        stop_words=_stop_words(stop_words),
         ignore_eos=bool(_scalar(ignore_eos, "ignore_eos", int) or False),
     )
     if params.max_tokens is None:

@@ -83,6 +83,7 @@ def test_a_misread_lookup_digit_is_traced_to_the_nearest_entry_that_starts_with_
     assert misread_offset(example, "5") == -1  # bb:52 and dd:54 are both one away: the earlier wins
     assert misread_offset(example, "1") == -2
     assert misread_offset(example, "9") == "none"
+    assert misread_offset(example, "") == "none"  # EOS decodes to nothing
     short = Example("lookup", " aa:11 bb:52 cc:33\nget cc:", "33", "33")
     counts = random_reader_offsets([short], draws=200)
     assert set(counts) == {-2, -1} and counts[-2] + counts[-1] == 1 and 0.3 < counts[-1] < 0.7

@@ -324,6 +324,8 @@ def test_long_grpc_streams_finish_across_a_reload(tmp_path):
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    import tritonclient.http as httpclient
+
     from client.api import generate_http
     from client.reload import reload
 
@@ -340,10 +342,20 @@ def test_long_grpc_streams_finish_across_a_reload(tmp_path):
             while not stop.is_set():
                 short.append(generate_http(triton.http_url, "dualend", PROMPTS[1], 16).output_tokens)
 
-        with ThreadPoolExecutor(8) as pool:
+        def running_at_swap():  # generation 1's running sequences when the ensemble first names generation 2
+            http = httpclient.InferenceServerClient(triton.http_url)
+            while not stop.is_set():
+                running = metric(triton, "dualend_running_sequences", "dualend_v1_mtp_verify")
+                if "dualend_v2_" in json.dumps(http.get_model_config("dualend")):
+                    return running
+                time.sleep(0.05)
+            return None
+
+        with ThreadPoolExecutor(9) as pool:  # 6 streams, 2 senders, the swap watcher
             streams = [pool.submit(stream_grpc, triton.grpc_url, "dualend", PROMPTS[i % len(PROMPTS)], 900,
                                    ignore_eos=True, timeout_s=60) for i in range(6)]
             senders = [pool.submit(short_requests) for _ in range(2)]
+            swapped = pool.submit(running_at_swap)
             try:
                 assert wait_for(lambda: metric(triton, "dualend_running_sequences", "dualend_v1_mtp_verify") >= 6, 30)
                 reload(triton.http_url, triton.metrics_url, "dualend", repository)
@@ -351,6 +363,7 @@ def test_long_grpc_streams_finish_across_a_reload(tmp_path):
             finally:
                 stop.set()
             [sender.result() for sender in senders]
+        assert (swapped.result() or 0) > 0, swapped.result()  # the swap did happen under the long streams
         assert [r.output_tokens for r in results] == [900] * 6 and set(short) == {16}
         assert all(r.finish_reason == "length" for r in results)
 
@@ -394,17 +407,17 @@ def grpc_inputs(**arrays):
     return tensors
 
 
-def forged_drain_error(server, key: bytes, params: bytes = b'{"drain": true}', latents: int = 1) -> str:
-    """The error a request sent straight to dualend's mtp_verify with `key` gets (the stream's first):
-    by default a drain."""
+def mtp_verify_error(server, key: bytes, params: bytes = b'{"drain": true}', latents=None) -> str:
+    """The error a request sent straight to dualend's mtp_verify with `key` gets (its stream's first
+    answer): by default a drain."""
     import tritonclient.grpc as grpcclient
 
     errors = []
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: errors.append(error))
     client.async_stream_infer("dualend_v1_mtp_verify", grpc_inputs(
-        prompt_latents=np.zeros((latents, 256), np.float32), request_params=np.array([params], object),
-        pipeline_key=np.array([key], object)))
+        prompt_latents=np.zeros((1, 256), np.float32) if latents is None else latents,
+        request_params=np.array([params], object), pipeline_key=np.array([key], object)))
     assert wait_for(lambda: errors, 10)
     client.stop_stream()
     client.close()
@@ -412,35 +425,45 @@ def forged_drain_error(server, key: bytes, params: bytes = b'{"drain": true}', l
 
 
 def test_mtp_verify_refuses_a_forged_drain(server):
-    assert "internal step of the dualend pipeline" in forged_drain_error(server, b"guess")
+    assert "internal step of the dualend pipeline" in mtp_verify_error(server, b"guess")
     assert stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 4).output_tokens > 0  # not drained
 
 
-def test_the_key_preprocessing_answers_a_client_opens_only_that_clients_own_request(server):
-    """Preprocessing is the ensemble's first step, so a client can call it and read the key it hands
-    on: that key must not drain the decode loop, reach the backbone, or vouch for other parameters."""
+def test_a_client_calling_the_pipelines_steps_can_replay_only_its_own_request(server):
+    """Preprocessing is the ensemble's first step, so a client can call it, and then the compressor,
+    and read the keys they hand on: those keys must not drain the decode loop, reach the backbone,
+    vouch for other parameters, another prompt or made-up latents (NaN latents would end every
+    stream in the loop), while a stream runs undisturbed."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    result = client.infer("dualend_v1_preprocessing", grpc_inputs(
+    prepared = client.infer("dualend_v1_preprocessing", grpc_inputs(
         text_input=np.array([PROMPTS[0].encode()], object), max_tokens=np.array([4], np.int32)))
-    key, params = result.as_numpy("pipeline_key"), result.as_numpy("request_params")
+    key, params, ids = (prepared.as_numpy(n) for n in ("pipeline_key", "request_params", "input_ids"))
     refusal = "internal step of the dualend pipeline"
-    assert refusal in forged_drain_error(server, bytes(key[0]))
-    prompt_tokens = len(json.loads(params[0])["prompt_ids"])
-    assert f"3000 prompt latents for a prompt of {prompt_tokens} tokens" in forged_drain_error(
-        server, bytes(key[0]), bytes(params[0]), latents=3000)  # its own parameters, not its prompt
-    with pytest.raises(Exception, match=refusal):
-        client.infer("dualend_v1_backbone", grpc_inputs(
-            latents=np.zeros((1, 256), np.float32), sequence_ids=np.array([1], np.int64),
-            new_latents=np.array([1], np.int32), reserve_slots=np.array([9999], np.int32), pipeline_key=key))
-    with pytest.raises(Exception, match=refusal):
-        client.infer("dualend_v1_compressor", grpc_inputs(
-            input_ids=result.as_numpy("input_ids"), request_params=np.array([b'{"drain": true}'], object),
-            pipeline_key=key))
-    latents = client.infer("dualend_v1_compressor", grpc_inputs(  # its own request: what the ensemble does
-        input_ids=result.as_numpy("input_ids"), request_params=params, pipeline_key=key)).as_numpy("prompt_latents")
-    assert latents.shape == (len(result.as_numpy("input_ids")), 256)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream_grpc, server.grpc_url, "dualend", PROMPTS[1], 120, ignore_eos=True)
+        assert refusal in mtp_verify_error(server, bytes(key[0]))
+        with pytest.raises(Exception, match=refusal):
+            client.infer("dualend_v1_backbone", grpc_inputs(
+                latents=np.zeros((1, 256), np.float32), sequence_ids=np.array([1], np.int64),
+                new_latents=np.array([1], np.int32), reserve_slots=np.array([9999], np.int32), pipeline_key=key))
+        with pytest.raises(Exception, match=refusal):
+            client.infer("dualend_v1_compressor", grpc_inputs(
+                input_ids=ids, request_params=np.array([b'{"drain": true}'], object), pipeline_key=key))
+        with pytest.raises(Exception, match=r"input_ids \(3000 rows\) are not the prompt of these request_params"):
+            client.infer("dualend_v1_compressor", grpc_inputs(
+                input_ids=np.ones((3000, 2), np.int64), request_params=params, pipeline_key=key))
+        compressed = client.infer("dualend_v1_compressor", grpc_inputs(  # its own request: what the ensemble does
+            input_ids=ids, request_params=params, pipeline_key=key))
+        latents, latents_key = compressed.as_numpy("prompt_latents"), bytes(compressed.as_numpy("latents_key")[0])
+        assert latents.shape == (len(ids), 256)
+        assert refusal in mtp_verify_error(server, bytes(key[0]), bytes(params[0]), latents)  # preprocessing's key
+        assert refusal in mtp_verify_error(server, latents_key, bytes(params[0]), latents * np.nan)
+        assert refusal in mtp_verify_error(server, latents_key)  # a drain
+        assert running.result().output_tokens == 120
     client.close()
     assert metric(server, "dualend_kv_live_sequences", "dualend_v1_backbone") == 0
     assert stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 4).output_tokens > 0  # not drained

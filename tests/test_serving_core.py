@@ -8,7 +8,7 @@ import pytest
 from builder.tensorrt_build import main as tensorrt_main
 from dualend.decode import Chunk, InvalidRequest
 from dualend.serving import (PIPELINE_SECRET_ENV, Limits, PipelineGuard, PreparedRequest, ResponseStream,
-                             generation_of, generations, model_parameters, prepare_request, request_token,
+                             generation_of, generations, latents_token, model_parameters, prepare_request, request_token,
                              served_generation)
 from dualend.tensorrt_engine import gpu_available
 
@@ -47,6 +47,7 @@ def test_a_good_request_round_trips_through_json(tiny_tokenizer):
     ({"stop_words": np.array([b""], dtype=object)}, "stop_words must not contain an empty string"),
     ({"stop_words": np.array([b"w%d" % i for i in range(33)], dtype=object)}, "stop_words holds 33 words, at most 32"),
     ({"stop_words": np.array([b"#", b"x" * 257], dtype=object)}, "a stop word is 257 characters long, at most 256"),
+    ({"stop_words": np.array([b"\xff"] * 100000, dtype=object)}, "stop_words holds 100000 words, at most 32"),
     ({"acceptance_threshold": np.array([1.5], np.float32)}, "acceptance_threshold must be from -1 .* to 1 .*got 1.5"),
     ({"acceptance_threshold": np.array([-2.0], np.float32)}, "acceptance_threshold must be from -1"),
 ])
@@ -68,6 +69,13 @@ def test_a_prompt_that_leaves_no_room_for_a_token_is_refused_as_too_long(tiny_to
     assert fits.prompt_ids == ids
 
 
+def test_the_limits_themselves_are_accepted(tiny_tokenizer):
+    prepared = prepare(tiny_tokenizer, stop_words=np.array([b"w%d" % i for i in range(31)] + [b"x" * 256], dtype=object),
+                       acceptance_threshold=np.array([1.0], np.float32))
+    assert len(prepared.params.stop_words) == 32 and prepared.params.acceptance_threshold == 1.0
+    assert prepare(tiny_tokenizer, acceptance_threshold=np.array([-1.0], np.float32)).params.acceptance_threshold == -1.0
+
+
 def _request(stream, exclude=True):
     from dualend.decode import SamplingParams
     return PreparedRequest([1, 5, 6], SamplingParams(max_tokens=8), stream, exclude)
@@ -76,31 +84,38 @@ def _request(stream, exclude=True):
 CHUNKS = [Chunk([7, 8], 1, 1, 1), Chunk([9], 1, 1, 0), Chunk([], 1, 0, 0, "eos")]
 
 
-def test_a_step_takes_the_secret_or_the_token_of_the_parameters_it_is_given(monkeypatch):
+def test_a_step_takes_the_secret_or_the_token_made_for_the_data_it_was_given(monkeypatch):
     monkeypatch.setenv(PIPELINE_SECRET_ENV, "per-start-secret")
     guard = PipelineGuard({"model_name": "dualend_v1_mtp_verify"}, "ckpt", "dualend")
-    params, other = b'{"prompt_ids": [1, 5]}', b'{"drain": true}'
-    token = np.array([request_token(guard.secret, params).encode()], dtype=object)
+    params, latents = b'{"prompt_ids": [1, 5]}', np.ones((1, 4), np.float32)
+    token = latents_token(guard.secret, params, latents)
+
+    def key(value):
+        return np.array([value.encode() if isinstance(value, str) else value], dtype=object)
+
     assert guard.secret == "per-start-secret:ckpt"
-    assert guard.refuses(np.array([guard.secret.encode()], dtype=object)) is None  # a step calling a step
-    assert guard.refuses(token, params) is None
+    assert guard.refuses(key(guard.secret)) is None  # a step calling a step
+    assert guard.refuses(key(token), latents_token(guard.secret, params, latents)) is None
     refusal = "refused: dualend_v1_mtp_verify is an internal step of the dualend pipeline"
-    assert guard.refuses(token, other).startswith(refusal)  # the token opens only its own parameters
-    assert guard.refuses(token).startswith(refusal)  # nor a step that reads no parameters (the backbone)
-    assert guard.refuses(np.array([b"guess"], dtype=object), params).startswith(refusal)
-    assert guard.refuses(None, params).startswith(refusal)
+    for other in (latents_token(guard.secret, b'{"drain": true}', latents),  # other parameters
+                  latents_token(guard.secret, params, latents * np.nan),  # other latents
+                  latents_token(guard.secret, params, np.ones((2, 2), np.float32)),  # same bytes, other shape
+                  request_token(guard.secret, params), None):  # another step's token, or the secret alone
+        assert guard.refuses(key(token), other).startswith(refusal)
+    assert guard.refuses(key(b"guess"), token).startswith(refusal)
+    assert guard.refuses(None, token).startswith(refusal)
+    assert request_token(guard.secret, params) != token
     monkeypatch.setenv(PIPELINE_SECRET_ENV, "next-start")
-    assert PipelineGuard({"model_name": "m"}, "ckpt", "dualend").refuses(token, params)  # another server start
+    again = PipelineGuard({"model_name": "m"}, "ckpt", "dualend")
+    assert again.refuses(key(token), latents_token(again.secret, params, latents))  # another server start
 
 
-def test_prompt_latents_must_be_the_prompts(tiny_tokenizer):
-    prepared = prepare(tiny_tokenizer)  # BOS + the prompt's tokens, padded to pairs
-    latents = -(-len(prepared.prompt_ids) // 2)
-    prepared.check_latents(latents, 2, tiny_tokenizer.pad_id)
-    with pytest.raises(InvalidRequest, match=f"{latents + 100} prompt latents for a prompt of "
-                                             f"{len(prepared.prompt_ids)} tokens"):
-        prepared.check_latents(latents + 100, 2, tiny_tokenizer.pad_id)
-    prepared.check_latents(len(prepared.prompt_ids), 1, tiny_tokenizer.pad_id)
+def test_the_compressor_reads_the_prompt_as_pairs(tiny_tokenizer):
+    prepared = prepare(tiny_tokenizer)
+    pairs = prepared.prompt_pairs(2, tiny_tokenizer.pad_id)
+    assert pairs.shape == (-(-len(prepared.prompt_ids) // 2), 2) and pairs.dtype == np.int64
+    assert [t for t in pairs.reshape(-1).tolist() if t != tiny_tokenizer.pad_id] == prepared.prompt_ids
+    assert prepared.prompt_pairs(1, tiny_tokenizer.pad_id).reshape(-1).tolist() == prepared.prompt_ids
 
 
 def test_streaming_sends_one_response_per_step_and_marks_the_last():

@@ -11,8 +11,8 @@ running; it marks the ensemble's next step requests (postprocessing) as cancelle
 every response carries `request_id`, and postprocessing, on seeing a cancelled request, sends
 this model a control request `{"cancel": request_id}` over BLS. The launcher, on SIGTERM, sends
 `{"drain": true}`: every stream ends at once with SHUTDOWN_MESSAGE and new requests are refused.
-Every request carries a `pipeline_key`: preprocessing's token for its request parameters, or, for a
-control request, the pipeline's secret (`serving.PipelineGuard`).
+Every request carries a `pipeline_key`: the compressor's token for its parameters and prompt latents,
+or, for a control request, the pipeline's secret alone (`serving.PipelineGuard`).
 """
 import json
 import secrets
@@ -29,7 +29,7 @@ from dualend.manifest import verify_component, verify_siblings
 from dualend.metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSAL_REASONS, REFUSALS, PhaseMetrics
 from dualend.onnx_engine import BackboneResult, MTPComponent
 from dualend.scheduler import Scheduler
-from dualend.serving import PipelineGuard, PreparedRequest, model_parameters, version_components
+from dualend.serving import PipelineGuard, PreparedRequest, latents_token, model_parameters, version_components
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SHUTDOWN_MESSAGE = "the server is shutting down; the stream ends here, retry"
@@ -105,7 +105,6 @@ class TritonPythonModel:
         executor = Executor(BLSBackbone(backbone, self.guard.secret), local,
                             exported.settings["d_model"])
         self.loop = DecodeLoop(executor, exported.tokenizer(), scheduler, self.threshold, self.metrics)
-        self.pair_size, self.pad_id = pair_size, local.pad_id
         self.sends = SendThread(pb_utils.Logger.log_warn)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.loop.serve_forever, args=(self.stopping,), daemon=True)
@@ -124,20 +123,23 @@ class TritonPythonModel:
             request_id = secrets.randbits(63)  # also the backbone's sequence id: not guessable
             output = ResponseSenderOutput(sender, request_id)
             key = pb_utils.get_input_tensor_by_name(request, "pipeline_key")
-            refusal = self.guard.refuses(None if key is None else key.as_numpy(), raw_params)
-            if refusal:
+            prompt_latents = pb_utils.get_input_tensor_by_name(request, "prompt_latents").as_numpy()
+            try:
+                control = json.loads(raw_params)
+            except ValueError:
+                control = None
+            is_control = isinstance(control, dict) and ("cancel" in control or "drain" in control)
+            refusal = self.guard.refuses(None if key is None else key.as_numpy(), None if is_control else
+                                         latents_token(self.guard.secret, raw_params, prompt_latents))
+            if refusal:  # a control message takes the secret alone; a generation, the compressor's token
                 output.fail(refusal)
                 continue
-            params = raw_params.decode()
-            control = json.loads(params)
-            if "cancel" in control or "drain" in control:
+            if is_control:
                 self._control(control)
                 sender.send(flags=FINAL)
                 continue
             try:
-                prepared = PreparedRequest.from_json(params)
-                prompt_latents = pb_utils.get_input_tensor_by_name(request, "prompt_latents").as_numpy()
-                prepared.check_latents(len(prompt_latents), self.pair_size, self.pad_id)
+                prepared = PreparedRequest.from_json(raw_params.decode())
             except (InvalidRequest, KeyError, TypeError, ValueError) as error:
                 output.fail(f"malformed request: {error}")
                 continue

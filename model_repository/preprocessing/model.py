@@ -2,7 +2,7 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.decode import InvalidRequest, pad_prompt
+from dualend.decode import InvalidRequest
 from dualend.serving import (Limits, model_parameters, pipeline_secret, prepare_request, request_token,
                              version_components)
 
@@ -34,8 +34,7 @@ class TritonPythonModel:
         except InvalidRequest as error:
             return pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"invalid request: {error}", pb_utils.TritonError.INVALID_ARG))
-        pairs = np.asarray(pad_prompt(prepared.prompt_ids, self.limits.pair_size, self.tokenizer.pad_id),
-                           dtype=np.int64).reshape(-1, self.limits.pair_size)
+        pairs = prepared.prompt_pairs(self.limits.pair_size, self.tokenizer.pad_id)
         params = prepared.to_json().encode()
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("input_ids", pairs),

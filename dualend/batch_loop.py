@@ -319,7 +319,18 @@ class DecodeLoop:
         return True
 
     def _decode(self, ready: list[tuple[int, LiveSequence]], result: BackboneResult) -> None:
-        t1 = np.array([s.decoder.first_token(result.logits[row]) for row, s in ready])
+        """One decode step of every sequence in `ready`; an error in one sequence's own work (its
+        sampling, its text) ends that sequence alone, an error in the batched draft call the loop's."""
+        decoded = []
+        for row, sequence in ready:
+            try:
+                decoded.append((row, sequence, sequence.decoder.first_token(result.logits[row])))
+            except Exception as error:  # noqa: BLE001 - e.g. logits no sampler can use
+                self._end_failed(sequence, error)
+        if not decoded:
+            return
+        ready = [(row, sequence) for row, sequence, _ in decoded]
+        t1 = np.array([token for _, _, token in decoded])
         drafting = [i for i, (_, s) in enumerate(ready) if s.decoder.wants_draft(int(t1[i]))]
         draft_logits, confidence = {}, {}
         if drafting:
@@ -336,22 +347,32 @@ class DecodeLoop:
             confidence = {i: float(conf[k]) for k, i in enumerate(drafting)}
         now = self.clock()
         for i, (_, sequence) in enumerate(ready):
-            step = (sequence.decoder.complete(int(t1[i]), draft_logits[i], confidence[i]) if i in draft_logits
-                    else sequence.decoder.complete(int(t1[i])))
-            self.observer.step(len(step.tokens))
-            chunk = sequence.text.chunk(step)
-            response = sequence.responses.add(chunk)
-            if response is not None:
-                sequence.output.send(response)
-                self.observer.response(response)
-                if chunk.tokens:
-                    if sequence.last_sent:
-                        self.observer.inter_token((now - sequence.last_sent) / len(chunk.tokens), len(chunk.tokens))
-                    else:
-                        self.observer.first_token(now - sequence.submitted_at)
-                    sequence.last_sent = now
-            if chunk.finish_reason is not None:
-                self._end(sequence)
+            try:
+                self._emit(sequence, int(t1[i]), draft_logits.get(i), confidence.get(i), now)
+            except Exception as error:  # noqa: BLE001 - this sequence's step failed, not the others'
+                self._end_failed(sequence, error)
+
+    def _emit(self, sequence: LiveSequence, t1: int, draft_logits, confidence, now: float) -> None:
+        step = (sequence.decoder.complete(t1, draft_logits, confidence) if draft_logits is not None
+                else sequence.decoder.complete(t1))
+        self.observer.step(len(step.tokens))
+        chunk = sequence.text.chunk(step)
+        response = sequence.responses.add(chunk)
+        if response is not None:
+            sequence.output.send(response)
+            self.observer.response(response)
+            if chunk.tokens:
+                if sequence.last_sent:
+                    self.observer.inter_token((now - sequence.last_sent) / len(chunk.tokens), len(chunk.tokens))
+                else:
+                    self.observer.first_token(now - sequence.submitted_at)
+                sequence.last_sent = now
+        if chunk.finish_reason is not None:
+            self._end(sequence)
+
+    def _end_failed(self, sequence: LiveSequence, error: Exception) -> None:
+        if sequence.request_id in self.live:
+            self._end(sequence, error=f"internal error decoding this request: {error!r}", reason="backbone")
 
     def _take_inbox(self) -> None:
         with self._wake:

@@ -306,6 +306,33 @@ def test_an_unexpected_error_ends_the_requests_in_the_loop_and_the_loop_goes_on(
     assert later.responses[-1].finish_reason and later.error is None
 
 
+def test_a_sequence_whose_step_fails_ends_alone_and_the_others_finish(exported, tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, 0.5)
+    sampled = PreparedRequest(tiny_tokenizer.encode_prompt(PROMPTS[0]), SamplingParams(max_tokens=24, temperature=1.0),
+                              True, True)
+    broken = ListOutput()
+    pairs = np.asarray(pad_prompt(sampled.prompt_ids, engine.pair_size, engine.pad_id)).reshape(-1, engine.pair_size)
+    loop.submit(1, sampled, engine.compress(pairs), broken)
+    healthy = submit(loop, engine, tiny_tokenizer, 2, PROMPTS[1])
+    run_backbone = loop.executor.run_backbone
+
+    def nan_for_request_1(batch):  # logits no sampler can draw from, for one sequence only
+        result = run_backbone(batch)
+        if 1 in batch.sequence_ids:
+            result.logits[batch.sequence_ids.index(1)] = np.nan
+        return result
+
+    loop.executor.run_backbone = nan_for_request_1
+    run_until_idle(loop)
+    assert broken.error.startswith("internal error decoding this request: ValueError(")
+    assert healthy.error is None and healthy.responses[-1].finish_reason and not loop.live
+    alone = submit(loop, engine, tiny_tokenizer, 3, PROMPTS[1])  # the same request, nothing failing beside it
+    loop.executor.run_backbone = run_backbone
+    run_until_idle(loop)
+    assert healthy.tokens == alone.tokens
+
+
 def test_sends_through_the_send_thread_arrive_as_the_loop_sent_them(exported, tiny_tokenizer):
     _, directory = exported["dualend"]
     engine, loop = make_loop(directory, tiny_tokenizer, 0.5)

@@ -178,10 +178,34 @@ def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+ADAPTER_SOURCES = Path(__file__).resolve().parent.parent / "model_repository"
+
+
+def stale_adapters(model_repository: Path) -> list[str]:
+    """The built models whose Triton adapter (`1/model.py`) differs from this checkout's source, e.g.
+    a repository assembled before an update: it would serve the old code."""
+    stale = []
+    for built in sorted(model_repository.glob("*_v*_*/1/model.py")):
+        step = built.parent.parent.name.rsplit("_", 1)[-1]
+        step = "mtp_verify" if built.parent.parent.name.endswith("_mtp_verify") else step
+        source = ADAPTER_SOURCES / step / "model.py"
+        if source.exists() and source.read_bytes() != built.read_bytes():
+            stale.append(built.parent.parent.name)
+    return stale
+
+
 def build_repository_if_missing(model_repository: Path | str) -> Path:
-    """Hook: build the model repository with `builder.assemble` when the path does not exist."""
+    """Hook: build the model repository with `builder.assemble` when the path does not exist; refuse
+    one whose adapters are not this checkout's."""
     model_repository = Path(model_repository)
     if model_repository.exists():
+        stale = stale_adapters(model_repository)
+        if stale:
+            raise RepositoryMissingError(
+                f"model repository {model_repository} was built from other sources than this checkout "
+                f"({', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}: model.py differs from model_repository/); "
+                f"serving it would run the old code. Rebuild it: rm -rf {model_repository} build/export && "
+                f"{BUILD_COMMAND} (with the flags you built it with)")
         return model_repository
     try:
         assemble = importlib.import_module("builder.assemble")

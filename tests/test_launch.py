@@ -113,3 +113,17 @@ def test_start_failure_reports_log_tail(identity_repository, tmp_path):
                                            (["--allow-metrics=true"], True), (["--log-verbose=1"], True)])
 def test_readiness_waits_for_metrics_only_when_tritonserver_serves_them(tmp_path, extra, serves):
     assert TritonServer(tmp_path, extra_args=extra).serves_metrics is serves
+
+
+def test_a_repository_built_from_other_adapter_sources_is_refused(tmp_path):
+    import shutil
+
+    from dualend.launch import ADAPTER_SOURCES, RepositoryMissingError, build_repository_if_missing
+
+    for model, step in (("dualend_v3_mtp_verify", "mtp_verify"), ("dualend_v3_compressor", "compressor")):
+        (tmp_path / model / "1").mkdir(parents=True)
+        shutil.copy(ADAPTER_SOURCES / step / "model.py", tmp_path / model / "1" / "model.py")
+    assert build_repository_if_missing(tmp_path) == tmp_path  # this checkout's adapters
+    (tmp_path / "dualend_v3_mtp_verify" / "1" / "model.py").write_text("# an older adapter\n")
+    with pytest.raises(RepositoryMissingError, match=r"dualend_v3_mtp_verify: model.py differs .* Rebuild it: rm -rf"):
+        build_repository_if_missing(tmp_path)

@@ -54,8 +54,6 @@ class SamplingParams:
                                  f"got {self.acceptance_threshold:g}")
         if any(not w for w in self.stop_words):
             raise InvalidRequest("stop_words must not contain an empty string")
-        if len(self.stop_words) > MAX_STOP_WORDS:
-            raise InvalidRequest(f"stop_words holds {len(self.stop_words)} words, at most {MAX_STOP_WORDS}")
         longest = max((len(w) for w in self.stop_words), default=0)
         if longest > MAX_STOP_WORD_CHARS:
             raise InvalidRequest(f"a stop word is {longest} characters long, at most {MAX_STOP_WORD_CHARS}")

@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import re
 import secrets
 import tempfile
 import threading
@@ -186,11 +187,10 @@ def stale_adapters(model_repository: Path) -> list[str]:
     a repository assembled before an update: it would serve the old code."""
     stale = []
     for built in sorted(model_repository.glob("*_v*_*/1/model.py")):
-        step = built.parent.parent.name.rsplit("_", 1)[-1]
-        step = "mtp_verify" if built.parent.parent.name.endswith("_mtp_verify") else step
-        source = ADAPTER_SOURCES / step / "model.py"
+        model = built.parent.parent.name
+        source = ADAPTER_SOURCES / re.fullmatch(r"\w+?_v\d+_(\w+)", model).group(1) / "model.py"
         if source.exists() and source.read_bytes() != built.read_bytes():
-            stale.append(built.parent.parent.name)
+            stale.append(model)
     return stale
 
 

@@ -175,8 +175,12 @@ class PreparedRequest:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "PreparedRequest":
-        raw = json.loads(text)
+    def from_json(cls, text: str | bytes) -> "PreparedRequest":
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "PreparedRequest":
+        raw = dict(raw)
         params = raw.pop("params")
         params["stop_words"] = tuple(params["stop_words"])
         return cls(params=SamplingParams(**params), **raw)

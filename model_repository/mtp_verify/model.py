@@ -139,7 +139,7 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
                 continue
             try:
-                prepared = PreparedRequest.from_json(raw_params.decode())
+                prepared = PreparedRequest.from_dict(control)  # parsed once, above
             except (InvalidRequest, KeyError, TypeError, ValueError) as error:
                 output.fail(f"malformed request: {error}")
                 continue

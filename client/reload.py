@@ -17,7 +17,8 @@ uses, and points the ensemble `dualend` at it on disk. This tool then:
 4. waits until the old generation holds no request (`--drain-timeout-s`), then unloads its models
    and removes their folders.
 A rollback is the same: assemble the previous checkpoint (it becomes the next generation) and run
-this again. Needs the server in model control mode "explicit" and its admin key.
+this again. Needs the server in model control mode "explicit" and its admin key; it calls the
+repository API over gRPC (`dualend.repository_api` says why not HTTP).
 """
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ import sys
 import time
 from pathlib import Path
 
-from dualend.launch import ADMIN_HEADER, DEFAULT_REPOSITORY, INTERNAL_HTTP_PORT, admin_key
+from dualend.launch import DEFAULT_REPOSITORY, INTERNAL_GRPC_PORT, admin_key
 from dualend.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
+from dualend.repository_api import RepositoryAPI
 from dualend.serving import generation_of, pipeline_name, prune_generations, served_generation
 
-from .api import RequestError, generate_http, metric_in, metrics_page
+from .api import RequestError, metric_in, metrics_page, stream_grpc
 
 INTERNAL_STEPS = ("backbone", "mtp_verify", "compressor", "preprocessing", "postprocessing")
 
@@ -60,24 +62,24 @@ def repository_checkpoint(repository: Path, deployment: str) -> tuple[str, str]:
     return checkpoint, pipeline
 
 
-def served_checkpoint(client, deployment: str) -> str:
-    config = client.get_model_config(deployment)
+def served_checkpoint(api: RepositoryAPI, deployment: str) -> str:
+    config = api.config(deployment)
     return config.get("parameters", {}).get("checkpoint_id", {}).get("string_value", "")
 
 
-def loaded_models(client, deployment: str, headers) -> dict[str, list[str]]:
+def loaded_models(api: RepositoryAPI, deployment: str) -> dict[str, list[str]]:
     """{pipeline: its READY models} of the deployment, e.g. {"dualend_v1": ["dualend_v1_backbone", ...]}."""
     loaded: dict[str, list[str]] = {}
-    for model in client.get_model_repository_index(headers=headers):
+    for model in api.index():
         generation = generation_of(model["name"], deployment)
         if generation is not None and model.get("state") == "READY":
             loaded.setdefault(pipeline_name(deployment, generation), []).append(model["name"])
     return loaded
 
 
-def loaded_pipelines(client, deployment: str, headers) -> list[str]:
+def loaded_pipelines(api: RepositoryAPI, deployment: str) -> list[str]:
     """The pipelines (one per generation) of the deployment with a model loaded, e.g. ["dualend_v1"]."""
-    return sorted(loaded_models(client, deployment, headers))
+    return sorted(loaded_models(api, deployment))
 
 
 def busy(metrics_url: str, pipeline: str) -> bool:
@@ -88,60 +90,58 @@ def busy(metrics_url: str, pipeline: str) -> bool:
         ("dualend_waiting_requests", "mtp_verify")))
 
 
-def reload(http_url: str, metrics_url: str, deployment: str, repository: Path, drain_timeout_s: float = 60.0,
+def reload(grpc_url: str, metrics_url: str, deployment: str, repository: Path, drain_timeout_s: float = 60.0,
            key: str | None = None) -> str:
     """Swaps in the generation the repository's ensemble uses; returns the checkpoint id it serves.
-    `key`: the server's admin key (default: the launcher's, from $DUALEND_ADMIN_KEY or its file)."""
-    import tritonclient.http as httpclient
+    `grpc_url`: tritonserver's own gRPC endpoint; `key`: its admin key (default: the launcher's, from
+    $DUALEND_ADMIN_KEY or its file)."""
     from tritonclient.utils import InferenceServerException
 
     try:
         expected, pipeline = repository_checkpoint(repository, deployment)
     except (ManifestError, OSError) as error:
         raise ReloadError(f"not reloading {deployment}: the repository is inconsistent: {error}") from None
-    key = key or admin_key()
-    headers = {ADMIN_HEADER: key} if key else None
-    client = httpclient.InferenceServerClient(http_url, network_timeout=300.0)
+    api = RepositoryAPI(grpc_url, key or admin_key())
 
     def call(action, model, why):
         try:
-            action(model, headers=headers)
+            action(model)
         except InferenceServerException as error:
             raise ReloadError(f"{why}: {model}: {error.message()}") from None
 
     try:
         try:
-            old = [p for p in loaded_pipelines(client, deployment, headers) if p != pipeline]
+            old = [p for p in loaded_pipelines(api, deployment) if p != pipeline]
         except InferenceServerException as error:
             raise ReloadError(f"the server refused the repository API: {error.message()} (it needs the admin "
                               f"key: set $DUALEND_ADMIN_KEY or pass --key)") from None
-        call(client.load_model, f"{pipeline}_backbone", f"loading failed; {deployment} keeps serving {old}")
-        call(client.load_model, deployment, f"loading failed; {deployment} keeps serving {old}")
-        served = served_checkpoint(client, deployment)
-        if served != expected or not client.is_model_ready(deployment):
+        call(api.load, f"{pipeline}_backbone", f"loading failed; {deployment} keeps serving {old}")
+        call(api.load, deployment, f"loading failed; {deployment} keeps serving {old}")
+        served = served_checkpoint(api, deployment)
+        if served != expected or not api.is_ready(deployment):
             raise ReloadError(f"{deployment} serves checkpoint {served or '(unknown)'} after the reload, the "
                               f"repository holds {expected}")
         try:
-            generate_http(http_url, deployment, "Q: 1+1\nA:", 1)
+            stream_grpc(grpc_url, deployment, "Q: 1+1\nA:", 1, stream=False, timeout_s=60)
         except RequestError as error:
             raise ReloadError(f"{deployment} loaded {pipeline} but does not answer: {error}") from None
         deadline = time.monotonic() + drain_timeout_s
         while time.monotonic() < deadline and any(busy(metrics_url, p) for p in old):
             time.sleep(0.1)
         for stale in old:
-            for model in loaded_models(client, deployment, headers).get(stale, []):
-                call(client.unload_model, model, "unloading the old generation failed")
+            for model in loaded_models(api, deployment).get(stale, []):
+                call(api.unload, model, "unloading the old generation failed")
         prune_generations(repository, deployment, keep={pipeline})  # unloaded, or never loaded
         return served
     finally:
-        client.close()
+        api.close()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deployment", required=True, help="dualend or baseline")
-    parser.add_argument("--url", default=f"127.0.0.1:{INTERNAL_HTTP_PORT}",
-                        help="tritonserver's own HTTP endpoint, behind the gateway (with --no-gateway: 127.0.0.1:8000)")
+    parser.add_argument("--url", default=f"127.0.0.1:{INTERNAL_GRPC_PORT}",
+                        help="tritonserver's own gRPC endpoint, behind the gateway (with --no-gateway: 127.0.0.1:8001)")
     parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics", help="Triton's metrics endpoint")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0,
                         help="how long requests on the old generation may take to finish before it is unloaded")

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .manifest import verify_component
+from .repository_api import ADMIN_HEADER
 from .serving import PIPELINE_SECRET_ENV, pipeline_key, pipeline_name, prune_generations, served_generation
 
 PYTRITON_VERSION = "0.7.0"  # the nvidia-pytriton release that ships tritonserver 2.51.0
@@ -65,7 +66,6 @@ LOG_TAIL_LINES = 40
 BUILD_COMMAND = "python -m builder.assemble"
 DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "build" / "model_repository"
 ADMIN_KEY_ENV = "DUALEND_ADMIN_KEY"
-ADMIN_HEADER = "dualend-admin-key"
 DEFAULT_ADMIN_KEY_FILE = Path(__file__).resolve().parent.parent / "build" / "gateway" / "admin_key"
 RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"  # tritonserver API groups behind the admin key
 

@@ -11,13 +11,12 @@ connection when its replacement takes over the deployment.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
+from .repository_api import RepositoryAPI
 from .serving import generation_of, pipeline_name, served_generation
 
 log = logging.getLogger(__name__)
@@ -28,20 +27,10 @@ class Watchdog:
                  interval_s: float = 1.0):
         self.server, self.down_dir, self.deployments, self.interval_s = server, down_dir, deployments, interval_s
         self.stopping = threading.Event()
-
-    def _headers(self) -> dict[str, str]:
-        from .launch import ADMIN_HEADER
-
-        return {ADMIN_HEADER: self.server.admin_key} if self.server.admin_key else {}
-
-    def _repository(self, path: str) -> bytes:
-        request = urllib.request.Request(f"http://{self.server.http_url}/v2/repository{path}", data=b"{}",
-                                         method="POST", headers=self._headers())
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.read()
+        self.repository = RepositoryAPI(server.grpc_url, server.admin_key, timeout_s=60.0)
 
     def ready_models(self) -> list[str]:
-        return [m["name"] for m in json.loads(self._repository("/index")) if m.get("state") == "READY"]
+        return self.repository.ready_models()
 
     def failed_models(self, ready: list[str]) -> list[str]:
         """Of the READY models, the Python models of our deployments whose stub is gone."""
@@ -66,12 +55,12 @@ class Watchdog:
             mark.touch()
         models = [f"{pipeline}_backbone", model] if model.endswith("_mtp_verify") else [model]
         for name in models:
-            for action in ("unload", "load"):
+            for action in ("unload", "load"):  # over gRPC: an HTTP load loses HTTP streams' events
                 if self.stopping.is_set():
                     return
-                self._repository(f"/models/{name}/{action}")
+                getattr(self.repository, action)(name)
         if not model.endswith("_backbone") and self.served(model):  # not if the disk names a newer one
-            self._repository(f"/models/{deployment}/load")  # the ensemble takes the new step
+            self.repository.load(deployment)  # the ensemble takes the new step
         log.warning("watchdog: %s restored", model)
         if mark:
             mark.unlink(missing_ok=True)

@@ -250,10 +250,10 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
     import threading
 
     import torch
-    import tritonclient.http as httpclient
 
     from client.reload import ReloadError, loaded_pipelines, reload, served_checkpoint
     from dualend.checkpoint import Checkpoint, load_checkpoint
+    from dualend.repository_api import RepositoryAPI
     from dualend.serving import served_generation
 
     nudged = tmp_path / "checkpoints"  # a second dual-end checkpoint: the MTP head's first weight nudged
@@ -272,8 +272,8 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
     models = ["dualend_v1_backbone", "dualend"]
     with TritonServer(repository, model_control_mode="explicit", load_models=models,
                       log_file=tmp_path / "server.log") as triton:
-        http = httpclient.InferenceServerClient(triton.http_url)
-        assert served_checkpoint(http, "dualend") == shipped_id
+        api = RepositoryAPI(triton.grpc_url, None)
+        assert served_checkpoint(api, "dualend") == shipped_id
         stop, done, errors, finished = threading.Event(), [], [], []
 
         def client(index):
@@ -291,10 +291,10 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
             for source, expected in ((nudged, nudged_id), (CHECKPOINTS, shipped_id), (nudged, nudged_id)):
                 assert wait_for(lambda: len(done) > 20, 60)
                 assemble(source)
-                assert reload(triton.http_url, triton.metrics_url, "dualend", repository) == expected
-                assert served_checkpoint(http, "dualend") == expected
+                assert reload(triton.grpc_url, triton.metrics_url, "dualend", repository) == expected
+                assert served_checkpoint(api, "dualend") == expected
                 generation = served_generation(repository, "dualend")
-                assert loaded_pipelines(http, "dualend", None) == [f"dualend_v{generation}"]
+                assert loaded_pipelines(api, "dualend") == [f"dualend_v{generation}"]
                 assert sorted(p.name for p in repository.glob("dualend_v*_backbone")) == [f"dualend_v{generation}_backbone"]
                 finished += done
                 done.clear()
@@ -311,23 +311,23 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
         data[len(data) // 2] ^= 0xFF
         onnx.write_bytes(bytes(data))
         with pytest.raises(ReloadError, match="repository is inconsistent.*mtp.*sha256"):
-            reload(triton.http_url, triton.metrics_url, "dualend", repository)
-        assert served_checkpoint(http, "dualend") == nudged_id
+            reload(triton.grpc_url, triton.metrics_url, "dualend", repository)
+        assert served_checkpoint(api, "dualend") == nudged_id
         assert stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24).text == served_text
-        http.close()
+        api.close()
 
 
-def test_long_grpc_streams_finish_across_a_reload(tmp_path):
-    """Six 900-token gRPC streams across a reload, short requests arriving all along: the old
-    generation unloads only after every stream got all its tokens and its end, and no request fails.
-    (HTTP generate_stream streams are not covered: README, known limits.)"""
+def test_long_http_and_grpc_streams_finish_across_a_reload(tmp_path):
+    """Six 900-token gRPC streams and six HTTP generate_stream streams across a reload, short requests
+    arriving all along: the old generation unloads only after every stream got all its tokens and its
+    end, and no request fails. (With the repository API called over HTTP, half of such HTTP streams
+    lost every event after the load: `dualend.repository_api`.)"""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    import tritonclient.http as httpclient
-
-    from client.api import generate_http
+    from client.api import generate_http, stream_http
     from client.reload import reload
+    from dualend.repository_api import RepositoryAPI
 
     def assemble():
         return assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
@@ -343,28 +343,30 @@ def test_long_grpc_streams_finish_across_a_reload(tmp_path):
                 short.append(generate_http(triton.http_url, "dualend", PROMPTS[1], 16).output_tokens)
 
         def running_at_swap():  # generation 1's running sequences when the ensemble first names generation 2
-            http = httpclient.InferenceServerClient(triton.http_url)
-            while not stop.is_set():
-                running = metric(triton, "dualend_running_sequences", "dualend_v1_mtp_verify")
-                if "dualend_v2_" in json.dumps(http.get_model_config("dualend")):
-                    return running
-                time.sleep(0.05)
+            with RepositoryAPI(triton.grpc_url, None) as api:
+                while not stop.is_set():
+                    running = metric(triton, "dualend_running_sequences", "dualend_v1_mtp_verify")
+                    if "dualend_v2_" in json.dumps(api.config("dualend")):
+                        return running
+                    time.sleep(0.05)
             return None
 
-        with ThreadPoolExecutor(9) as pool:  # 6 streams, 2 senders, the swap watcher
+        with ThreadPoolExecutor(15) as pool:  # 12 streams, 2 senders, the swap watcher
             streams = [pool.submit(stream_grpc, triton.grpc_url, "dualend", PROMPTS[i % len(PROMPTS)], 900,
                                    ignore_eos=True, timeout_s=60) for i in range(6)]
+            streams += [pool.submit(stream_http, triton.http_url, "dualend", PROMPTS[i % len(PROMPTS)], 900,
+                                    timeout_s=60, ignore_eos=True) for i in range(6)]
             senders = [pool.submit(short_requests) for _ in range(2)]
             swapped = pool.submit(running_at_swap)
             try:
-                assert wait_for(lambda: metric(triton, "dualend_running_sequences", "dualend_v1_mtp_verify") >= 6, 30)
-                reload(triton.http_url, triton.metrics_url, "dualend", repository)
+                assert wait_for(lambda: metric(triton, "dualend_running_sequences", "dualend_v1_mtp_verify") >= 12, 30)
+                reload(triton.grpc_url, triton.metrics_url, "dualend", repository)
                 results = [stream.result() for stream in streams]
             finally:
                 stop.set()
             [sender.result() for sender in senders]
-        assert (swapped.result() or 0) > 0, swapped.result()  # the swap did happen under the long streams
-        assert [r.output_tokens for r in results] == [900] * 6 and set(short) == {16}
+        assert (swapped.result() or 0) >= 6, swapped.result()  # the swap did happen under the long streams
+        assert [r.output_tokens for r in results] == [900] * 12 and set(short) == {16}
         assert all(r.finish_reason == "length" for r in results)
 
 
@@ -575,6 +577,43 @@ def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
         assert wait_for(serves, 15, poll_s=0.2)
         assert time.monotonic() - killed < 15
         assert "dualend_v1_backbone" in stub_processes(launched.server_pid)
+
+
+def test_a_killed_compressor_is_restored_while_http_and_grpc_streams_finish(tmp_path):
+    """kill -9 of the compressor's stub under 4 HTTP and 4 gRPC streams already decoding: readiness
+    goes false, the watchdog reloads the compressor and the ensemble, and the deployment serves again
+    within 15 s, while every running stream gets all its tokens and its end (the reloads go over
+    gRPC; over HTTP they cut HTTP streams)."""
+    import signal
+
+    from client.api import stream_http
+    from dualend.launch import stub_processes
+
+    with Launched(tmp_path) as launched:
+        gateway_http = f"127.0.0.1:{launched.http_port}"
+        with ThreadPoolExecutor(8) as pool:
+            drafting_off = {"ignore_eos": True, "acceptance_threshold": 1.0}  # one token a step: longer streams
+            streams = [pool.submit(launched.stream, 1000, **drafting_off) for _ in range(4)]
+            streams += [pool.submit(stream_http, gateway_http, "dualend", PROMPTS[0], 1000, timeout_s=60,
+                                    api_key=launched.key, **drafting_off) for _ in range(4)]
+            assert wait_for(lambda: launched.live_sequences() == 8, 30)
+            killed = time.monotonic()
+            os.kill(stub_processes(launched.server_pid)["dualend_v1_compressor"][0], signal.SIGKILL)
+            saw_not_ready = wait_for(lambda: not launched.ready(), 10, poll_s=0.02)
+
+            def serves():
+                try:
+                    return launched.ready() and launched.stream(8).output_tokens == 8
+                except RequestError:
+                    return False
+
+            assert saw_not_ready and wait_for(serves, 15, poll_s=0.2)
+            assert time.monotonic() - killed < 15
+            assert launched.live_sequences() >= 6  # the restore, ensemble reload included, ran under the streams
+            results = [stream.result() for stream in streams]
+        assert [r.output_tokens for r in results] == [1000] * 8
+        assert all(r.finish_reason == "length" for r in results)
+        assert "dualend_v1_compressor" in stub_processes(launched.server_pid)
 
 
 def test_metrics_by_phase_add_up_after_known_requests(server):

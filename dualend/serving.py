@@ -81,11 +81,20 @@ def latents_token(secret: str, request_params: bytes, latents: np.ndarray) -> st
     return hmac.new(secret.encode(), message + request_params + latents.tobytes(), hashlib.sha256).hexdigest()
 
 
+def response_token(secret: str, request_id: int, output_ids: np.ndarray) -> str:
+    """The `pipeline_key` mtp_verify hands postprocessing with each response: an HMAC of the request
+    id and the token ids, so postprocessing detokenizes (and relays a cancel for) only what the
+    pipeline's own decode loop sent; clients never see it (the ensemble does not output it)."""
+    ids = np.ascontiguousarray(output_ids, dtype=np.int64)
+    return hmac.new(secret.encode(), b"response\0%d\0" % request_id + ids.tobytes(), hashlib.sha256).hexdigest()
+
+
 class PipelineGuard:
     """An internal step's check that a request comes from its own pipeline: the same server start
     and the same checkpoint. Steps calling each other (mtp_verify -> backbone, postprocessing's
     cancel, the launcher's drain) present the secret; along the ensemble each step presents the
-    token its predecessor made for the very data it passes on (`request_token`, `latents_token`)."""
+    token its predecessor made for the very data it passes on (`request_token`, `latents_token`,
+    `response_token`)."""
 
     def __init__(self, args: dict, checkpoint_id: str, deployment: str):
         self.secret = pipeline_secret(args, checkpoint_id)

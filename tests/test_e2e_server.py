@@ -374,6 +374,9 @@ def test_long_http_and_grpc_streams_finish_across_a_reload(tmp_path):
     ("dualend_v1_backbone", {"latents": np.zeros((1, 4), np.float32), "sequence_ids": np.array([1], np.int64),
                           "new_latents": np.array([1], np.int32), "reserve_slots": np.array([9999], np.int32)}),
     ("dualend_v1_compressor", {"input_ids": np.array([[5, 6]], np.int64), "request_params": np.array([b"{}"], object)}),
+    ("dualend_v1_postprocessing", {"output_ids": np.array([5, 6], np.int64), "request_id": np.array([7], np.uint64)}),
+    ("dualend_v1_postprocessing", {"output_ids": np.arange(2_000_000, dtype=np.int64) % 64,  # 16 MB
+                                   "request_id": np.array([7], np.uint64)}),
 ])
 def test_internal_models_refuse_calls_from_outside_their_pipeline(server, model, inputs):
     import tritonclient.http as httpclient
@@ -384,16 +387,18 @@ def test_internal_models_refuse_calls_from_outside_their_pipeline(server, model,
         inputs["latents"] = np.zeros((1, int(config["input"][0]["dims"][-1])), np.float32)
     tensors = []
     for name, value in inputs.items():
-        tensor = httpclient.InferInput(name, list(value.shape), {np.float32: "FP32", np.int64: "INT64",
-                                                                 np.int32: "INT32", np.object_: "BYTES"}[value.dtype.type])
+        tensor = httpclient.InferInput(name, list(value.shape), {
+            np.float32: "FP32", np.int64: "INT64", np.uint64: "UINT64", np.int32: "INT32", np.object_: "BYTES"}[value.dtype.type])
         tensor.set_data_from_numpy(value)
         tensors.append(tensor)
     key = httpclient.InferInput("pipeline_key", [1], "BYTES")
     key.set_data_from_numpy(np.array([b"guess"], dtype=object))
     with pytest.raises(Exception, match=r"missing required input\(s\) \['pipeline_key'\]"):
         client.infer(model, tensors)
+    started = time.monotonic()
     with pytest.raises(Exception, match=f"refused: {model} is an internal step of the dualend pipeline"):
         client.infer(model, tensors + [key])
+    assert time.monotonic() - started < 2
     client.close()
     assert metric(server, "dualend_kv_live_sequences", "dualend_v1_backbone") == 0
 

@@ -9,7 +9,7 @@ from builder.tensorrt_build import main as tensorrt_main
 from dualend.decode import Chunk, InvalidRequest
 from dualend.serving import (PIPELINE_SECRET_ENV, Limits, PipelineGuard, PreparedRequest, ResponseStream,
                              generation_of, generations, latents_token, model_parameters, prepare_request, request_token,
-                             served_generation)
+                             response_token, served_generation)
 from dualend.tensorrt_engine import gpu_available
 
 LIMITS = Limits(raw_context_limit=64, pair_size=2, max_new_tokens=32)
@@ -105,6 +105,11 @@ def test_a_step_takes_the_secret_or_the_token_made_for_the_data_it_was_given(mon
     assert guard.refuses(key(b"guess"), token).startswith(refusal)
     assert guard.refuses(None, token).startswith(refusal)
     assert request_token(guard.secret, params) != token
+    answer = response_token(guard.secret, 7, np.array([5, 6]))  # postprocessing's, per response
+    assert guard.refuses(key(answer), response_token(guard.secret, 7, np.array([5, 6], np.int64))) is None
+    for other in (response_token(guard.secret, 8, np.array([5, 6])), response_token(guard.secret, 7, np.array([5])),
+                  response_token(guard.secret, 7, np.array([5, 7]))):  # another request, or other tokens
+        assert guard.refuses(key(answer), other).startswith(refusal)
     monkeypatch.setenv(PIPELINE_SECRET_ENV, "next-start")
     again = PipelineGuard({"model_name": "m"}, "ckpt", "dualend")
     assert again.refuses(key(token), latents_token(again.secret, params, latents))  # another server start

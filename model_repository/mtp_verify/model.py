@@ -12,7 +12,8 @@ every response carries `request_id`, and postprocessing, on seeing a cancelled r
 this model a control request `{"cancel": request_id}` over BLS. The launcher, on SIGTERM, sends
 `{"drain": true}`: every stream ends at once with SHUTDOWN_MESSAGE and new requests are refused.
 Every request carries a `pipeline_key`: the compressor's token for its parameters and prompt latents,
-or, for a control request, the pipeline's secret alone (`serving.PipelineGuard`).
+or, for a control request, the pipeline's secret alone (`serving.PipelineGuard`); every response
+carries postprocessing's token for its request id and token ids (`response_key`).
 """
 import json
 import secrets
@@ -29,7 +30,8 @@ from dualend.manifest import verify_component, verify_siblings
 from dualend.metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSAL_REASONS, REFUSALS, PhaseMetrics
 from dualend.onnx_engine import BackboneResult, MTPComponent
 from dualend.scheduler import Scheduler
-from dualend.serving import PipelineGuard, PreparedRequest, latents_token, model_parameters, version_components
+from dualend.serving import (PipelineGuard, PreparedRequest, latents_token, model_parameters, response_token,
+                             version_components)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SHUTDOWN_MESSAGE = "the server is shutting down; the stream ends here, retry"
@@ -62,15 +64,18 @@ class BLSBackbone:
 
 
 class ResponseSenderOutput:
-    """One request's answers through its Triton response sender."""
+    """One request's answers through its Triton response sender, each with postprocessing's token."""
 
-    def __init__(self, sender, request_id):
-        self.sender = sender
+    def __init__(self, sender, request_id, secret):
+        self.sender, self.secret, self.id = sender, secret, request_id
         self.request_id = np.asarray([request_id], dtype=np.uint64)
 
     def send(self, response):
-        outputs = [pb_utils.Tensor(k, v) for k, v in response.arrays().items()]
-        outputs.append(pb_utils.Tensor("request_id", self.request_id))
+        arrays = response.arrays()
+        outputs = [pb_utils.Tensor(k, v) for k, v in arrays.items()]
+        token = response_token(self.secret, self.id, arrays["output_ids"])
+        outputs += [pb_utils.Tensor("request_id", self.request_id),
+                    pb_utils.Tensor("response_key", np.asarray([token.encode()], dtype=object))]
         self.sender.send(pb_utils.InferenceResponse(outputs), flags=FINAL if response.finish_reason else 0)
 
     def fail(self, message):
@@ -121,7 +126,7 @@ class TritonPythonModel:
             raw_params = bytes(pb_utils.get_input_tensor_by_name(request, "request_params").as_numpy()[0])
             sender = request.get_response_sender()
             request_id = secrets.randbits(63)  # also the backbone's sequence id: not guessable
-            output = ResponseSenderOutput(sender, request_id)
+            output = ResponseSenderOutput(sender, request_id, self.guard.secret)
             key = pb_utils.get_input_tensor_by_name(request, "pipeline_key")
             prompt_latents = pb_utils.get_input_tensor_by_name(request, "prompt_latents").as_numpy()
             try:

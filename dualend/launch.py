@@ -312,6 +312,9 @@ class TritonServer:
         self.admin_key = admin_key
         # Shared by the models of each pipeline, unknown to clients: internal models refuse calls without it.
         self.pipeline_secret = os.environ.get(PIPELINE_SECRET_ENV) or secrets.token_hex(24)
+        # Every stub's shared memory is named with this prefix, so a stop also finds the regions of
+        # stubs that were killed (and restored) while the server ran.
+        self.shm_prefix = f"dualend_{secrets.token_hex(6)}"
         self._process: subprocess.Popen | None = None
         self._owns_log_file = False
 
@@ -355,6 +358,7 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             f"--model-control-mode={self.model_control_mode}",
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         args += [f"--load-model={name}" for name in self.load_models]
         if self.admin_key:
@@ -481,7 +485,6 @@ class TritonServer:
         if process is None:
             return
         atexit.unregister(self.stop)
-        regions = stub_shm_regions(process.pid)
         try:
             if process.poll() is None:
                 if drain:
@@ -502,8 +505,8 @@ class TritonServer:
             except (ProcessLookupError, PermissionError):
                 pass
             process.wait()
-            for region in regions:  # a killed stub leaves its region behind
-                Path("/dev/shm", region).unlink(missing_ok=True)
+            for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):  # a killed stub leaves its region
+                region.unlink(missing_ok=True)
         log.info("tritonserver (pid %d) stopped with code %s", process.pid, process.returncode)
         if self._owns_log_file and not keep_log:
             self.log_file.unlink(missing_ok=True)

@@ -565,7 +565,8 @@ def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
                        for _ in range(4)]
             assert wait_for(lambda: launched.live_sequences() == 4, 30)
             killed = time.monotonic()
-            os.kill(stub_processes(launched.server_pid)["dualend_v1_backbone"][0], signal.SIGKILL)
+            stub, region = stub_processes(launched.server_pid)["dualend_v1_backbone"]
+            os.kill(stub, signal.SIGKILL)
             saw_not_ready = wait_for(lambda: not launched.ready(), 10, poll_s=0.02)
             for stream in streams:
                 with pytest.raises(RequestError, match="backbone"):
@@ -582,6 +583,10 @@ def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
         assert wait_for(serves, 15, poll_s=0.2)
         assert time.monotonic() - killed < 15
         assert "dualend_v1_backbone" in stub_processes(launched.server_pid)
+        assert os.path.exists(f"/dev/shm/{region}")  # the killed stub's shared memory, left behind
+        launched.process.terminate()
+        launched.process.wait(30)
+    assert not os.path.exists(f"/dev/shm/{region}")  # removed at the stop
 
 
 def test_a_killed_compressor_is_restored_while_http_and_grpc_streams_finish(tmp_path):

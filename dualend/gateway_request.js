@@ -12,11 +12,6 @@ function has(object, name) {
     return Object.prototype.hasOwnProperty.call(object, name);  // not `constructor` and the like
 }
 
-// Built once, when nginx loads the config: how each input appears in a body's text, and the required ones.
-const WRITTEN = {};
-Object.keys(INPUTS).forEach((name) => {
-    WRITTEN[name] = new RegExp(`"${name}"\\s*:[\\s\\[]*[-+0-9.eE]*`, 'g');
-});
 const REQUIRED = Object.keys(INPUTS).filter((name) => INPUTS[name].required);
 const NAMES = Object.keys(INPUTS).sort().join(', ');
 
@@ -45,22 +40,30 @@ function valueProblem(name, type, value) {
     return null;
 }
 
-// JSON.parse keeps the last of repeated keys and reads 4.0 as 4; tritonserver reads the first and
-// refuses 4.0 for an integer input with a 500. Both are checked on the text as sent.
-function textProblem(text, body) {
-    const names = Object.keys(body);
-    for (let i = 0; i < names.length; i++) {
-        const name = names[i];
-        const found = text.match(WRITTEN[name]) || [];
-        if (found.length > 1) {
-            return `${name} appears ${found.length} times in the body; send it once`;
+// JSON.parse keeps the last of repeated keys, reads 4.0 as 4 and decodes escapes in keys;
+// tritonserver reads the first of repeated keys and refuses 4.0 for an integer input with a 500. So
+// the keys are also read from the text as sent: every string token followed by a colon (the body is
+// a flat object of inputs by now, and outside strings valid JSON has no quote).
+function textProblem(text) {
+    const token = /"((?:[^"\\]|\\[\s\S])*)"(\s*:[\s\[]*[-+0-9.eE]*)?/g;
+    const counts = {};
+    let match;
+    while ((match = token.exec(text)) !== null) {
+        const name = match[1];
+        if (match[2] === undefined) {
+            continue;  // a string value
         }
-        const written = found.map((match) => match.slice(match.indexOf(':') + 1)).join('');
-        if (has(INTEGER_RANGES, INPUTS[name].type) && /[.eE]/.test(written)) {
+        if (name.indexOf('\\') >= 0) {
+            return `field names must be written without escapes, got "${name.slice(0, 40)}"`;
+        }
+        counts[name] = (counts[name] || 0) + 1;
+        const number = match[2].slice(match[2].indexOf(':') + 1);
+        if (has(INPUTS, name) && has(INTEGER_RANGES, INPUTS[name].type) && /[.eE]/.test(number)) {
             return `${name} must be an integer written without a fraction or exponent`;
         }
     }
-    return null;
+    const repeated = Object.keys(counts).filter((name) => counts[name] > 1);
+    return repeated.length ? `${repeated[0]} appears ${counts[repeated[0]]} times in the body; send it once` : null;
 }
 
 // tritonserver's JSON parser answers a \uD800-\uDBFF escape without its low half with a 500. Each
@@ -119,7 +122,7 @@ function check(r) {
         body = undefined;
     }
     const problem = body === undefined ? 'the request body is not valid JSON'
-        : bodyProblem(body) || textProblem(r.requestText, body) || surrogateProblem(r.requestText);
+        : bodyProblem(body) || textProblem(r.requestText) || surrogateProblem(r.requestText);
     if (problem) {
         r.headersOut['Content-Type'] = 'application/json';
         r.return(400, JSON.stringify({error: problem}));

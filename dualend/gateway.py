@@ -8,7 +8,8 @@ the dual-end and baseline deployments by weight (a canary), naming the deploymen
 the `X-Dualend-Deployment` header:
 
     POST /v2/models/{dualend,baseline,llm}/generate[_stream]   key required; `llm` = canary split
-    GET  /v2/models/{dualend,baseline}[/ready], /v2/health/{live,ready}
+    GET  /v2/models/{dualend,baseline}                          key required (metadata)
+    GET  /v2/models/{dualend,baseline}/ready, /v2/health/{live,ready}   open, for health probes
     gRPC inference.GRPCInferenceService/{ModelStreamInfer,ModelInfer,ModelMetadata,...}   key required
 
 Everything else (repository and model control, internal models over HTTP, statistics, traces)
@@ -144,6 +145,20 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
             js_content request.check;
         }}"""
 
+    def model_location(suffix: str, keyed: bool) -> str:
+        """A model's metadata (behind the key) or readiness (open, for probes): GET or HEAD only."""
+        return f"""location ~ ^/v2/models/({models}){suffix}$ {{
+            {check if keyed else ""}
+            set $deployment $1;
+            if ($request_method !~ ^(GET|HEAD)$) {{
+                add_header Allow "GET, HEAD" always;
+                add_header X-Dualend-Deployment $deployment always;
+                return 405 '{{"error":"$request_method is not served here: model metadata and readiness answer GET"}}';
+            }}
+            {down_check}
+            proxy_pass http://triton_http;
+        }}"""
+
     grpc_methods = "|".join(GRPC_METHODS)
     return f"""# written by dualend.gateway; edits are overwritten
 load_module {NJS_MODULE};
@@ -190,16 +205,8 @@ http {{
         {generate_location(f"({models})", "$1", "$uri")}
         {generate_location(CANARY_MODEL, "$canary", "/v2/models/$canary/$1")}
         location @triton {{ proxy_pass http://triton_http$triton_uri; }}  # a checked generate request
-        location ~ ^/v2/models/({models})(/ready)?$ {{
-            set $deployment $1;
-            if ($request_method !~ ^(GET|HEAD)$) {{
-                add_header Allow "GET, HEAD" always;
-                add_header X-Dualend-Deployment $deployment always;
-                return 405 '{{"error":"$request_method is not served here: model metadata and readiness answer GET"}}';
-            }}
-            {down_check}
-            proxy_pass http://triton_http;
-        }}
+        {model_location("", keyed=True)}
+        {model_location("/ready", keyed=False)}
         location = /v2/health/live {{ proxy_pass http://triton_http; }}
         location = /v2/health/ready {{
             # ready when the public deployment is, whatever another model's state

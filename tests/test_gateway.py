@@ -71,9 +71,13 @@ def test_only_public_routes_are_reachable(stack, method, path):
     assert status == 404 and "not a public route" in body
 
 
-def test_public_metadata_and_health_answer(stack):
+def test_health_answers_anyone_and_metadata_needs_a_key(stack):
     assert http(stack, "/v2/health/ready", key=False)[0] == 200
+    assert http(stack, "/v2/health/live", key=False)[0] == 200
+    assert http(stack, "/v2/models/baseline/ready", key=False)[0] == 200
     status, body = http(stack, "/v2/models/dualend", key=False)
+    assert status == 401 and "missing or unknown API key" in body
+    status, body = http(stack, "/v2/models/dualend")
     assert status == 200 and '"name":"dualend"' in body
 
 

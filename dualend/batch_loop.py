@@ -114,7 +114,7 @@ class Observer(Protocol):
     def response(self, response: Response) -> None: ...                 # counters of a sent response
     def queued(self, seconds: float) -> None: ...                       # submit -> first prefill chunk
     def prefilled(self, seconds: float) -> None: ...                    # first chunk -> prompt in cache
-    def first_token(self, seconds: float) -> None: ...                  # submit -> first token sent
+    def first_token(self, seconds: float) -> None: ...                  # submit -> first token released
     def inter_token(self, seconds: float, tokens: int) -> None: ...     # gap / tokens, counted per token
     def step(self, tokens: int) -> None: ...                            # tokens one decode step emitted
     def iteration(self, seconds: float) -> None: ...                     # one busy iteration
@@ -169,6 +169,7 @@ class LiveSequence:
     drafting: bool = False      # the MTP head holds a cache for it
     submitted_at: float = 0.0
     started_at: float = 0.0      # its first prefill chunk ran
+    first_token_at: float = 0.0  # its first released token was decoded (0: none yet)
     last_sent: float = 0.0       # its last response with tokens went out (0: none yet)
     next_cancel_check: float = 0.0
 
@@ -357,6 +358,9 @@ class DecodeLoop:
                 else sequence.decoder.complete(t1))
         self.observer.step(len(step.tokens))
         chunk = sequence.text.chunk(step)
+        if chunk.tokens and not sequence.first_token_at:  # streamed or not: when its first text was ready
+            sequence.first_token_at = now
+            self.observer.first_token(now - sequence.submitted_at)
         response = sequence.responses.add(chunk)
         if response is not None:
             sequence.output.send(response)
@@ -364,8 +368,6 @@ class DecodeLoop:
             if chunk.tokens:
                 if sequence.last_sent:
                     self.observer.inter_token((now - sequence.last_sent) / len(chunk.tokens), len(chunk.tokens))
-                else:
-                    self.observer.first_token(now - sequence.submitted_at)
                 sequence.last_sent = now
         if chunk.finish_reason is not None:
             self._end(sequence)

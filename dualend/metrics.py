@@ -23,7 +23,7 @@ COUNTERS = {"dualend_output_tokens": "Tokens streamed to clients",
             "dualend_requests_cancelled": "Requests cancelled by the client"}
 HISTOGRAMS = {"dualend_queue_seconds": ("Wait from arrival to the first prefill chunk", LATENCY_BUCKETS),
               "dualend_prefill_seconds": ("First prefill chunk to prompt in the KV cache", LATENCY_BUCKETS),
-              "dualend_ttft_seconds": ("Arrival to the first token sent (server side)", LATENCY_BUCKETS),
+              "dualend_ttft_seconds": ("Arrival to the first token decoded and released, streamed or not (server side)", LATENCY_BUCKETS),
               "dualend_inter_token_seconds": ("Gap between tokens sent, one observation per token",
                                               LATENCY_BUCKETS),
               "dualend_iteration_seconds": ("One decode-loop iteration (backbone, MTP head, responses)",

@@ -129,8 +129,8 @@ def make_loop(directory, tokenizer, threshold, **overrides):
     return engine, DecodeLoop(Executor.in_process(engine), tokenizer, Scheduler(**settings), threshold)
 
 
-def submit(loop, engine, tokenizer, request_id, prompt, max_tokens=24, sends=None):
-    prepared = PreparedRequest(tokenizer.encode_prompt(prompt), SamplingParams(max_tokens=max_tokens), True, True)
+def submit(loop, engine, tokenizer, request_id, prompt, max_tokens=24, sends=None, stream=True):
+    prepared = PreparedRequest(tokenizer.encode_prompt(prompt), SamplingParams(max_tokens=max_tokens), stream, True)
     prompt_ids = pad_prompt(prepared.prompt_ids, engine.pair_size, engine.pad_id)
     output = ListOutput()
     loop.submit(request_id, prepared, engine.compress(np.asarray(prompt_ids).reshape(-1, engine.pair_size)),
@@ -267,6 +267,20 @@ def test_the_phases_add_up_over_known_requests(exported, tiny_tokenizer):
     assert max(waiting for _, _, waiting in calls["flush"]) == 3  # 5 requests, 2 places
     assert calls["flush"][-1] == (True, 0, 0)  # idle at the end, nothing running or waiting
     assert all(s >= 0 for (s,) in calls["queued"]) and "refused" not in calls
+
+
+def test_a_request_answered_in_one_response_counts_its_first_token_when_it_was_decoded(exported, tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, -1.0, max_running=2, max_queue=8)
+    recorder = loop.observer = Recorder()
+    clock = iter(range(1000))
+    loop.clock = lambda: float(next(clock))  # one tick per reading: the first token comes before the end
+    output = submit(loop, engine, tiny_tokenizer, 1, PROMPTS[0], max_tokens=24, stream=False)
+    run_until_idle(loop)
+    assert len(output.responses) == 1 and len(output.tokens) > 2
+    ((ttft,),) = recorder.calls["first_token"]
+    assert 0 < ttft < next(clock) / 2  # after its prefill, not at the end of the whole answer
+    assert "inter_token" not in recorder.calls  # one response: no gap between sends
 
 
 def test_metrics_accumulate_as_prometheus_histograms_and_hand_out_deltas():

@@ -5,8 +5,10 @@
 // model (ranges, text), as for gRPC. INPUTS (name -> {type, many, required}) is written above this
 // file by dualend.gateway from the ensemble's config.
 
-// UINT64 stops at 2^53 - 1: past it a JSON number is no longer an exact integer here.
-const INTEGER_RANGES = {TYPE_INT32: [-2147483648, 2147483647], TYPE_UINT64: [0, Number.MAX_SAFE_INTEGER]};
+// Past 2^53 a JSON number is no longer exact here, so a UINT64's upper bound is checked on its digits
+// as written (tritonserver reads them exactly), in textProblem.
+const INTEGER_RANGES = {TYPE_INT32: [-2147483648, 2147483647], TYPE_UINT64: [0, Infinity]};
+const UINT64_MAX = '18446744073709551615';
 
 function has(object, name) {
     return Object.prototype.hasOwnProperty.call(object, name);  // not `constructor` and the like
@@ -57,9 +59,15 @@ function textProblem(text) {
             return `field names must be written without escapes, got "${name.slice(0, 40)}"`;
         }
         counts[name] = (counts[name] || 0) + 1;
-        const number = match[2].slice(match[2].indexOf(':') + 1);
-        if (has(INPUTS, name) && has(INTEGER_RANGES, INPUTS[name].type) && /[.eE]/.test(number)) {
+        const number = match[2].slice(match[2].indexOf(':') + 1).replace(/^[\s\[]*/, '');
+        const type = has(INPUTS, name) ? INPUTS[name].type : null;
+        if (has(INTEGER_RANGES, type) && /[.eE]/.test(number)) {
             return `${name} must be an integer written without a fraction or exponent`;
+        }
+        const digits = number.replace(/^\+?0*/, '');
+        if (type === 'TYPE_UINT64' && (digits.length > UINT64_MAX.length
+                || (digits.length === UINT64_MAX.length && digits > UINT64_MAX))) {
+            return `${name} must be an integer from 0 to ${UINT64_MAX} (UINT64), got ${number.slice(0, 40)}`;
         }
     }
     const repeated = Object.keys(counts).filter((name) => counts[name] > 1);

@@ -116,7 +116,9 @@ WRONG_JSON = [  # (case, body, what the 400 must say); tritonserver alone answer
      "field names must be written without escapes"),
     ("a key named inside a text", b'{"text_input": "say \\"max_tokens\\": 2", "max_tokens": 4, "max_tokens": 3}',
      "max_tokens appears 2 times in the body"),
-    ("random_seed past 2^53", {"random_seed": 2 ** 64}, r"random_seed must be an integer from 0 to 9007199254740991"),
+    ("random_seed past 2^64 - 1", {"random_seed": 2 ** 64}, r"random_seed must be an integer from 0 to "
+     r"18446744073709551615 \(UINT64\), got 18446744073709551616"),
+    ("random_seed far past 2^64", {"random_seed": 10 ** 30}, r"random_seed must be an integer from 0 to 18446744073709551615"),
     ("field named like a JavaScript builtin", {"constructor": 1}, "unknown field 'constructor'"),
     ("field __proto__", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "__proto__": 1}', "unknown field '__proto__'"),
     ("misspelt field", {"temprature": 0.7}, "unknown field 'temprature'; the inputs are acceptance_threshold, .*, temperature, "),
@@ -221,6 +223,10 @@ def test_the_canary_route_checks_requests_too_and_good_ones_pass_every_route(sta
         status, text = http(stack, f"/v2/models/{model}/generate", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, '
                              b'"temperature": 0, "top_k": 1, "stop_words": ["#"], "ignore_eos": false, "random_seed": 7}')
         assert status == 200 and "text_output" in text, (model, status, text)
+    for seed in (b"18446744073709551615", b"9007199254740993"):  # UINT64's largest; past 2^53, odd
+        body = b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "temperature": 0.7, "random_seed": ' + seed + b"}"
+        answers = [http(stack, "/v2/models/dualend/generate", body) for _ in range(2)]
+        assert answers[0][0] == 200 and answers[0] == answers[1], answers  # the same seed, the same text
     assert stream_http(stack.http_url, "dualend", PROMPT, 8, api_key=stack.key, stop_words=["#"]).output_tokens > 0
 
 

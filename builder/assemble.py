@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import py_compile
 import secrets
 import shutil
 import string
@@ -78,6 +79,10 @@ def render_deployment(name: str, exported: ExportedModel, out: Path, values: dic
         (model_dir / "config.pbtxt").write_text(template.substitute(values), encoding="utf-8")
         if (SOURCES / source / "model.py").exists():
             shutil.copy2(SOURCES / source / "model.py", version_dir / "model.py")
+            # Compiled here, so the stub (whose embedded Python ignores PYTHONDONTWRITEBYTECODE) writes
+            # no __pycache__ at its first load: that would change the folder, and Triton would then
+            # reload a served model (and drop its streams) when a later load call names it again.
+            py_compile.compile(str(version_dir / "model.py"), doraise=True)
         for component in components:
             if component in exported.manifests:
                 shutil.copytree(exported.directory / component, version_dir / component)

@@ -15,7 +15,9 @@ uses, and points the ensemble `dualend` at it on disk. This tool then:
    caller is of its own pipeline and checkpoint);
 3. checks health: the ensemble is ready, serves the new checkpoint and answers a generation;
 4. waits until the old generation holds no request (`--drain-timeout-s`), then unloads its models
-   and removes their folders.
+   and removes their folders. If requests are still running when the wait runs out, it leaves the
+   old generation loaded and says so (exit 1); running it again loads nothing (the new generation
+   is already served) and waits again.
 A rollback is the same: assemble the previous checkpoint (it becomes the next generation) and run
 this again. Needs the server in model control mode "explicit" and its admin key; it calls the
 repository API over gRPC (`dualend.repository_api` says why not HTTP).
@@ -77,6 +79,15 @@ def loaded_models(api: RepositoryAPI, deployment: str) -> dict[str, list[str]]:
     return loaded
 
 
+def serving_pipeline(api: RepositoryAPI, deployment: str) -> str | None:
+    """The pipeline the loaded ensemble runs, e.g. "dualend_v2"; None when it is not loaded."""
+    try:
+        first_step = api.config(deployment)["ensemble_scheduling"]["step"][0]["model_name"]
+    except Exception:  # noqa: BLE001 - not loaded, or not an ensemble
+        return None
+    return first_step.rsplit("_", 1)[0]
+
+
 def loaded_pipelines(api: RepositoryAPI, deployment: str) -> list[str]:
     """The pipelines (one per generation) of the deployment with a model loaded, e.g. ["dualend_v1"]."""
     return sorted(loaded_models(api, deployment))
@@ -115,8 +126,11 @@ def reload(grpc_url: str, metrics_url: str, deployment: str, repository: Path, d
         except InferenceServerException as error:
             raise ReloadError(f"the server refused the repository API: {error.message()} (it needs the admin "
                               f"key: set $DUALEND_ADMIN_KEY or pass --key)") from None
-        call(api.load, f"{pipeline}_backbone", f"loading failed; {deployment} keeps serving {old}")
-        call(api.load, deployment, f"loading failed; {deployment} keeps serving {old}")
+        swapped = (serving_pipeline(api, deployment) == pipeline
+                   and f"{pipeline}_backbone" in loaded_models(api, deployment).get(pipeline, []))
+        if not swapped:  # a repeated run (e.g. after a drain that ran out) loads nothing again
+            call(api.load, f"{pipeline}_backbone", f"loading failed; {deployment} keeps serving {old}")
+            call(api.load, deployment, f"loading failed; {deployment} keeps serving {old}")
         served = served_checkpoint(api, deployment)
         if served != expected or not api.is_ready(deployment):
             raise ReloadError(f"{deployment} serves checkpoint {served or '(unknown)'} after the reload, the "
@@ -128,6 +142,10 @@ def reload(grpc_url: str, metrics_url: str, deployment: str, repository: Path, d
         deadline = time.monotonic() + drain_timeout_s
         while time.monotonic() < deadline and any(busy(metrics_url, p) for p in old):
             time.sleep(0.1)
+        if still := [p for p in old if busy(metrics_url, p)]:
+            raise ReloadError(f"{deployment} serves {pipeline}, but {', '.join(still)} still holds requests after "
+                              f"{drain_timeout_s:g} s (--drain-timeout-s), so it stays loaded; run client.reload "
+                              f"again to unload it once they finish")
         for stale in old:
             for model in loaded_models(api, deployment).get(stale, []):
                 call(api.unload, model, "unloading the old generation failed")

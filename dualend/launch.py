@@ -166,8 +166,8 @@ def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for tritonserver and its Python stubs.
 
     The bundled shared libraries go on LD_LIBRARY_PATH; this virtualenv's bin goes first on PATH,
-    so the stub (which embeds libpython) picks up the virtualenv's packages; no bytecode is
-    written, because a `__pycache__` appearing in a model folder makes POLL mode reload it.
+    so the stub (which embeds libpython) picks up the virtualenv's packages. (The stub's Python
+    ignores PYTHONDONTWRITEBYTECODE, so `builder.assemble` compiles each model.py itself.)
     """
     env = dict(os.environ if base is None else base)
     if importlib.util.find_spec("pytriton") is not None:
@@ -175,7 +175,6 @@ def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
     venv_bin = str(Path(sys.prefix) / "bin")
     env["PATH"] = os.pathsep.join(p for p in (venv_bin, env.get("PATH", "")) if p)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
 

@@ -67,7 +67,9 @@ class GatewaySettings:
     max_body: str = "1m"              # a prompt inside raw_context_limit is a few KB
     # nginx bounds a gRPC stream's whole body, every request sent on it: long-lived streams carry
     # many requests, so this bound is far larger; each request's prompt is bounded by preprocessing.
-    grpc_max_stream: str = "1g"
+    # nginx bounds a gRPC stream's whole body; what reaches a Python stub grows its shared memory for
+    # good (a 256 MB tensor kept 288 MB pinned), so the bound is what a stub may be made to hold.
+    grpc_max_stream: str = "64m"
     rate_per_s: int = 50              # per client (API key), with a burst of `burst`
     burst: int = 100
 

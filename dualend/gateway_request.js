@@ -37,7 +37,8 @@ function valueProblem(name, type, value) {
         return `${name} has a type this gateway does not check (${type})`;
     }
     if (!Number.isInteger(value) || value < range[0] || value > range[1]) {
-        return `${name} must be an integer from ${range[0]} to ${range[1]} (${type.slice(5)}), got ${shown(value)}`;
+        const top = range[1] === Infinity ? UINT64_MAX : range[1];
+        return `${name} must be an integer from ${range[0]} to ${top} (${type.slice(5)}), got ${shown(value)}`;
     }
     return null;
 }
@@ -68,6 +69,14 @@ function textProblem(text) {
         if (type === 'TYPE_UINT64' && (digits.length > UINT64_MAX.length
                 || (digits.length === UINT64_MAX.length && digits > UINT64_MAX))) {
             return `${name} must be an integer from 0 to ${UINT64_MAX} (UINT64), got ${number.slice(0, 40)}`;
+        }
+    }
+    const outside = text.replace(/"(?:[^"\\]|\\[\s\S])*"/g, '""');  // what is not in a string
+    const numbers = outside.match(/[-+.0-9][-+0-9.eE]*/g) || [];
+    for (let i = 0; i < numbers.length; i++) {  // njs reads 04, .5, 1. and 1e999 (as Infinity); tritonserver does not
+        if (!/^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?$/.test(numbers[i]) || !isFinite(Number(numbers[i]))) {
+            return `${numbers[i].slice(0, 40)} is not a JSON number tritonserver reads (no leading zeros, `
+                + 'digits on both sides of a point, within the float range)';
         }
     }
     const repeated = Object.keys(counts).filter((name) => counts[name] > 1);
@@ -122,6 +131,13 @@ function bodyProblem(body) {
     return missing.length ? `missing required field(s): ${missing.join(', ')}` : null;
 }
 
+// tritonserver would run a whole generation and then answer /generate with an error, as a 200.
+function routeProblem(uri, body) {
+    return body.stream === true && !/\/generate_stream$/.test(uri)
+        ? 'stream: true streams only on the generate_stream route; /generate answers once (drop stream or change route)'
+        : null;
+}
+
 function check(r) {
     let body;
     try {
@@ -130,7 +146,8 @@ function check(r) {
         body = undefined;
     }
     const problem = body === undefined ? 'the request body is not valid JSON'
-        : bodyProblem(body) || textProblem(r.requestText) || surrogateProblem(r.requestText);
+        : bodyProblem(body) || textProblem(r.requestText) || surrogateProblem(r.requestText)
+        || routeProblem(r.uri, body);
     if (problem) {
         r.headersOut['Content-Type'] = 'application/json';
         r.return(400, JSON.stringify({error: problem}));

@@ -119,6 +119,14 @@ WRONG_JSON = [  # (case, body, what the 400 must say); tritonserver alone answer
     ("random_seed past 2^64 - 1", {"random_seed": 2 ** 64}, r"random_seed must be an integer from 0 to "
      r"18446744073709551615 \(UINT64\), got 18446744073709551616"),
     ("random_seed far past 2^64", {"random_seed": 10 ** 30}, r"random_seed must be an integer from 0 to 18446744073709551615"),
+    ("random_seed negative, range named", {"random_seed": -1}, r"from 0 to 18446744073709551615 \(UINT64\), got -1"),
+    # numbers njs reads and tritonserver's parser does not (its 500)
+    ("max_tokens with a leading zero", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 04}', "04 is not a JSON number"),
+    ("temperature .5", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "temperature": .5}', r"\.5 is not a JSON number"),
+    ("temperature 1.", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "temperature": 1.}', r"1\. is not a JSON number"),
+    ("temperature 1.e3", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "temperature": 1.e3}', "is not a JSON number"),
+    ("temperature 1e309", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "temperature": 1e309}', "1e309 is not a JSON number"),
+    ("random_seed -00", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "random_seed": -00}', "-00 is not a JSON number"),
     ("field named like a JavaScript builtin", {"constructor": 1}, "unknown field 'constructor'"),
     ("field __proto__", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "__proto__": 1}', "unknown field '__proto__'"),
     ("misspelt field", {"temprature": 0.7}, "unknown field 'temprature'; the inputs are acceptance_threshold, .*, temperature, "),
@@ -213,7 +221,20 @@ def test_a_huge_grpc_request_is_refused_at_once_and_nobody_notices(stack):
                               ignore_eos=True, exclude_input_in_output=True)
         (error, seconds), = grpc_stream_requests(stack, [(b"a" * (8 << 20), 4)])
         assert "prompt is 8388608 bytes" in error and seconds < 1.0
+        (error, seconds), = grpc_stream_requests(stack, [(b"a" * (100 << 20), 4)])  # never reaches a stub
+        assert "this gRPC stream sent over 64m; open a new stream" in error and seconds < 5.0
         assert running.result().output_tokens == 64
+
+
+def test_stream_true_on_the_generate_route_is_a_400_and_on_generate_stream_it_streams(stack):
+    import json
+
+    body = b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "stream": true}'
+    for model in ("dualend", "llm"):
+        status, text = http(stack, f"/v2/models/{model}/generate", body)
+        assert status == 400 and "streams only on the generate_stream route" in json.loads(text)["error"]
+    status, text = http(stack, "/v2/models/dualend/generate_stream", body)
+    assert status == 200 and text.startswith("data:")
 
 
 def test_the_canary_route_checks_requests_too_and_good_ones_pass_every_route(stack):

@@ -33,7 +33,7 @@ from pathlib import Path
 from dualend.launch import DEFAULT_REPOSITORY, INTERNAL_GRPC_PORT, admin_key
 from dualend.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
 from dualend.repository_api import RepositoryAPI
-from dualend.serving import generation_of, pipeline_name, prune_generations, served_generation
+from dualend.serving import generation_of, pipeline_name, prune_generations
 
 from .api import RequestError, metric_in, metrics_page, stream_grpc
 
@@ -44,24 +44,35 @@ class ReloadError(RuntimeError):
     """The reload was refused or did not take; the message says which model and why."""
 
 
-def repository_checkpoint(repository: Path, deployment: str) -> tuple[str, str]:
-    """(checkpoint id, pipeline) of what the deployment's ensemble uses on disk; ManifestError if
-    its components disagree."""
-    generation = served_generation(repository, deployment)
+def repository_checkpoint(repository: Path, deployment: str) -> tuple[str, str, dict]:
+    """(checkpoint id, pipeline, ensemble config) of what the deployment's ensemble uses on disk,
+    read once; ManifestError if its components disagree."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        text = (repository / deployment / "config.pbtxt").read_text()
+        step = re.search(r'model_name: "(\w+)"', text)
+    except OSError:
+        step = None
+    generation = step and generation_of(step.group(1), deployment)
     if generation is None:
         raise ManifestError(f"{repository} holds no ensemble {deployment!r}")
+    try:
+        config = json_format.MessageToDict(text_format.Parse(text, model_config_pb2.ModelConfig()),
+                                           preserving_proto_field_name=True)
+    except text_format.ParseError as error:
+        raise ManifestError(f"{deployment}/config.pbtxt: {error}") from None
     pipeline = pipeline_name(deployment, generation)
     manifests = [verify_component(m.parent) for step in INTERNAL_STEPS
                  for m in sorted((repository / f"{pipeline}_{step}" / "1").glob(f"*/{MANIFEST}"))]
     if not manifests:
         raise ManifestError(f"{repository} holds no components of {pipeline}")
     checkpoint = verify_siblings(manifests)
-    named = re.search(r'key: "checkpoint_id" value: \{ string_value: "([^"]+)"',
-                      (repository / deployment / "config.pbtxt").read_text())
-    if not named or named.group(1) != checkpoint:
-        raise ManifestError(f"{deployment}'s ensemble names checkpoint {named and named.group(1)}, its steps are "
-                            f"{checkpoint}")
-    return checkpoint, pipeline
+    named = config.get("parameters", {}).get("checkpoint_id", {}).get("string_value")
+    if named != checkpoint:
+        raise ManifestError(f"{deployment}'s ensemble names checkpoint {named}, its steps are {checkpoint}")
+    return checkpoint, pipeline, config
 
 
 def served_checkpoint(api: RepositoryAPI, deployment: str) -> str:
@@ -79,15 +90,6 @@ def loaded_models(api: RepositoryAPI, deployment: str) -> dict[str, list[str]]:
     return loaded
 
 
-def serving_pipeline(api: RepositoryAPI, deployment: str) -> str | None:
-    """The pipeline the loaded ensemble runs, e.g. "dualend_v2"; None when it is not loaded."""
-    try:
-        first_step = api.config(deployment)["ensemble_scheduling"]["step"][0]["model_name"]
-    except Exception:  # noqa: BLE001 - not loaded, or not an ensemble
-        return None
-    return first_step.rsplit("_", 1)[0]
-
-
 def loaded_pipelines(api: RepositoryAPI, deployment: str) -> list[str]:
     """The pipelines (one per generation) of the deployment with a model loaded, e.g. ["dualend_v1"]."""
     return sorted(loaded_models(api, deployment))
@@ -102,21 +104,22 @@ def busy(metrics_url: str, pipeline: str) -> bool:
 
 
 def reload(grpc_url: str, metrics_url: str, deployment: str, repository: Path, drain_timeout_s: float = 60.0,
-           key: str | None = None) -> str:
+           key: str | None = None, force: bool = False) -> str:
     """Swaps in the generation the repository's ensemble uses; returns the checkpoint id it serves.
     `grpc_url`: tritonserver's own gRPC endpoint; `key`: its admin key (default: the launcher's, from
-    $DUALEND_ADMIN_KEY or its file)."""
+    $DUALEND_ADMIN_KEY or its file); `force`: unload the old generation even if it still holds
+    requests after the drain (e.g. its decode loop died, so its gauges never fall)."""
     from tritonclient.utils import InferenceServerException
 
     try:
-        expected, pipeline = repository_checkpoint(repository, deployment)
+        expected, pipeline, ensemble = repository_checkpoint(repository, deployment)
     except (ManifestError, OSError) as error:
         raise ReloadError(f"not reloading {deployment}: the repository is inconsistent: {error}") from None
     api = RepositoryAPI(grpc_url, key or admin_key())
 
-    def call(action, model, why):
+    def call(action, model, why, *args):
         try:
-            action(model)
+            action(model, *args)
         except InferenceServerException as error:
             raise ReloadError(f"{why}: {model}: {error.message()}") from None
 
@@ -126,11 +129,13 @@ def reload(grpc_url: str, metrics_url: str, deployment: str, repository: Path, d
         except InferenceServerException as error:
             raise ReloadError(f"the server refused the repository API: {error.message()} (it needs the admin "
                               f"key: set $DUALEND_ADMIN_KEY or pass --key)") from None
-        swapped = (serving_pipeline(api, deployment) == pipeline
+        swapped = (api.serving_pipeline(deployment) == pipeline
                    and f"{pipeline}_backbone" in loaded_models(api, deployment).get(pipeline, []))
         if not swapped:  # a repeated run (e.g. after a drain that ran out) loads nothing again
             call(api.load, f"{pipeline}_backbone", f"loading failed; {deployment} keeps serving {old}")
-            call(api.load, deployment, f"loading failed; {deployment} keeps serving {old}")
+            # the ensemble as read above: an assemble meanwhile must not swap in a generation whose
+            # backbone this reload did not load
+            call(api.load, deployment, f"loading failed; {deployment} keeps serving {old}", ensemble)
         served = served_checkpoint(api, deployment)
         if served != expected or not api.is_ready(deployment):
             raise ReloadError(f"{deployment} serves checkpoint {served or '(unknown)'} after the reload, the "
@@ -142,14 +147,15 @@ def reload(grpc_url: str, metrics_url: str, deployment: str, repository: Path, d
         deadline = time.monotonic() + drain_timeout_s
         while time.monotonic() < deadline and any(busy(metrics_url, p) for p in old):
             time.sleep(0.1)
-        if still := [p for p in old if busy(metrics_url, p)]:
+        if (still := [p for p in old if busy(metrics_url, p)]) and not force:
             raise ReloadError(f"{deployment} serves {pipeline}, but {', '.join(still)} still holds requests after "
                               f"{drain_timeout_s:g} s (--drain-timeout-s), so it stays loaded; run client.reload "
-                              f"again to unload it once they finish")
+                              f"again to unload it once they finish (--force: now, ending them)")
         for stale in old:
             for model in loaded_models(api, deployment).get(stale, []):
                 call(api.unload, model, "unloading the old generation failed")
-        prune_generations(repository, deployment, keep={pipeline})  # unloaded, or never loaded
+        prune_generations(repository, deployment, keep={pipeline},  # unloaded, or never loaded; not one
+                          keep_newer_than=generation_of(f"{pipeline}_backbone", deployment))  # assembled meanwhile
         return served
     finally:
         api.close()
@@ -163,6 +169,9 @@ def main(argv=None) -> int:
     parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics", help="Triton's metrics endpoint")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0,
                         help="how long requests on the old generation may take to finish before it is unloaded")
+    parser.add_argument("--force", action="store_true",
+                        help="unload the old generation even if requests still run on it after the drain (they "
+                             "end with an error), e.g. when its decode loop died and its gauges stay up")
     parser.add_argument("--key", default=None, help="the server's admin key (default: $DUALEND_ADMIN_KEY, "
                         "else the launcher's build/gateway/admin_key)")
     parser.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY,
@@ -170,7 +179,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         checkpoint = reload(args.url, args.metrics_url, args.deployment, args.repository, args.drain_timeout_s,
-                            args.key)
+                            args.key, args.force)
     except ReloadError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -227,6 +227,7 @@ http {{
         default_type application/grpc;
         set $deployment "";
         client_max_body_size {settings.grpc_max_stream};
+        client_body_timeout 300s;  # a stream's next request may come long after its last (nginx: 60 s)
         error_page 413 = @grpc_too_large;
         error_page 429 = @grpc_too_many;
         error_page 502 504 = @grpc_unavailable;

@@ -133,7 +133,7 @@ function bodyProblem(body) {
 
 // tritonserver would run a whole generation and then answer /generate with an error, as a 200.
 function routeProblem(uri, body) {
-    return body.stream === true && !/\/generate_stream$/.test(uri)
+    return [].concat(body.stream)[0] === true && !/\/generate_stream$/.test(uri)  // true or [true]
         ? 'stream: true streams only on the generate_stream route; /generate answers once (drop stream or change route)'
         : null;
 }

@@ -8,6 +8,8 @@ the same loads over gRPC: 24 of 24 finished). The repository API needs the serve
 """
 from __future__ import annotations
 
+import json
+
 ADMIN_HEADER = "dualend-admin-key"
 GRPC_PROTOCOL_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # how tritonserver reads a restricted gRPC key
 
@@ -28,14 +30,25 @@ class RepositoryAPI:
     def ready_models(self) -> list[str]:
         return [m["name"] for m in self.index() if m.get("state") == "READY"]
 
-    def load(self, model: str) -> None:
-        self.client.load_model(model, headers=self.headers, client_timeout=self.timeout_s)
+    def load(self, model: str, config: dict | None = None) -> None:
+        """Loads (or reloads) `model`; with `config`, that config instead of the one on disk (so an
+        ensemble can be reloaded as it is served while the disk already names a newer generation)."""
+        self.client.load_model(model, headers=self.headers, client_timeout=self.timeout_s,
+                               config=None if config is None else json.dumps(config))
 
     def unload(self, model: str) -> None:
         self.client.unload_model(model, headers=self.headers, client_timeout=self.timeout_s)
 
     def config(self, model: str) -> dict:
         return self.client.get_model_config(model, headers=self.headers, as_json=True)["config"]
+
+    def serving_pipeline(self, deployment: str) -> str | None:
+        """The pipeline the loaded ensemble runs, e.g. "dualend_v2"; None when it is not loaded."""
+        try:
+            first_step = self.config(deployment)["ensemble_scheduling"]["step"][0]["model_name"]
+        except Exception:  # noqa: BLE001 - not loaded, or not an ensemble
+            return None
+        return first_step.rsplit("_", 1)[0]
 
     def is_ready(self, model: str) -> bool:
         return self.client.is_model_ready(model, headers=self.headers)

@@ -144,13 +144,15 @@ def generations(repository: Path, deployment: str) -> list[int]:
                    if (g := generation_of(p.name, deployment)) is not None})
 
 
-def prune_generations(repository: Path, deployment: str, keep: set[str]) -> list[str]:
-    """Removes the folders of the deployment's generations not in `keep` (pipeline names);
-    returns the pipelines removed. Only for generations no server has loaded."""
+def prune_generations(repository: Path, deployment: str, keep: set[str], keep_newer_than: int | None = None
+                      ) -> list[str]:
+    """Removes the folders of the deployment's generations not in `keep` (pipeline names) and, with
+    `keep_newer_than`, not newer than that generation (one assembled meanwhile stays); returns the
+    pipelines removed. Only for generations no server has loaded."""
     removed = []
     for generation in generations(repository, deployment):
         pipeline = pipeline_name(deployment, generation)
-        if pipeline not in keep:
+        if pipeline not in keep and (keep_newer_than is None or generation <= keep_newer_than):
             for folder in repository.glob(f"{pipeline}_*"):
                 shutil.rmtree(folder, ignore_errors=True)
             removed.append(pipeline)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .repository_api import RepositoryAPI
-from .serving import generation_of, pipeline_name, served_generation
+from .serving import generation_of, pipeline_name
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +59,19 @@ class Watchdog:
                 if self.stopping.is_set():
                     return
                 getattr(self.repository, action)(name)
-        if not model.endswith("_backbone") and self.served(model):  # not if the disk names a newer one
-            self.repository.load(deployment)  # the ensemble takes the new step
+        if not model.endswith("_backbone"):  # the ensemble takes the new step, as it is served (the disk
+            self.repository.load(deployment, self.repository.config(deployment))  # may name a newer one)
         log.warning("watchdog: %s restored", model)
         if mark:
             mark.unlink(missing_ok=True)
 
     def served(self, model: str) -> bool:
-        """Whether the ensemble on disk still names this model's generation (a redeploy may have moved on)."""
+        """Whether the loaded ensemble runs this model's generation (after a redeploy's swap, the old
+        generation only drains; an assembled generation not yet swapped in changes nothing)."""
         deployment = self.deployment_of(model)
         generation = generation_of(model, deployment)
-        return generation is not None and served_generation(self.server.model_repository, deployment) == generation
+        return generation is not None and self.repository.serving_pipeline(deployment) == pipeline_name(
+            deployment, generation)
 
     def run(self) -> None:
         retry: set[str] = set()

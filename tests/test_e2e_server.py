@@ -523,8 +523,8 @@ class Launched:
         import sys
 
         self.http_port, self.grpc_port, self.metrics_port, triton_http, triton_grpc = free_ports("127.0.0.1", 5)
-        self.repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
-                                         "--export-dir", str(tmp_path / "export"), "--deployments", "dualend"])
+        self.triton_grpc_port, self.tmp_path = triton_grpc, tmp_path
+        self.repository = self.assemble()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dualend.launch", "--model-repository", str(self.repository), "--no-build",
              "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
@@ -537,6 +537,11 @@ class Launched:
                 break
         self.key = (tmp_path / "keys").read_text().split()[1]
         self.server_pid = int(subprocess.check_output(["pgrep", "-P", str(self.process.pid), "tritonserver"]).split()[0])
+
+    def assemble(self):
+        """The shipped checkpoint as the next generation on disk (the first: what the launcher serves)."""
+        return assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(self.tmp_path / "repository"),
+                              "--export-dir", str(self.tmp_path / "export"), "--deployments", "dualend"])
 
     def __enter__(self):
         return self
@@ -628,16 +633,19 @@ def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
 
 
 def test_a_killed_compressor_is_restored_while_http_and_grpc_streams_finish(tmp_path):
-    """kill -9 of the compressor's stub under 4 HTTP and 4 gRPC streams already decoding: readiness
-    goes false, the watchdog reloads the compressor and the ensemble, and the deployment serves again
+    """kill -9 of the compressor's stub under 4 HTTP and 4 gRPC streams already decoding, with a newer
+    generation already assembled on disk (not swapped in): readiness goes false, the watchdog reloads
+    the compressor and the ensemble as it is served, and the deployment serves generation 1 again
     within 15 s, while every running stream gets all its tokens and its end (the reloads go over
     gRPC; over HTTP they cut HTTP streams)."""
     import signal
 
     from client.api import stream_http
-    from dualend.launch import stub_processes
+    from dualend.launch import admin_key, stub_processes
+    from dualend.repository_api import RepositoryAPI
 
     with Launched(tmp_path) as launched:
+        launched.assemble()  # generation 2 on disk, not loaded
         gateway_http = f"127.0.0.1:{launched.http_port}"
         with ThreadPoolExecutor(8) as pool:
             drafting_off = {"ignore_eos": True, "acceptance_threshold": 1.0}  # one token a step: longer streams
@@ -662,6 +670,8 @@ def test_a_killed_compressor_is_restored_while_http_and_grpc_streams_finish(tmp_
         assert [r.output_tokens for r in results] == [1000] * 8
         assert all(r.finish_reason == "length" for r in results)
         assert "dualend_v1_compressor" in stub_processes(launched.server_pid)
+        with RepositoryAPI(f"127.0.0.1:{launched.triton_grpc_port}", admin_key()) as api:  # the launcher's
+            assert api.serving_pipeline("dualend") == "dualend_v1"
 
 
 def test_metrics_by_phase_add_up_after_known_requests(server):

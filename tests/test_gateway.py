@@ -230,8 +230,8 @@ def test_stream_true_on_the_generate_route_is_a_400_and_on_generate_stream_it_st
     import json
 
     body = b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 4, "stream": true}'
-    for model in ("dualend", "llm"):
-        status, text = http(stack, f"/v2/models/{model}/generate", body)
+    for model, sent in (("dualend", body), ("llm", body), ("dualend", body.replace(b"true", b"[true]"))):
+        status, text = http(stack, f"/v2/models/{model}/generate", sent)
         assert status == 400 and "streams only on the generate_stream route" in json.loads(text)["error"]
     status, text = http(stack, "/v2/models/dualend/generate_stream", body)
     assert status == 200 and text.startswith("data:")

@@ -9,7 +9,7 @@ from builder.tensorrt_build import main as tensorrt_main
 from dualend.decode import Chunk, InvalidRequest
 from dualend.serving import (PIPELINE_SECRET_ENV, Limits, PipelineGuard, PreparedRequest, ResponseStream,
                              generation_of, generations, latents_token, model_parameters, prepare_request, request_token,
-                             response_token, served_generation)
+                             prune_generations, response_token, served_generation)
 from dualend.tensorrt_engine import gpu_available
 
 LIMITS = Limits(raw_context_limit=64, pair_size=2, max_new_tokens=32)
@@ -201,3 +201,7 @@ def test_generations_are_read_from_internal_model_names_of_that_deployment_only(
     assert generations(tmp_path, "dualend") == [2, 10]
     assert served_generation(tmp_path, "dualend") == 10
     assert served_generation(tmp_path, "baseline") is None
+    (tmp_path / "dualend_v11_backbone").mkdir()  # assembled while a reload to generation 10 drained
+    assert prune_generations(tmp_path, "dualend", {"dualend_v10"}, keep_newer_than=10) == ["dualend_v2"]
+    assert generations(tmp_path, "dualend") == [10, 11] and (tmp_path / "baseline_v7_backbone").exists()
+    assert prune_generations(tmp_path, "dualend", {"dualend_v10"}) == ["dualend_v11"]

@@ -4,10 +4,11 @@ A killed stub is not restarted by Triton, and its model and the server keep answ
 launcher runs this watchdog: every `interval_s` it compares the stubs alive with the models Triton
 lists as READY. A READY model without a stub has failed: its deployment is marked down at the gateway
 (routes and readiness answer 503 with a message that says so), the model is unloaded and loaded
-again through the repository API, and the mark is removed once its stub is back. A model unloaded on
-purpose (a redeploy's old generation) is not READY, so it is left alone. Streams that were using a
-dead backbone end with the decode loop's error; streams inside a dead mtp_verify end with their
-connection when its replacement takes over the deployment.
+again through the repository API, and the mark is removed once its stub is back. The ensemble is
+left as it is (it takes the restored step). Only the generation the loaded ensemble runs is restored:
+a redeploy's old generation, draining or unloaded, is left alone. Streams that were using a dead
+backbone end with the decode loop's error; streams inside a dead mtp_verify get no end (tritonserver
+2.51's Python backend never sends it): their clients time out.
 """
 from __future__ import annotations
 
@@ -59,8 +60,6 @@ class Watchdog:
                 if self.stopping.is_set():
                     return
                 getattr(self.repository, action)(name)
-        if not model.endswith("_backbone"):  # the ensemble takes the new step, as it is served (the disk
-            self.repository.load(deployment, self.repository.config(deployment))  # may name a newer one)
         log.warning("watchdog: %s restored", model)
         if mark:
             mark.unlink(missing_ok=True)

@@ -635,7 +635,7 @@ def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
 def test_a_killed_compressor_is_restored_while_http_and_grpc_streams_finish(tmp_path):
     """kill -9 of the compressor's stub under 4 HTTP and 4 gRPC streams already decoding, with a newer
     generation already assembled on disk (not swapped in): readiness goes false, the watchdog reloads
-    the compressor and the ensemble as it is served, and the deployment serves generation 1 again
+    the compressor (the ensemble is left as it is), and the deployment serves generation 1 again
     within 15 s, while every running stream gets all its tokens and its end (the reloads go over
     gRPC; over HTTP they cut HTTP streams)."""
     import signal

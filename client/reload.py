@@ -103,6 +103,29 @@ def busy(metrics_url: str, pipeline: str) -> bool:
         ("dualend_waiting_requests", "mtp_verify")))
 
 
+def load_beside(api: RepositoryAPI, deployment: str, pipeline: str, ensemble: dict, old: list[str]) -> None:
+    """Loads the new generation's models one by one, then the ensemble with the config read at the
+    start (an assemble meanwhile must not swap in a generation whose models were not loaded). If any
+    fails, the new models are unloaded and the ensemble is put back as it was served: a bad
+    generation changes nothing."""
+    from tritonclient.utils import InferenceServerException
+
+    served = api.config(deployment) if api.serving_pipeline(deployment) else None
+    model = deployment
+    try:
+        for step in INTERNAL_STEPS:  # backbone first: mtp_verify's loop calls it
+            model = f"{pipeline}_{step}"
+            api.load(model)
+        model = deployment
+        api.load(deployment, ensemble)
+    except InferenceServerException as error:
+        if served is not None and model == deployment:
+            api.load(deployment, served)
+        for loaded in loaded_models(api, deployment).get(pipeline, []):
+            api.unload(loaded)
+        raise ReloadError(f"loading failed; {deployment} keeps serving {old}: {model}: {error.message()}") from None
+
+
 def reload(grpc_url: str, metrics_url: str, deployment: str, repository: Path, drain_timeout_s: float = 60.0,
            key: str | None = None, force: bool = False) -> str:
     """Swaps in the generation the repository's ensemble uses; returns the checkpoint id it serves.
@@ -132,10 +155,7 @@ def reload(grpc_url: str, metrics_url: str, deployment: str, repository: Path, d
         swapped = (api.serving_pipeline(deployment) == pipeline
                    and f"{pipeline}_backbone" in loaded_models(api, deployment).get(pipeline, []))
         if not swapped:  # a repeated run (e.g. after a drain that ran out) loads nothing again
-            call(api.load, f"{pipeline}_backbone", f"loading failed; {deployment} keeps serving {old}")
-            # the ensemble as read above: an assemble meanwhile must not swap in a generation whose
-            # backbone this reload did not load
-            call(api.load, deployment, f"loading failed; {deployment} keeps serving {old}", ensemble)
+            load_beside(api, deployment, pipeline, ensemble, old)
         served = served_checkpoint(api, deployment)
         if served != expected or not api.is_ready(deployment):
             raise ReloadError(f"{deployment} serves checkpoint {served or '(unknown)'} after the reload, the "

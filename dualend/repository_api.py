@@ -9,6 +9,7 @@ the same loads over gRPC: 24 of 24 finished). The repository API needs the serve
 from __future__ import annotations
 
 import json
+import time
 
 ADMIN_HEADER = "dualend-admin-key"
 GRPC_PROTOCOL_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # how tritonserver reads a restricted gRPC key
@@ -35,6 +36,15 @@ class RepositoryAPI:
         ensemble can be reloaded as it is served while the disk already names a newer generation)."""
         self.client.load_model(model, headers=self.headers, client_timeout=self.timeout_s,
                                config=None if config is None else json.dumps(config))
+
+    def replace(self, model: str) -> None:
+        """Loads a new instance of a loaded model, which takes over from the old one once ready (for
+        a model whose stub died). Triton skips a load whose files and config are unchanged, so the
+        served config goes with a `restored_at` parameter; unlike unload + load, the model never goes
+        away, so an ensemble using it keeps serving (and is not reloaded by Triton)."""
+        config = self.config(model)
+        config.setdefault("parameters", {})["restored_at"] = {"string_value": repr(time.time())}
+        self.load(model, config)
 
     def unload(self, model: str) -> None:
         self.client.unload_model(model, headers=self.headers, client_timeout=self.timeout_s)

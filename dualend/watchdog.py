@@ -3,9 +3,9 @@
 A killed stub is not restarted by Triton, and its model and the server keep answering "ready". The
 launcher runs this watchdog: every `interval_s` it compares the stubs alive with the models Triton
 lists as READY. A READY model without a stub has failed: its deployment is marked down at the gateway
-(routes and readiness answer 503 with a message that says so), the model is unloaded and loaded
-again through the repository API, and the mark is removed once its stub is back. The ensemble is
-left as it is (it takes the restored step). Only the generation the loaded ensemble runs is restored:
+(routes and readiness answer 503 with a message that says so), a new instance of the model is
+loaded through the repository API and takes over (`RepositoryAPI.replace`: the model never goes away,
+so its ensemble keeps serving), and the mark is removed once its stub is back. Only the generation the loaded ensemble runs is restored:
 a redeploy's old generation, draining or unloaded, is left alone. Streams that were using a dead
 backbone end with the decode loop's error; streams inside a dead mtp_verify get no end (tritonserver
 2.51's Python backend never sends it): their clients time out.
@@ -56,10 +56,9 @@ class Watchdog:
             mark.touch()
         models = [f"{pipeline}_backbone", model] if model.endswith("_mtp_verify") else [model]
         for name in models:
-            for action in ("unload", "load"):  # over gRPC: an HTTP load loses HTTP streams' events
-                if self.stopping.is_set():
-                    return
-                getattr(self.repository, action)(name)
+            if self.stopping.is_set():
+                return
+            self.repository.replace(name)  # over gRPC: an HTTP load loses HTTP streams' events
         log.warning("watchdog: %s restored", model)
         if mark:
             mark.unlink(missing_ok=True)

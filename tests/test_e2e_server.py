@@ -314,6 +314,16 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
             reload(triton.grpc_url, triton.metrics_url, "dualend", repository)
         assert served_checkpoint(api, "dualend") == nudged_id
         assert stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24).text == served_text
+
+        assemble(CHECKPOINTS)  # consistent on disk, but its compressor fails to load
+        broken = repository / f"dualend_v{served_generation(repository, 'dualend')}_compressor" / "1" / "model.py"
+        broken.write_text(broken.read_text().replace("    def initialize(self, args):\n",
+                                                     "    def initialize(self, args):\n        raise MemoryError\n"))
+        with pytest.raises(ReloadError, match="loading failed; dualend keeps serving .*_compressor"):
+            reload(triton.grpc_url, triton.metrics_url, "dualend", repository)
+        assert served_checkpoint(api, "dualend") == nudged_id and loaded_pipelines(api, "dualend") == [
+            f"dualend_v{generation}"]  # the bad generation's models were unloaded again
+        assert stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24).text == served_text
         api.close()
 
 

@@ -328,7 +328,7 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
 
 
 def test_long_http_and_grpc_streams_finish_across_a_reload(tmp_path):
-    """Six 900-token gRPC streams and six HTTP generate_stream streams across a reload, short requests
+    """Six 1800-token gRPC streams and six HTTP generate_stream streams across a reload, short requests
     arriving all along: the old generation unloads only after every stream got all its tokens and its
     end, and no request fails. (With the repository API called over HTTP, half of such HTTP streams
     lost every event after the load: `dualend.repository_api`.)"""
@@ -341,7 +341,8 @@ def test_long_http_and_grpc_streams_finish_across_a_reload(tmp_path):
 
     def assemble():
         return assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
-                              "--export-dir", str(tmp_path / "export"), "--deployments", "dualend"])
+                              "--export-dir", str(tmp_path / "export"), "--deployments", "dualend",
+                              "--raw-context-limit", "2048", "--max-new-tokens", "2048"])  # streams outlast the loads
     repository = assemble()
     with TritonServer(repository, model_control_mode="explicit", load_models=["dualend_v1_backbone", "dualend"],
                       log_file=tmp_path / "server.log") as triton:
@@ -362,10 +363,11 @@ def test_long_http_and_grpc_streams_finish_across_a_reload(tmp_path):
             return None
 
         with ThreadPoolExecutor(15) as pool:  # 12 streams, 2 senders, the swap watcher
-            streams = [pool.submit(stream_grpc, triton.grpc_url, "dualend", PROMPTS[i % len(PROMPTS)], 900,
-                                   ignore_eos=True, timeout_s=60) for i in range(6)]
-            streams += [pool.submit(stream_http, triton.http_url, "dualend", PROMPTS[i % len(PROMPTS)], 900,
-                                    timeout_s=60, ignore_eos=True) for i in range(6)]
+            long = {"ignore_eos": True, "timeout_s": 60, "acceptance_threshold": 1.0}  # one token a step
+            streams = [pool.submit(stream_grpc, triton.grpc_url, "dualend", PROMPTS[i % len(PROMPTS)], 1800, **long)
+                       for i in range(6)]
+            streams += [pool.submit(stream_http, triton.http_url, "dualend", PROMPTS[i % len(PROMPTS)], 1800, **long)
+                        for i in range(6)]
             senders = [pool.submit(short_requests) for _ in range(2)]
             swapped = pool.submit(running_at_swap)
             try:
@@ -376,7 +378,7 @@ def test_long_http_and_grpc_streams_finish_across_a_reload(tmp_path):
                 stop.set()
             [sender.result() for sender in senders]
         assert (swapped.result() or 0) >= 6, swapped.result()  # the swap did happen under the long streams
-        assert [r.output_tokens for r in results] == [900] * 12 and set(short) == {16}
+        assert [r.output_tokens for r in results] == [1800] * 12 and set(short) == {16}
         assert all(r.finish_reason == "length" for r in results)
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .launch import client_host, write_private_file
+from .watchdog import STUCK_MARK
 
 PUBLIC_DEPLOYMENTS = ("dualend", "baseline")
 CANARY_MODEL = "llm"
@@ -209,7 +210,11 @@ http {{
         location @triton {{ proxy_pass http://triton_http$triton_uri; }}  # a checked generate request
         {model_location("", keyed=True)}
         {model_location("/ready", keyed=False)}
-        location = /v2/health/live {{ proxy_pass http://triton_http; }}
+        location = /v2/health/live {{
+            # the watchdog's mark: a failed component cannot be restored without a restart
+            if (-f {prefix}/down/{STUCK_MARK}) {{ return 503 '{{"error":"a failed component cannot be restored; restart the server"}}'; }}
+            proxy_pass http://triton_http;
+        }}
         location = /v2/health/ready {{
             # ready when the public deployment is, whatever another model's state
             if (-f {prefix}/down/{PUBLIC_DEPLOYMENTS[0]}) {{ return 503 '{{"error":"restoring a failed component"}}'; }}

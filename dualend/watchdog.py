@@ -6,7 +6,8 @@ lists as READY. A READY model without a stub has failed: its deployment is marke
 (routes and readiness answer 503 with a message that says so), a new instance of the model is
 loaded through the repository API and takes over (`RepositoryAPI.replace`: the model never goes away,
 so its ensemble keeps serving), and the mark is removed once its stub is back. Only the generation the loaded ensemble runs is restored:
-a redeploy's old generation, draining or unloaded, is left alone. Streams that were using a dead
+a redeploy's old generation, draining or unloaded, is left alone. A model whose restores keep failing
+(`STUCK_AFTER` in a row) makes the gateway's liveness answer 503, so an orchestrator restarts the server. Streams that were using a dead
 backbone end with the decode loop's error; streams inside a dead mtp_verify get no end (tritonserver
 2.51's Python backend never sends it): their clients time out.
 """
@@ -22,6 +23,10 @@ from .serving import generation_of, pipeline_name
 
 log = logging.getLogger(__name__)
 
+STUCK_MARK = "_server"  # in down_dir: the gateway's liveness answers 503, so an orchestrator restarts the server
+STUCK_AFTER = 3  # failed restores of one model in a row (a load can hang in tritonserver, e.g. a stub killed
+                 # while its replacement starts leaves the model LOADING for good)
+
 
 class Watchdog:
     def __init__(self, server, down_dir: Path | None, deployments: tuple[str, ...] = ("dualend", "baseline"),
@@ -29,6 +34,7 @@ class Watchdog:
         self.server, self.down_dir, self.deployments, self.interval_s = server, down_dir, deployments, interval_s
         self.stopping = threading.Event()
         self.repository = RepositoryAPI(server.grpc_url, server.admin_key, timeout_s=60.0)
+        self.failures: dict[str, int] = {}  # model -> restores failed in a row
 
     def ready_models(self) -> list[str]:
         return self.repository.ready_models()
@@ -88,15 +94,31 @@ class Watchdog:
             for model in sorted(failed | retry):
                 if not self.served(model):
                     retry.discard(model)  # its generation was swapped out: nothing to restore
+                    self.failures.pop(model, None)
                     if self.down_dir:
                         (self.down_dir / self.deployment_of(model)).unlink(missing_ok=True)
                     continue
                 try:
                     self.restore(model)
                     retry.discard(model)
+                    self.failures.pop(model, None)
                 except Exception as error:  # noqa: BLE001 - one model's failure does not stop the others
                     retry.add(model)
+                    self.failures[model] = self.failures.get(model, 0) + 1
                     log.warning("watchdog: restoring %s failed (retried next round): %s", model, error)
+            self.report_stuck()
+
+    def report_stuck(self) -> None:
+        """Marks the server not live while a model's restores keep failing; clears the mark after."""
+        stuck = sorted(m for m, n in self.failures.items() if n >= STUCK_AFTER)
+        mark = self.down_dir / STUCK_MARK if self.down_dir else None
+        if stuck:
+            log.error("watchdog: %s cannot be restored (%d tries); restart the server", ", ".join(stuck), STUCK_AFTER)
+            if mark:
+                mark.parent.mkdir(parents=True, exist_ok=True)
+                mark.write_text(", ".join(stuck))
+        elif mark:
+            mark.unlink(missing_ok=True)
 
     def start(self) -> "Watchdog":
         self.thread = threading.Thread(target=self.run, daemon=True, name="watchdog")

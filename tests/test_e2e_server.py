@@ -686,6 +686,35 @@ def test_a_killed_compressor_is_restored_while_http_and_grpc_streams_finish(tmp_
             assert api.serving_pipeline("dualend") == "dualend_v1"
 
 
+def test_liveness_fails_while_the_watchdog_marks_a_component_it_cannot_restore(tmp_path):
+    """The watchdog's mark (after STUCK_AFTER failed restores of one model, e.g. a load hung in
+    tritonserver) makes the gateway's liveness answer 503, so an orchestrator restarts the server."""
+    import urllib.error
+    import urllib.request
+
+    from dualend.gateway import DEFAULT_PREFIX
+    from dualend.watchdog import STUCK_MARK
+
+    def live():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{launched.http_port}/v2/health/live", timeout=5) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    with Launched(tmp_path) as launched:
+        assert live()[0] == 200
+        mark = DEFAULT_PREFIX / "down" / STUCK_MARK  # where the launcher's watchdog writes it
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text("dualend_v1_compressor")
+        try:
+            status, body = live()
+            assert status == 503 and "cannot be restored; restart the server" in body
+        finally:
+            mark.unlink()
+        assert live()[0] == 200 and launched.ready()
+
+
 def test_metrics_by_phase_add_up_after_known_requests(server):
     model = "dualend_v1_mtp_verify"
     names = ("dualend_ttft_seconds_count", "dualend_inter_token_seconds_count", "dualend_queue_seconds_count",

@@ -127,3 +127,20 @@ def test_a_repository_built_from_other_adapter_sources_is_refused(tmp_path):
     (tmp_path / "dualend_v3_mtp_verify" / "1" / "model.py").write_text("# an older adapter\n")
     with pytest.raises(RepositoryMissingError, match=r"dualend_v3_mtp_verify: model.py differs .* Rebuild it: rm -rf"):
         build_repository_if_missing(tmp_path)
+
+
+def test_the_watchdog_marks_the_server_not_live_after_repeated_failed_restores_and_clears_it_after(tmp_path):
+    from types import SimpleNamespace
+
+    from dualend.watchdog import STUCK_AFTER, STUCK_MARK, Watchdog
+
+    watchdog = Watchdog(SimpleNamespace(grpc_url="127.0.0.1:1", admin_key=None), tmp_path / "down")
+    watchdog.failures = {"dualend_v1_compressor": STUCK_AFTER - 1}
+    watchdog.report_stuck()
+    assert not (tmp_path / "down" / STUCK_MARK).exists()  # not yet: a restore may fail once or twice
+    watchdog.failures["dualend_v1_compressor"] += 1
+    watchdog.report_stuck()
+    assert (tmp_path / "down" / STUCK_MARK).read_text() == "dualend_v1_compressor"
+    watchdog.failures.clear()  # restored after all
+    watchdog.report_stuck()
+    assert not (tmp_path / "down" / STUCK_MARK).exists()

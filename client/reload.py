@@ -25,14 +25,13 @@ repository API over gRPC (`dualend.repository_api` says why not HTTP).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
 
 from dualend.launch import DEFAULT_REPOSITORY, INTERNAL_GRPC_PORT, admin_key
 from dualend.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
-from dualend.repository_api import RepositoryAPI
+from dualend.repository_api import RepositoryAPI, config_checkpoint, ensemble_pipeline
 from dualend.serving import generation_of, pipeline_name, prune_generations
 
 from .api import RequestError, metric_in, metrics_page, stream_grpc
@@ -51,33 +50,29 @@ def repository_checkpoint(repository: Path, deployment: str) -> tuple[str, str, 
     from tritonclient.grpc import model_config_pb2
 
     try:
-        text = (repository / deployment / "config.pbtxt").read_text()
-        step = re.search(r'model_name: "(\w+)"', text)
+        config = json_format.MessageToDict(text_format.Parse(
+            (repository / deployment / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()),
+            preserving_proto_field_name=True)
     except OSError:
-        step = None
-    generation = step and generation_of(step.group(1), deployment)
-    if generation is None:
-        raise ManifestError(f"{repository} holds no ensemble {deployment!r}")
-    try:
-        config = json_format.MessageToDict(text_format.Parse(text, model_config_pb2.ModelConfig()),
-                                           preserving_proto_field_name=True)
+        config = {}
     except text_format.ParseError as error:
         raise ManifestError(f"{deployment}/config.pbtxt: {error}") from None
-    pipeline = pipeline_name(deployment, generation)
+    pipeline = ensemble_pipeline(config)
+    if pipeline is None or generation_of(f"{pipeline}_backbone", deployment) is None:
+        raise ManifestError(f"{repository} holds no ensemble {deployment!r}")
     manifests = [verify_component(m.parent) for step in INTERNAL_STEPS
                  for m in sorted((repository / f"{pipeline}_{step}" / "1").glob(f"*/{MANIFEST}"))]
     if not manifests:
         raise ManifestError(f"{repository} holds no components of {pipeline}")
     checkpoint = verify_siblings(manifests)
-    named = config.get("parameters", {}).get("checkpoint_id", {}).get("string_value")
+    named = config_checkpoint(config)
     if named != checkpoint:
         raise ManifestError(f"{deployment}'s ensemble names checkpoint {named}, its steps are {checkpoint}")
     return checkpoint, pipeline, config
 
 
 def served_checkpoint(api: RepositoryAPI, deployment: str) -> str:
-    config = api.config(deployment)
-    return config.get("parameters", {}).get("checkpoint_id", {}).get("string_value", "")
+    return config_checkpoint(api.config(deployment)) or ""
 
 
 def loaded_models(api: RepositoryAPI, deployment: str) -> dict[str, list[str]]:
@@ -110,7 +105,10 @@ def load_beside(api: RepositoryAPI, deployment: str, pipeline: str, ensemble: di
     generation changes nothing."""
     from tritonclient.utils import InferenceServerException
 
-    served = api.config(deployment) if api.serving_pipeline(deployment) else None
+    try:
+        served = api.config(deployment)
+    except InferenceServerException:  # no ensemble loaded: nothing to put back
+        served = None
     model = deployment
     try:
         for step in INTERNAL_STEPS:  # backbone first: mtp_verify's loop calls it
@@ -140,9 +138,9 @@ def reload(grpc_url: str, metrics_url: str, deployment: str, repository: Path, d
         raise ReloadError(f"not reloading {deployment}: the repository is inconsistent: {error}") from None
     api = RepositoryAPI(grpc_url, key or admin_key())
 
-    def call(action, model, why, *args):
+    def call(action, model, why):
         try:
-            action(model, *args)
+            action(model)
         except InferenceServerException as error:
             raise ReloadError(f"{why}: {model}: {error.message()}") from None
 

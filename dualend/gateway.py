@@ -66,10 +66,10 @@ class GatewaySettings:
     keys_file: Path | None = None     # `name key` per line; None: no key check
     baseline_percent: float = 10.0    # share of `llm` requests that go to the baseline
     max_body: str = "1m"              # a prompt inside raw_context_limit is a few KB
-    # nginx bounds a gRPC stream's whole body, every request sent on it: long-lived streams carry
-    # many requests, so this bound is far larger; each request's prompt is bounded by preprocessing.
-    # nginx bounds a gRPC stream's whole body; what reaches a Python stub grows its shared memory for
-    # good (a 256 MB tensor kept 288 MB pinned), so the bound is what a stub may be made to hold.
+    # nginx bounds a gRPC stream's whole body, every request sent on it, so long-lived streams need
+    # more than one body's worth; but what reaches a Python stub grows its shared memory for good (a
+    # 256 MB tensor kept 288 MB pinned), so it is kept to what a stub may be made to hold. Each
+    # request's prompt is bounded by preprocessing.
     grpc_max_stream: str = "64m"
     rate_per_s: int = 50              # per client (API key), with a burst of `burst`
     burst: int = 100

@@ -37,10 +37,14 @@ function valueProblem(name, type, value) {
         return `${name} has a type this gateway does not check (${type})`;
     }
     if (!Number.isInteger(value) || value < range[0] || value > range[1]) {
-        const top = range[1] === Infinity ? UINT64_MAX : range[1];
-        return `${name} must be an integer from ${range[0]} to ${top} (${type.slice(5)}), got ${shown(value)}`;
+        return outOfRange(name, type, shown(value));
     }
     return null;
+}
+
+function outOfRange(name, type, got) {
+    const top = type === 'TYPE_UINT64' ? UINT64_MAX : INTEGER_RANGES[type][1];
+    return `${name} must be an integer from ${INTEGER_RANGES[type][0]} to ${top} (${type.slice(5)}), got ${got}`;
 }
 
 // JSON.parse keeps the last of repeated keys, reads 4.0 as 4 and decodes escapes in keys;
@@ -68,7 +72,7 @@ function textProblem(text) {
         const digits = number.replace(/^\+?0*/, '');
         if (type === 'TYPE_UINT64' && (digits.length > UINT64_MAX.length
                 || (digits.length === UINT64_MAX.length && digits > UINT64_MAX))) {
-            return `${name} must be an integer from 0 to ${UINT64_MAX} (UINT64), got ${number.slice(0, 40)}`;
+            return outOfRange(name, type, number.slice(0, 40));
         }
     }
     const outside = text.replace(/"(?:[^"\\]|\\[\s\S])*"/g, '""');  // what is not in a string

@@ -26,13 +26,13 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import re
-import secrets
 import tempfile
 import threading
 import time
@@ -150,10 +150,6 @@ def stub_processes(server_pid: int) -> dict[str, tuple[int, str]]:
         if len(args) > 8 and args[0].endswith(b"triton_python_backend_stub") and args[5] == str(server_pid).encode():
             stubs[args[8].decode().rsplit("_", 2)[0]] = (int(proc.name), args[2].decode())
     return stubs
-
-
-def stub_shm_regions(server_pid: int) -> list[str]:
-    return [region for _, region in stub_processes(server_pid).values()]
 
 
 def is_installed_server(home: Path) -> bool:

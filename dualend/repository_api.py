@@ -15,6 +15,18 @@ ADMIN_HEADER = "dualend-admin-key"
 GRPC_PROTOCOL_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # how tritonserver reads a restricted gRPC key
 
 
+def ensemble_pipeline(config: dict) -> str | None:
+    """The pipeline an ensemble config (as JSON, from the server or parsed from disk) runs, e.g.
+    "dualend_v2"; None when it is not an ensemble."""
+    steps = config.get("ensemble_scheduling", {}).get("step", [])
+    return steps[0]["model_name"].rsplit("_", 1)[0] if steps else None
+
+
+def config_checkpoint(config: dict) -> str | None:
+    """The checkpoint id a model config names (its `checkpoint_id` parameter)."""
+    return config.get("parameters", {}).get("checkpoint_id", {}).get("string_value")
+
+
 class RepositoryAPI:
     def __init__(self, grpc_url: str, admin_key: str | None, timeout_s: float = 300.0):
         import tritonclient.grpc as grpcclient
@@ -54,11 +66,12 @@ class RepositoryAPI:
 
     def serving_pipeline(self, deployment: str) -> str | None:
         """The pipeline the loaded ensemble runs, e.g. "dualend_v2"; None when it is not loaded."""
+        from tritonclient.utils import InferenceServerException
+
         try:
-            first_step = self.config(deployment)["ensemble_scheduling"]["step"][0]["model_name"]
-        except Exception:  # noqa: BLE001 - not loaded, or not an ensemble
+            return ensemble_pipeline(self.config(deployment))
+        except InferenceServerException:  # not loaded
             return None
-        return first_step.rsplit("_", 1)[0]
 
     def is_ready(self, model: str) -> bool:
         return self.client.is_model_ready(model, headers=self.headers)

@@ -34,10 +34,7 @@ class Watchdog:
         self.server, self.down_dir, self.deployments, self.interval_s = server, down_dir, deployments, interval_s
         self.stopping = threading.Event()
         self.repository = RepositoryAPI(server.grpc_url, server.admin_key, timeout_s=60.0)
-        self.failures: dict[str, int] = {}  # model -> restores failed in a row
-
-    def ready_models(self) -> list[str]:
-        return self.repository.ready_models()
+        self.failures: dict[str, int] = {}  # model -> restores failed in a row; retried each round
 
     def failed_models(self, ready: list[str]) -> list[str]:
         """Of the READY models, the Python models of our deployments whose stub is gone."""
@@ -51,7 +48,7 @@ class Watchdog:
         return next(d for d in self.deployments if model.startswith(f"{d}_v"))
 
     def restore(self, model: str) -> None:
-        """Reloads `model` (with its backbone, if it is a decode loop: the backbone still holds the
+        """Replaces `model` (after its backbone, if it is a decode loop: the backbone still holds the
         dead loop's sequences) while its deployment is marked down; the mark stays if that fails."""
         deployment = self.deployment_of(model)
         pipeline = pipeline_name(deployment, generation_of(model, deployment))
@@ -78,32 +75,29 @@ class Watchdog:
             deployment, generation)
 
     def run(self) -> None:
-        retry: set[str] = set()
         while not self.stopping.wait(self.interval_s):
             try:
-                ready = self.ready_models()
+                ready = self.repository.ready_models()
                 failed = set(self.failed_models(ready))
                 if failed:  # again, just before acting: a redeploy may be unloading models right now
                     time.sleep(0.2)
-                    ready = self.ready_models()
+                    ready = self.repository.ready_models()
                     failed &= set(self.failed_models(ready))
-                retry -= set(ready) - failed  # a late load that did finish
+                for model in set(ready) - failed:  # a late load that did finish
+                    self.failures.pop(model, None)
             except Exception as error:  # noqa: BLE001 - the watchdog must outlive one bad check
                 log.warning("watchdog: check failed: %s", error)
                 continue
-            for model in sorted(failed | retry):
+            for model in sorted(failed | set(self.failures)):  # the failures are retried
                 if not self.served(model):
-                    retry.discard(model)  # its generation was swapped out: nothing to restore
-                    self.failures.pop(model, None)
+                    self.failures.pop(model, None)  # its generation was swapped out: nothing to restore
                     if self.down_dir:
                         (self.down_dir / self.deployment_of(model)).unlink(missing_ok=True)
                     continue
                 try:
                     self.restore(model)
-                    retry.discard(model)
                     self.failures.pop(model, None)
                 except Exception as error:  # noqa: BLE001 - one model's failure does not stop the others
-                    retry.add(model)
                     self.failures[model] = self.failures.get(model, 0) + 1
                     log.warning("watchdog: restoring %s failed (retried next round): %s", model, error)
             self.report_stuck()

@@ -27,6 +27,13 @@ PROMPTS = [eval_set(f, 2, seed=5)[i].prompt for f in FAMILIES for i in range(2)]
 DEPLOYMENTS = ("dualend", "baseline")
 
 
+def assemble_dualend(folder, *flags, checkpoints=CHECKPOINTS):
+    """The dual-end deployment assembled into folder/repository: the first call writes generation 1,
+    each later one the next generation beside it."""
+    return assemble_main(["--checkpoints", str(checkpoints), "--out", str(folder / "repository"),
+                          "--export-dir", str(folder / "export"), "--deployments", "dualend", *flags])
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
@@ -199,11 +206,9 @@ def test_busy_server_refuses_clearly_and_the_running_stream_loses_nothing(tmp_pa
     """Room in the KV cache for one long sequence, one place in the queue: a request that needs more
     KV than is free waits, then is refused saying why; one more while it waits finds the queue full;
     a small request fits beside the long one once the queue is clear, and the long one runs to the end."""
-    repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
-                                "--export-dir", str(tmp_path / "export"), "--deployments", "dualend",
-                                "--raw-context-limit", "2048", "--max-new-tokens", "2048",
-                                "--kv-capacity-sequences", "1", "--max-concurrent-requests", "2",
-                                "--max-queue-size", "1", "--queue-wait-s", "1"])
+    repository = assemble_dualend(tmp_path, "--raw-context-limit", "2048", "--max-new-tokens", "2048",
+                                  "--kv-capacity-sequences", "1", "--max-concurrent-requests", "2",
+                                  "--max-queue-size", "1", "--queue-wait-s", "1")
     with TritonServer(repository, log_file=tmp_path / "server.log") as busy, ThreadPoolExecutor(2) as pool:
         long_stream = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[0], 2000, ignore_eos=True,
                                   acceptance_threshold=1.0, exclude_input_in_output=True)
@@ -266,8 +271,7 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
     assert nudged_id != shipped_id
 
     def assemble(source):
-        return assemble_main(["--checkpoints", str(source), "--out", str(tmp_path / "repository"),
-                              "--export-dir", str(tmp_path / "export"), "--deployments", "dualend"])
+        return assemble_dualend(tmp_path, checkpoints=source)
     repository = assemble(CHECKPOINTS)
     models = ["dualend_v1_backbone", "dualend"]
     with TritonServer(repository, model_control_mode="explicit", load_models=models,
@@ -339,10 +343,8 @@ def test_long_http_and_grpc_streams_finish_across_a_reload(tmp_path):
     from client.reload import reload
     from dualend.repository_api import RepositoryAPI
 
-    def assemble():
-        return assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
-                              "--export-dir", str(tmp_path / "export"), "--deployments", "dualend",
-                              "--raw-context-limit", "2048", "--max-new-tokens", "2048"])  # streams outlast the loads
+    def assemble():  # streams long enough to outlast the reload's loads
+        return assemble_dualend(tmp_path, "--raw-context-limit", "2048", "--max-new-tokens", "2048")
     repository = assemble()
     with TritonServer(repository, model_control_mode="explicit", load_models=["dualend_v1_backbone", "dualend"],
                       log_file=tmp_path / "server.log") as triton:
@@ -391,10 +393,8 @@ def test_a_reload_whose_drain_runs_out_keeps_the_old_generation_and_a_rerun_fini
     from client.reload import ReloadError, loaded_pipelines, reload
     from dualend.repository_api import RepositoryAPI
 
-    def assemble():
-        return assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
-                              "--export-dir", str(tmp_path / "export"), "--deployments", "dualend",
-                              "--raw-context-limit", "2048", "--max-new-tokens", "2048"])  # long streams
+    def assemble():  # long streams
+        return assemble_dualend(tmp_path, "--raw-context-limit", "2048", "--max-new-tokens", "2048")
     repository = assemble()
     version_dir = repository / "dualend_v1_backbone" / "1"
     assembled = version_dir.stat().st_mtime_ns
@@ -552,8 +552,7 @@ class Launched:
 
     def assemble(self):
         """The shipped checkpoint as the next generation on disk (the first: what the launcher serves)."""
-        return assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(self.tmp_path / "repository"),
-                              "--export-dir", str(self.tmp_path / "export"), "--deployments", "dualend"])
+        return assemble_dualend(self.tmp_path)
 
     def __enter__(self):
         return self
@@ -586,10 +585,10 @@ def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(
     import signal
     import subprocess
 
-    from dualend.launch import EXIT_TIMEOUT_S, stub_shm_regions
+    from dualend.launch import EXIT_TIMEOUT_S, stub_processes
 
     with Launched(tmp_path) as launched:
-        regions = stub_shm_regions(launched.server_pid)
+        regions = [region for _, region in stub_processes(launched.server_pid).values()]
         assert regions
         with ThreadPoolExecutor(16) as pool:
             streams = [pool.submit(launched.stream, 1000, ignore_eos=True, acceptance_threshold=1.0) for _ in range(16)]

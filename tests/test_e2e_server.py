@@ -385,7 +385,7 @@ def test_long_http_and_grpc_streams_finish_across_a_reload(tmp_path):
 
 
 def test_a_reload_whose_drain_runs_out_keeps_the_old_generation_and_a_rerun_finishes_the_swap(tmp_path):
-    """Long streams on generation 1, a reload with a 0.2 s drain: it says generation 1 still holds
+    """Long streams (4000 tokens) on generation 1, a reload with a 0.2 s drain: it says generation 1 still holds
     requests and leaves it loaded, new requests go to generation 2; run again (its backbone folder
     touched meanwhile, as a stub's first __pycache__ would), it loads nothing, waits for generation
     1's streams and unloads it. Every stream on either generation gets all its tokens."""
@@ -393,8 +393,9 @@ def test_a_reload_whose_drain_runs_out_keeps_the_old_generation_and_a_rerun_fini
     from client.reload import ReloadError, loaded_pipelines, reload
     from dualend.repository_api import RepositoryAPI
 
-    def assemble():  # long streams
-        return assemble_dualend(tmp_path, "--raw-context-limit", "2048", "--max-new-tokens", "2048")
+    def assemble():  # streams that outlast the reload's loads by far
+        return assemble_dualend(tmp_path, "--raw-context-limit", "4096", "--max-new-tokens", "4096",
+                                "--max-concurrent-requests", "12")
     repository = assemble()
     version_dir = repository / "dualend_v1_backbone" / "1"
     assembled = version_dir.stat().st_mtime_ns
@@ -404,8 +405,8 @@ def test_a_reload_whose_drain_runs_out_keeps_the_old_generation_and_a_rerun_fini
         assemble()  # generation 2, same checkpoint
         long = {"ignore_eos": True, "timeout_s": 60, "acceptance_threshold": 1.0}  # one token a step: slow
         with ThreadPoolExecutor(8) as pool:
-            first = [pool.submit(stream_grpc, triton.grpc_url, "dualend", PROMPTS[0], 2000, **long) for _ in range(3)]
-            first += [pool.submit(stream_http, triton.http_url, "dualend", PROMPTS[0], 2000, **long) for _ in range(2)]
+            first = [pool.submit(stream_grpc, triton.grpc_url, "dualend", PROMPTS[0], 4000, **long) for _ in range(3)]
+            first += [pool.submit(stream_http, triton.http_url, "dualend", PROMPTS[0], 4000, **long) for _ in range(2)]
             assert wait_for(lambda: metric(triton, "dualend_running_sequences", "dualend_v1_mtp_verify") >= 5, 30)
             with pytest.raises(ReloadError, match=r"serves dualend_v2, but dualend_v1 still holds requests after "
                                                   r"0.2 s \(--drain-timeout-s\), so it stays loaded"):
@@ -416,7 +417,7 @@ def test_a_reload_whose_drain_runs_out_keeps_the_old_generation_and_a_rerun_fini
             os.utime(repository / "dualend_v2_backbone" / "1")  # a load call now would reload the served backbone
             reload(triton.grpc_url, triton.metrics_url, "dualend", repository)
             results = [stream.result() for stream in first + second]
-        assert [r.output_tokens for r in results] == [2000] * 8
+        assert [r.output_tokens for r in results] == [4000] * 5 + [2000] * 3
         assert loaded_pipelines(api, "dualend") == ["dualend_v2"]
 
 

@@ -15,10 +15,9 @@ import random
 import torch
 from tqdm import tqdm
 
-from dualend.checkpoint import load_checkpoint
-from dualend.training import dualend_batch, dualend_loss, sample_stream
-
-from .train import convert_baseline
+from builder.train import convert_baseline
+from dualend.engine.checkpoint import load_checkpoint
+from dualend.train.training import dualend_batch, dualend_loss, sample_stream
 
 VARIANTS = {
     "sum, pair-index positions": dict(compressor_init="sum", position_stride=1, distill_weight=0.0),

@@ -19,15 +19,15 @@ import shutil
 import string
 from pathlib import Path
 
-from dualend.checkpoint import load_checkpoint
-from dualend.engines import ENGINES
-from dualend.kv_pool import blocks_for
-from dualend.manifest import ManifestError
-from dualend.onnx_engine import ExportedModel
-from dualend.serving import PIPELINE_SECRET_FILE, generations, pipeline_name, served_generation
-from dualend.tokenizer import BOS, EOS, PAD
-
-from .export import export_checkpoint
+from builder.export import export_checkpoint
+from dualend.engine.checkpoint import load_checkpoint
+from dualend.engine.engines import ENGINES
+from dualend.engine.kv_pool import blocks_for
+from dualend.engine.manifest import ManifestError
+from dualend.engine.onnx_engine import ExportedModel
+from dualend.engine.tokenizer import BOS, EOS, PAD
+from dualend.serving.keys import PIPELINE_SECRET_FILE
+from dualend.serving.repository import generations, pipeline_name, served_generation
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ROOT / "model_repository"

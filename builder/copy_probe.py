@@ -20,9 +20,9 @@ import random
 
 import torch
 
-from dualend.checkpoint import load_checkpoint
-from dualend.data import Example, examples, lookup_context, lookup_entries
-from dualend.training import IGNORE, baseline_batch, baseline_forward, copy_sample, lookup_sample
+from dualend.engine.checkpoint import load_checkpoint
+from dualend.train.data import Example, examples, lookup_context, lookup_entries
+from dualend.train.training import IGNORE, baseline_batch, baseline_forward, copy_sample, lookup_sample
 
 
 @torch.no_grad()

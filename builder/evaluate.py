@@ -3,7 +3,7 @@ reported on another.
 
     python -m builder.evaluate --report-examples 400 --calibration-examples 200
 
-Splits are disjoint by construction (`dualend.data.split_of`). Per family and length bucket
+Splits are disjoint by construction (`dualend.train.data.split_of`). Per family and length bucket
 (short: prompt under 128 tokens; long: over half the trained context):
   1. calibration split: baseline greedy, dual-end greedy at every threshold of the sweep; the
      shipped threshold is the one with the most tokens per step (EOS not counted) such that it
@@ -25,10 +25,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dualend.checkpoint import load_checkpoint
-from dualend.data import FAMILIES, stdlib_chunks
-from dualend.evaluation import (BUCKETS, Setting, bucket_set, evaluate_settings, loss_by_position,
-                                paired_difference, reliability, summary, teacher_forced_text)
+from dualend.engine.checkpoint import load_checkpoint
+from dualend.train.data import FAMILIES, stdlib_chunks
+from dualend.train.evaluation import (
+    BUCKETS,
+    Setting,
+    bucket_set,
+    evaluate_settings,
+    loss_by_position,
+    paired_difference,
+    reliability,
+    summary,
+    teacher_forced_text,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(dualend=ROOT / "checkpoints" / "dualend", baseline=ROOT / "checkpoints" / "baseline",

@@ -15,11 +15,18 @@ import onnx
 import torch
 from torch import nn
 
-from dualend.checkpoint import Checkpoint, load_checkpoint
-from dualend.manifest import write_manifest
-from dualend.model import LanguageModel
-from dualend.onnx_engine import (BACKBONE_OUTPUTS, EXPORT_FORMAT, MODEL_FILE, MTP_INPUTS, MTP_OUTPUTS,
-                                 TOKENIZER_FILE, backbone_inputs)
+from dualend.engine.checkpoint import Checkpoint, load_checkpoint
+from dualend.engine.manifest import write_manifest
+from dualend.engine.model import LanguageModel
+from dualend.engine.onnx_engine import (
+    BACKBONE_OUTPUTS,
+    EXPORT_FORMAT,
+    MODEL_FILE,
+    MTP_INPUTS,
+    MTP_OUTPUTS,
+    TOKENIZER_FILE,
+    backbone_inputs,
+)
 
 OPSET = 17  # ONNX Runtime 1.23 (Python 3.10, the Triton 24.10 container) runs it
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dualend.decode import SamplingParams, generate
-from dualend.manifest import Manifest, write_manifest
-from dualend.kv_pool import KVCache
-from dualend.onnx_engine import ExportedModel, OnnxComponents, backbone_inputs, ort_session
-from dualend.tensorrt_engine import PLAN_FILE, TensorRTSession, gpu_available
-
-from .assemble import DEFAULTS as ASSEMBLE, max_sequence_latents, trained_context
+from builder.assemble import DEFAULTS as ASSEMBLE
+from builder.assemble import max_sequence_latents, trained_context
+from dualend.engine.decode import SamplingParams, generate
+from dualend.engine.kv_pool import KVCache
+from dualend.engine.manifest import Manifest, write_manifest
+from dualend.engine.onnx_engine import ExportedModel, OnnxComponents, backbone_inputs, ort_session
+from dualend.engine.tensorrt_engine import PLAN_FILE, TensorRTSession, gpu_available
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(export_dir=ROOT / "build" / "export", max_batch=ASSEMBLE["max_concurrent_requests"] + 1)

@@ -27,13 +27,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dualend.checkpoint import Checkpoint, load_checkpoint
-from dualend.data import FAMILIES, examples, stdlib_chunks
-from dualend.evaluation import evaluate_pass1
-from dualend.model import LanguageModel, ModelConfig, count_parameters, default_ffn_hidden
-from dualend.tokenizer import TextTokenizer, train_tokenizer
-from dualend.training import (AUGMENTATIONS, TRAIN_MIX, baseline_batch, baseline_loss, batch_stream,
-                              batch_stream_in_workers, dualend_batch, dualend_loss)
+from dualend.engine.checkpoint import Checkpoint, load_checkpoint
+from dualend.engine.model import LanguageModel, ModelConfig, count_parameters, default_ffn_hidden
+from dualend.engine.tokenizer import TextTokenizer, train_tokenizer
+from dualend.train.data import FAMILIES, examples, stdlib_chunks
+from dualend.train.evaluation import evaluate_pass1
+from dualend.train.training import (
+    AUGMENTATIONS,
+    TRAIN_MIX,
+    baseline_batch,
+    baseline_loss,
+    batch_stream,
+    batch_stream_in_workers,
+    dualend_batch,
+    dualend_loss,
+)
 
 DEFAULTS = dict(
     vocab_size=1024, d_model=256, n_layers=4, n_heads=4, batch_size=32, max_tokens=192,

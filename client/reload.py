@@ -20,7 +20,7 @@ uses, and points the ensemble `dualend` at it on disk. This tool then:
    is already served) and waits again.
 A rollback is the same: assemble the previous checkpoint (it becomes the next generation) and run
 this again. Needs the server in model control mode "explicit" and its admin key; it calls the
-repository API over gRPC (`dualend.repository_api` says why not HTTP).
+repository API over gRPC (`dualend.ops.repository_api` says why not HTTP).
 """
 from __future__ import annotations
 
@@ -29,12 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-from dualend.launch import DEFAULT_REPOSITORY, INTERNAL_GRPC_PORT, admin_key
-from dualend.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
-from dualend.repository_api import RepositoryAPI, config_checkpoint, ensemble_pipeline
-from dualend.serving import generation_of, pipeline_name, prune_generations
-
-from .api import RequestError, metric_in, metrics_page, stream_grpc
+from client.api import RequestError, metric_in, metrics_page, stream_grpc
+from dualend.engine.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
+from dualend.ops.launch import DEFAULT_REPOSITORY, INTERNAL_GRPC_PORT, admin_key
+from dualend.ops.repository_api import RepositoryAPI, config_checkpoint, ensemble_pipeline
+from dualend.serving.repository import generation_of, pipeline_name, prune_generations
 
 INTERNAL_STEPS = ("backbone", "mtp_verify", "compressor", "preprocessing", "postprocessing")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .api import RequestError, generate_http, stream_grpc, stream_http
+from client.api import RequestError, generate_http, stream_grpc, stream_http
 
 DEFAULTS = dict(grpc_url="127.0.0.1:8001", http_url="127.0.0.1:8000", model="dualend", max_tokens=64)
 

@@ -8,5 +8,5 @@ if ! ls "$export_dir"/*/backbone/model.plan > /dev/null 2>&1; then
     python3 -m builder.tensorrt_build --export-dir "$export_dir"    # refuses to write a plan that fails parity
 fi
 python3 -m builder.assemble --engine tensorrt --export-dir "$export_dir" --out /cache/model_repository
-exec python3 -m dualend.launch --model-repository /cache/model_repository --no-build --host 0.0.0.0 \
+exec python3 -m dualend.ops.launch --model-repository /cache/model_repository --no-source-check --host 0.0.0.0 \
     --api-keys /etc/dualend/api_keys "$@"

@@ -4,7 +4,7 @@
 # versions than the project's. Token counts use the tokenizer folder `builder.assemble` writes.
 #   bash scripts/genai_perf.sh                                   # dualend, 256 in / 64 out, concurrency 8
 #   MODEL=baseline CONCURRENCY=16 INPUT_TOKENS=896 bash scripts/genai_perf.sh
-# URL defaults to tritonserver's own gRPC port behind the gateway (127.0.0.1:18001, see dualend.launch).
+# URL defaults to tritonserver's own gRPC port behind the gateway (127.0.0.1:18001, see dualend.ops.launch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv-genai/bin/genai-perf ] || {
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
     .venv-genai/bin/pip install -q "genai-perf==0.0.16" "tritonclient[all]==2.51.0"
 }
 [ -f build/tokenizer/tokenizer.json ] || { echo "genai_perf.sh: no build/tokenizer; run .venv/bin/python -m builder.assemble" >&2; exit 1; }
-source client/perf_env.sh   # perf_analyzer 2.51.0 on PATH, libcudart on LD_LIBRARY_PATH
+source benchmarks/perf_env.sh   # perf_analyzer 2.51.0 on PATH, libcudart on LD_LIBRARY_PATH
 out=${OUT:-build/genai-perf/$(date +%Y%m%d-%H%M%S)}
 .venv-genai/bin/genai-perf profile -m "${MODEL:-dualend}" --endpoint-type kserve --backend tensorrtllm \
     --streaming -u "${URL:-localhost:18001}" --tokenizer build/tokenizer \

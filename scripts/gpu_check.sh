@@ -18,11 +18,11 @@ P=.venv/bin/python
 $P -m builder.assemble > "$out/assemble.txt"   # the ONNX exports
 $P -m builder.tensorrt_build 2>&1 | tee "$out/tensorrt_build.txt"           # parity checked, plans written
 $P -m pytest -m gpu -q 2>&1 | tee "$out/pytest_gpu.txt"
-$P -m builder.bench_engine --lengths 256 512 960 --repeats 5 --json "$out/bench_onnxruntime.json" \
+$P -m benchmarks.bench_engine --lengths 256 512 960 --repeats 5 --json "$out/bench_onnxruntime.json" \
     > "$out/bench_onnxruntime.txt" 2>&1
-$P -m builder.bench_engine --batch-sizes 1 4 16 32 --lengths 256 --repeats 3 > "$out/bench_batched_onnxruntime.txt" 2>&1
+$P -m benchmarks.bench_engine --batch-sizes 1 4 16 32 --lengths 256 --repeats 3 > "$out/bench_batched_onnxruntime.txt" 2>&1
 $P -m builder.assemble --engine tensorrt > "$out/assemble_tensorrt.txt"
-$P -m client.bench_served --lengths 256 960 --repeats 5 > "$out/bench_served_tensorrt.txt" 2>&1 || true
+$P -m benchmarks.bench_served --lengths 256 960 --repeats 5 > "$out/bench_served_tensorrt.txt" 2>&1 || true
 {
     echo "# GPU check $(date -u +%Y-%m-%dT%H:%MZ)"
     echo; echo '```'; head -15 "$out/nvidia-smi.txt"; echo '```'

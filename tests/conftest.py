@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from builder.export import export_checkpoint
-from dualend.checkpoint import Checkpoint
-from dualend.data import FAMILIES, eval_set
-from dualend.model import LanguageModel, ModelConfig
-from dualend.tokenizer import TextTokenizer, train_tokenizer
+from dualend.engine.checkpoint import Checkpoint
+from dualend.engine.model import LanguageModel, ModelConfig
+from dualend.engine.tokenizer import TextTokenizer, train_tokenizer
+from dualend.train.data import FAMILIES, eval_set
 
 
 def pytest_configure(config):

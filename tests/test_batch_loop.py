@@ -5,11 +5,11 @@ import threading
 import numpy as np
 import pytest
 
-from dualend.batch_loop import DecodeLoop, Executor, QueuedOutput, SendThread
-from dualend.decode import CapacityError, InvalidRequest, SamplingParams, generate_text, pad_prompt
-from dualend.onnx_engine import OnnxComponents
-from dualend.scheduler import Scheduler
-from dualend.serving import PreparedRequest, Response
+from dualend.engine.decode import CapacityError, InvalidRequest, SamplingParams, generate_text, pad_prompt
+from dualend.engine.onnx_engine import OnnxComponents
+from dualend.engine.scheduler import Scheduler
+from dualend.serving.contract import PreparedRequest, Response
+from dualend.serving.loop import DecodeLoop, Executor, QueuedOutput, SendThread
 
 PROMPTS = ["Q: 1+2+3\nA:", "get ab\nA:", "def f(x):\n    return x + 1\nprint(f(2))\n# output:",
            "Q: 4*5-6\nA:", "x = 3\ny = x * 2\nprint(y)\n# output:"]
@@ -284,7 +284,7 @@ def test_a_request_answered_in_one_response_counts_its_first_token_when_it_was_d
 
 
 def test_metrics_accumulate_as_prometheus_histograms_and_hand_out_deltas():
-    from dualend.metrics import PhaseMetrics
+    from dualend.serving.metrics import PhaseMetrics
 
     metrics = PhaseMetrics()
     for seconds in (0.003, 0.003, 0.2, 60.0):

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from client.bench_served import cpu_by_role
-from client.processes import cpu_seconds, cpu_snapshot, cpu_used
+from benchmarks.bench_served import cpu_by_role
+from dualend.ops.processes import cpu_seconds, cpu_snapshot, cpu_used
 
 
 def test_cpu_seconds_counts_this_process_work():

@@ -5,21 +5,52 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_model
 
 from builder.assemble import max_sequence_latents
-from builder.train import convert_baseline, main as train_main
-from conftest import tiny_model
-from dualend.checkpoint import Checkpoint, load_checkpoint
-from dualend.data import (FAMILIES, Example, examples, extract_answer, question, run_python, sized_examples,
-                          split_of)
-from dualend.decode import (BackboneOutput, InvalidRequest, SamplingParams, TextStream, gate,
-                            generate, generate_text, pad_prompt)
-from dualend.evaluation import (Outcome, outcome, paired_difference, reliability, summary,
-                                teacher_forced_text)
-from dualend.reference import TorchBatch, TorchComponents, generate_batch
-from dualend.training import (IGNORE, MAX_COMPLETION_TOKENS, Sample, teacher_targets, baseline_batch, baseline_forward,
-                              baseline_loss, dualend_batch, dualend_loss, dualend_row, gated_pairs,
-                              copy_sample, lookup_sample, more_queries, sample_stream, split_pairs)
+from builder.train import convert_baseline
+from builder.train import main as train_main
+from dualend.engine.checkpoint import Checkpoint, load_checkpoint
+from dualend.engine.decode import (
+    BackboneOutput,
+    InvalidRequest,
+    SamplingParams,
+    TextStream,
+    gate,
+    generate,
+    generate_text,
+    pad_prompt,
+)
+from dualend.engine.reference import TorchBatch, TorchComponents, generate_batch
+from dualend.train.data import (
+    FAMILIES,
+    Example,
+    examples,
+    extract_answer,
+    question,
+    run_python,
+    sized_examples,
+    split_of,
+)
+from dualend.train.evaluation import Outcome, outcome, paired_difference, reliability, summary, teacher_forced_text
+from dualend.train.training import (
+    IGNORE,
+    MAX_COMPLETION_TOKENS,
+    Sample,
+    baseline_batch,
+    baseline_forward,
+    baseline_loss,
+    copy_sample,
+    dualend_batch,
+    dualend_loss,
+    dualend_row,
+    gated_pairs,
+    lookup_sample,
+    more_queries,
+    sample_stream,
+    split_pairs,
+    teacher_targets,
+)
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 10
@@ -616,7 +647,7 @@ def test_the_schedule_warms_up_then_follows_steps_or_time_whichever_is_further()
 def test_batch_workers_hand_out_their_own_seeds_batches_and_end_when_the_stream_closes(tiny_tokenizer):
     import multiprocessing
 
-    from dualend.training import batch_stream, batch_stream_in_workers
+    from dualend.train.training import batch_stream, batch_stream_in_workers
 
     settings = dict(batch_size=3, text_fraction=0.2, short_tokens=64, context=64, long_fraction=0.0)
     before = set(multiprocessing.active_children())
@@ -635,7 +666,7 @@ def test_batch_workers_hand_out_their_own_seeds_batches_and_end_when_the_stream_
 def test_family_mix_weights_the_task_families_of_short_and_long_rows(tiny_tokenizer):
     from collections import Counter
 
-    from dualend.training import TRAIN_MIX, batch_stream, family_draws
+    from dualend.train.training import TRAIN_MIX, batch_stream, family_draws
 
     assert Counter(family_draws(TRAIN_MIX)) == {"math": 2, "lookup": 2, "code": 2}
     for bad in ("math=2,poetry=1", "math=two", "lookup=0"):

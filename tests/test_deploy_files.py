@@ -10,8 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from dualend.gateway import GatewaySettings, render
-from dualend.metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSALS
+from dualend.ops.gateway import GatewaySettings, render
+from dualend.serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSALS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER, K8S = ROOT / "docker", ROOT / "k8s"
@@ -75,6 +75,6 @@ def test_images_build_on_the_triton_release_of_the_local_binary():
     cpu, gpu = ((DOCKER / name).read_text() for name in ("Dockerfile", "Dockerfile.gpu"))
     for recipe in (cpu, gpu):
         assert "FROM nvcr.io/nvidia/tritonserver:24.10-py3" in recipe and "nginx" in recipe
-        assert '"dualend.launch"' in recipe or "dualend-gpu-start" in recipe
+        assert '"dualend.ops.launch"' in recipe or "dualend-gpu-start" in recipe
     assert "tensorrt==" in gpu and "download.pytorch.org/whl/cpu" in cpu
     assert subprocess.run(["bash", "-n", str(DOCKER / "gpu-start.sh")]).returncode == 0

@@ -12,14 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from builder.assemble import DEFAULTS, main as assemble_main
-from client.api import RequestError, generate_http, metric_value, stream_grpc, stream_http
 from conftest import wait_for
-from dualend.data import FAMILIES, eval_set, sized_examples
-from dualend.decode import SamplingParams, generate_text
-from dualend.launch import TritonServer, free_ports
-from dualend.onnx_engine import OnnxComponents
+
+from builder.assemble import DEFAULTS
+from builder.assemble import main as assemble_main
+from client.api import RequestError, generate_http, metric_value, stream_grpc, stream_http
+from dualend.engine.decode import SamplingParams, generate_text
+from dualend.engine.onnx_engine import OnnxComponents
+from dualend.ops.host import free_ports
+from dualend.ops.launch import TritonServer
+from dualend.train.data import FAMILIES, eval_set, sized_examples
 
 pytestmark = pytest.mark.server
 CHECKPOINTS = Path(os.environ.get("DUALEND_CHECKPOINTS", DEFAULTS["checkpoints"]))
@@ -257,9 +259,9 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
     import torch
 
     from client.reload import ReloadError, loaded_pipelines, reload, served_checkpoint
-    from dualend.checkpoint import Checkpoint, load_checkpoint
-    from dualend.repository_api import RepositoryAPI
-    from dualend.serving import served_generation
+    from dualend.engine.checkpoint import Checkpoint, load_checkpoint
+    from dualend.ops.repository_api import RepositoryAPI
+    from dualend.serving.repository import served_generation
 
     nudged = tmp_path / "checkpoints"  # a second dual-end checkpoint: the MTP head's first weight nudged
     shutil.copytree(CHECKPOINTS / "baseline", nudged / "baseline")
@@ -335,13 +337,13 @@ def test_long_http_and_grpc_streams_finish_across_a_reload(tmp_path):
     """Six 1800-token gRPC streams and six HTTP generate_stream streams across a reload, short requests
     arriving all along: the old generation unloads only after every stream got all its tokens and its
     end, and no request fails. (With the repository API called over HTTP, half of such HTTP streams
-    lost every event after the load: `dualend.repository_api`.)"""
+    lost every event after the load: `dualend.ops.repository_api`.)"""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from client.api import generate_http, stream_http
     from client.reload import reload
-    from dualend.repository_api import RepositoryAPI
+    from dualend.ops.repository_api import RepositoryAPI
 
     def assemble():  # streams long enough to outlast the reload's loads
         return assemble_dualend(tmp_path, "--raw-context-limit", "2048", "--max-new-tokens", "2048")
@@ -391,7 +393,7 @@ def test_a_reload_whose_drain_runs_out_keeps_the_old_generation_and_a_rerun_fini
     1's streams and unloads it. Every stream on either generation gets all its tokens."""
     from client.api import stream_http
     from client.reload import ReloadError, loaded_pipelines, reload
-    from dualend.repository_api import RepositoryAPI
+    from dualend.ops.repository_api import RepositoryAPI
 
     def assemble():  # streams that outlast the reload's loads by far
         return assemble_dualend(tmp_path, "--raw-context-limit", "4096", "--max-new-tokens", "4096",
@@ -528,7 +530,7 @@ def test_a_client_calling_the_pipelines_steps_can_replay_only_its_own_request(se
 
 
 class Launched:
-    """`python -m dualend.launch` as users run it (gateway in front, explicit mode, watchdog), on free
+    """`python -m dualend.ops.launch` as users run it (gateway in front, explicit mode, watchdog), on free
     ports, serving the dual-end deployment only."""
 
     def __init__(self, tmp_path):
@@ -539,7 +541,7 @@ class Launched:
         self.triton_grpc_port, self.tmp_path = triton_grpc, tmp_path
         self.repository = self.assemble()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dualend.launch", "--model-repository", str(self.repository), "--no-build",
+            [sys.executable, "-m", "dualend.ops.launch", "--model-repository", str(self.repository), "--no-source-check",
              "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
              "--metrics-port", str(self.metrics_port), "--triton-http-port", str(triton_http),
              "--triton-grpc-port", str(triton_grpc), "--api-keys", str(tmp_path / "keys"),
@@ -586,7 +588,8 @@ def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(
     import signal
     import subprocess
 
-    from dualend.launch import EXIT_TIMEOUT_S, stub_processes
+    from dualend.ops.launch import EXIT_TIMEOUT_S
+    from dualend.ops.processes import stub_processes
 
     with Launched(tmp_path) as launched:
         regions = [region for _, region in stub_processes(launched.server_pid).values()]
@@ -612,7 +615,7 @@ def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
     deployment reports not ready while the watchdog reloads it, and serves again within 15 s."""
     import signal
 
-    from dualend.launch import stub_processes
+    from dualend.ops.processes import stub_processes
 
     with Launched(tmp_path) as launched:
         with ThreadPoolExecutor(4) as pool:
@@ -653,8 +656,9 @@ def test_a_killed_compressor_is_restored_while_http_and_grpc_streams_finish(tmp_
     import signal
 
     from client.api import stream_http
-    from dualend.launch import admin_key, stub_processes
-    from dualend.repository_api import RepositoryAPI
+    from dualend.ops.launch import admin_key
+    from dualend.ops.processes import stub_processes
+    from dualend.ops.repository_api import RepositoryAPI
 
     with Launched(tmp_path) as launched:
         launched.assemble()  # generation 2 on disk, not loaded
@@ -692,8 +696,8 @@ def test_liveness_fails_while_the_watchdog_marks_a_component_it_cannot_restore(t
     import urllib.error
     import urllib.request
 
-    from dualend.gateway import DEFAULT_PREFIX
-    from dualend.watchdog import STUCK_MARK
+    from dualend.ops.gateway import DEFAULT_PREFIX
+    from dualend.ops.watchdog import STUCK_MARK
 
     def live():
         try:

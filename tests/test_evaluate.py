@@ -1,9 +1,10 @@
 """The quality gate's threshold choice, and the evaluation report end to end on tiny models."""
 import json
 
-from builder import evaluate
 from conftest import tiny_model
-from dualend.checkpoint import Checkpoint
+
+from builder import evaluate
+from dualend.engine.checkpoint import Checkpoint
 
 
 def _sweep(gaps: dict[float, float], tokens: dict[float, float]) -> dict:

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from builder.export import export_checkpoint
-from dualend.checkpoint import Checkpoint
-from dualend.decode import CapacityError, SamplingParams, generate_text
-from dualend.kv_pool import KVCache, UnknownSequence
-from dualend.manifest import ManifestError
-from dualend.onnx_engine import ExportedModel, OnnxComponents
-from dualend.reference import TorchComponents
+from dualend.engine.checkpoint import Checkpoint
+from dualend.engine.decode import CapacityError, SamplingParams, generate_text
+from dualend.engine.kv_pool import KVCache, UnknownSequence
+from dualend.engine.manifest import ManifestError
+from dualend.engine.onnx_engine import ExportedModel, OnnxComponents
+from dualend.engine.reference import TorchComponents
 
 PROMPTS = ["Q: 1+2+3\nA:", "get ab\nA:", "def f(x):\n    return x + 1\nprint(f(2))\n# output:"]
 

@@ -8,10 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from builder.assemble import DEFAULTS, main as assemble_main
+from builder.assemble import DEFAULTS
+from builder.assemble import main as assemble_main
 from client.api import RequestError, generate_http, stream_grpc, stream_http
-from dualend.gateway import Gateway, GatewaySettings, write_new_keys
-from dualend.launch import ADMIN_HEADER, TritonServer, free_ports
+from dualend.ops.gateway import Gateway, GatewaySettings, write_new_keys
+from dualend.ops.host import free_ports
+from dualend.ops.launch import ADMIN_HEADER, TritonServer
 
 pytestmark = pytest.mark.server
 PROMPT = "Q: 3+4-2\nA:"
@@ -315,7 +317,7 @@ def test_tritonservers_repository_api_needs_the_admin_key(stack):
 
 
 def test_the_public_inputs_are_read_from_the_served_ensemble_and_an_unreadable_layout_is_refused(stack, tmp_path):
-    from dualend.gateway import GatewayError, public_inputs
+    from dualend.ops.gateway import GatewayError, public_inputs
 
     inputs = public_inputs(stack.repository)
     assert inputs["text_input"] == {"type": "TYPE_STRING", "many": False, "required": True}

@@ -6,7 +6,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from dualend.launch import ServerStartError, TritonServer
+from dualend.ops.launch import ServerStartError, TritonServer
 
 pytestmark = pytest.mark.server
 
@@ -118,21 +118,23 @@ def test_readiness_waits_for_metrics_only_when_tritonserver_serves_them(tmp_path
 def test_a_repository_built_from_other_adapter_sources_is_refused(tmp_path):
     import shutil
 
-    from dualend.launch import ADAPTER_SOURCES, RepositoryMissingError, build_repository_if_missing
+    from dualend.ops.launch import ADAPTER_SOURCES, RepositoryMissingError, check_repository
 
     for model, step in (("dualend_v3_mtp_verify", "mtp_verify"), ("dualend_v3_compressor", "compressor")):
         (tmp_path / model / "1").mkdir(parents=True)
         shutil.copy(ADAPTER_SOURCES / step / "model.py", tmp_path / model / "1" / "model.py")
-    assert build_repository_if_missing(tmp_path) == tmp_path  # this checkout's adapters
+    assert check_repository(tmp_path) == tmp_path  # this checkout's adapters
     (tmp_path / "dualend_v3_mtp_verify" / "1" / "model.py").write_text("# an older adapter\n")
     with pytest.raises(RepositoryMissingError, match=r"dualend_v3_mtp_verify: model.py differs .* Rebuild it: rm -rf"):
-        build_repository_if_missing(tmp_path)
+        check_repository(tmp_path)
+    with pytest.raises(RepositoryMissingError, match=r"does not exist; build it with `python -m builder.assemble`"):
+        check_repository(tmp_path / "missing")
 
 
 def test_the_watchdog_marks_the_server_not_live_after_repeated_failed_restores_and_clears_it_after(tmp_path):
     from types import SimpleNamespace
 
-    from dualend.watchdog import STUCK_AFTER, STUCK_MARK, Watchdog
+    from dualend.ops.watchdog import STUCK_AFTER, STUCK_MARK, Watchdog
 
     watchdog = Watchdog(SimpleNamespace(grpc_url="127.0.0.1:1", admin_key=None), tmp_path / "down")
     watchdog.failures = {"dualend_v1_compressor": STUCK_AFTER - 1}

@@ -1,5 +1,5 @@
 """perf_analyzer profile exports -> TTFT, token-weighted inter-token latency, throughput."""
-from client.perf_report import experiment_figures
+from benchmarks.perf_report import experiment_figures
 
 MS = 1_000_000  # nanoseconds
 
@@ -42,7 +42,7 @@ def test_responses_outside_the_window_are_not_counted_as_throughput():
 def test_bench_report_writes_its_table_and_plots_from_earlier_runs(tmp_path):
     import json
 
-    from client.bench_report import main as bench_report
+    from benchmarks.bench_report import main as bench_report
 
     def export(folder, name, concurrency, first_ms):
         folder.mkdir(parents=True, exist_ok=True)

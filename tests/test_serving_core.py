@@ -6,11 +6,17 @@ import numpy as np
 import pytest
 
 from builder.tensorrt_build import main as tensorrt_main
-from dualend.decode import Chunk, InvalidRequest
-from dualend.serving import (PIPELINE_SECRET_ENV, Limits, PipelineGuard, PreparedRequest, ResponseStream,
-                             generation_of, generations, latents_token, model_parameters, prepare_request, request_token,
-                             prune_generations, response_token, served_generation)
-from dualend.tensorrt_engine import gpu_available
+from dualend.engine.decode import Chunk, InvalidRequest
+from dualend.engine.tensorrt_engine import gpu_available
+from dualend.serving.contract import Limits, PreparedRequest, ResponseStream, prepare_request
+from dualend.serving.keys import PIPELINE_SECRET_ENV, PipelineGuard, latents_token, request_token, response_token
+from dualend.serving.repository import (
+    generation_of,
+    generations,
+    model_parameters,
+    prune_generations,
+    served_generation,
+)
 
 LIMITS = Limits(raw_context_limit=64, pair_size=2, max_new_tokens=32)
 
@@ -57,7 +63,7 @@ def test_bad_requests_say_what_is_wrong(tiny_tokenizer, overrides, message):
 
 
 def test_a_prompt_that_leaves_no_room_for_a_token_is_refused_as_too_long(tiny_tokenizer):
-    from dualend.decode import pad_prompt
+    from dualend.engine.decode import pad_prompt
 
     text = np.array([b"Q: 1+2\nA:"], dtype=object)
     ids = tiny_tokenizer.encode_prompt("Q: 1+2\nA:")
@@ -77,7 +83,7 @@ def test_the_limits_themselves_are_accepted(tiny_tokenizer):
 
 
 def _request(stream, exclude=True):
-    from dualend.decode import SamplingParams
+    from dualend.engine.decode import SamplingParams
     return PreparedRequest([1, 5, 6], SamplingParams(max_tokens=8), stream, exclude)
 
 

@@ -9,9 +9,10 @@ carry the pipeline key of this checkpoint, so a step of another checkpoint is re
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.engines import open_engine
-from dualend.onnx_engine import BackboneBatch, BackboneRunner, kv_cache
-from dualend.serving import PipelineGuard, model_parameters, version_components
+from dualend.engine.engines import open_engine
+from dualend.engine.onnx_engine import BackboneBatch, BackboneRunner, kv_cache
+from dualend.serving.keys import PipelineGuard
+from dualend.serving.repository import model_parameters, version_components
 
 
 class TritonPythonModel:

@@ -6,8 +6,10 @@ token names them), and signs the latents it returns for mtp_verify (`serving.lat
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.engines import open_engine
-from dualend.serving import PipelineGuard, PreparedRequest, latents_token, model_parameters, request_token, version_components
+from dualend.engine.engines import open_engine
+from dualend.serving.contract import PreparedRequest
+from dualend.serving.keys import PipelineGuard, latents_token, request_token
+from dualend.serving.repository import model_parameters, version_components
 
 
 class TritonPythonModel:

@@ -24,14 +24,15 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.batch_loop import DecodeLoop, Executor, QueuedOutput, SendThread
-from dualend.decode import InvalidRequest
-from dualend.manifest import verify_component, verify_siblings
-from dualend.metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSAL_REASONS, REFUSALS, PhaseMetrics
-from dualend.onnx_engine import BackboneResult, MTPComponent
-from dualend.scheduler import Scheduler
-from dualend.serving import (PipelineGuard, PreparedRequest, latents_token, model_parameters, response_token,
-                             version_components)
+from dualend.engine.decode import InvalidRequest
+from dualend.engine.manifest import verify_component, verify_siblings
+from dualend.engine.onnx_engine import BackboneResult, MTPComponent
+from dualend.engine.scheduler import Scheduler
+from dualend.serving.contract import PreparedRequest
+from dualend.serving.keys import PipelineGuard, latents_token, response_token
+from dualend.serving.loop import DecodeLoop, Executor, QueuedOutput, SendThread
+from dualend.serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSAL_REASONS, REFUSALS, PhaseMetrics
+from dualend.serving.repository import model_parameters, version_components
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SHUTDOWN_MESSAGE = "the server is shutting down; the stream ends here, retry"

@@ -11,7 +11,8 @@ from collections import deque
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.serving import PipelineGuard, model_parameters, response_token, version_components
+from dualend.serving.keys import PipelineGuard, response_token
+from dualend.serving.repository import model_parameters, version_components
 
 
 class TritonPythonModel:

@@ -2,9 +2,10 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.decode import InvalidRequest
-from dualend.serving import (Limits, model_parameters, pipeline_secret, prepare_request, request_token,
-                             version_components)
+from dualend.engine.decode import InvalidRequest
+from dualend.serving.contract import Limits, prepare_request
+from dualend.serving.keys import pipeline_secret, request_token
+from dualend.serving.repository import model_parameters, version_components
 
 OPTIONAL_INPUTS = ("stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
                    "exclude_input_in_output", "acceptance_threshold", "ignore_eos")

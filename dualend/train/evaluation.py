@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dualend.engine.decode import Generation, SamplingParams, gate
+from dualend.engine.model import LanguageModel
+from dualend.engine.reference import TorchBatch, generate_batch
+from dualend.engine.tokenizer import TextTokenizer
+
 from .data import FAMILIES, Example, distinct, examples, extract_answer, sized_examples
-from .decode import Generation, SamplingParams, gate
-from .model import LanguageModel
-from .reference import TorchBatch, generate_batch
-from .tokenizer import TextTokenizer
 
 MAX_ANSWER_TOKENS = 48
 SHORT_PROMPT_TOKENS = 128  # the short bucket: prompts under this many tokens (BOS included)

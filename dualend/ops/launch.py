@@ -5,10 +5,10 @@ The wheel's server tree is copied once into a writable cache (default
 stub for the running Python, and started with this virtualenv's packages visible to the stub.
 
 Example:
-    python -m dualend.launch                      # build/model_repository, built first if missing
-    python -m dualend.launch --model-control-mode explicit --load-model dualend_v1_backbone --load-model dualend
+    python -m dualend.ops.launch                      # build/model_repository, built first if missing
+    python -m dualend.ops.launch --model-control-mode explicit --load-model dualend_v1_backbone --load-model dualend
 
-By default clients reach only the gateway (`dualend.gateway`, nginx) on --http-port and
+By default clients reach only the gateway (`dualend.ops.gateway`, nginx) on --http-port and
 --grpc-port, with the API keys in --api-keys (a new key is written there if the file is missing);
 tritonserver listens on 127.0.0.1:18000 (HTTP) and :18001 (gRPC) behind it (--triton-http-port,
 --triton-grpc-port), with its repository, shared-memory,
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import filecmp
-import importlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -41,9 +40,12 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from .manifest import verify_component
+from dualend.engine.manifest import verify_component
+from dualend.serving.keys import PIPELINE_SECRET_ENV, pipeline_key
+from dualend.serving.repository import pipeline_name, prune_generations, served_generation
+
+from .host import client_host, free_ports, write_private_file
 from .repository_api import ADMIN_HEADER
-from .serving import PIPELINE_SECRET_ENV, pipeline_key, pipeline_name, prune_generations, served_generation
 
 PYTRITON_VERSION = "0.7.0"  # the nvidia-pytriton release that ships tritonserver 2.51.0
 TRITON_VERSION = "2.51.0"
@@ -138,18 +140,6 @@ def prepare_triton_home(home: Path | str | None = None) -> Path:
     return home
 
 
-def stub_processes(server_pid: int) -> dict[str, tuple[int, str]]:
-    """{model: (pid, shared-memory region)} of one tritonserver's Python backend stubs, from their
-    command lines (`stub model.py region size growth parent-pid backends ... <model>_<n>_<device>`)."""
-    stubs = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(args) > 8 and args[0].endswith(b"triton_python_backend_stub") and args[5] == str(server_pid).encode():
-            stubs[args[8].decode().rsplit("_", 2)[0]] = (int(proc.name), args[2].decode())
-    return stubs
 
 
 def is_installed_server(home: Path) -> bool:
@@ -189,59 +179,25 @@ def stale_adapters(model_repository: Path) -> list[str]:
     return stale
 
 
-def build_repository_if_missing(model_repository: Path | str) -> Path:
-    """Hook: build the model repository with `builder.assemble` when the path does not exist; refuse
-    one whose adapters are not this checkout's."""
+def check_repository(model_repository: Path | str) -> Path:
+    """The model repository, refused when missing or when its adapters are not this checkout's."""
     model_repository = Path(model_repository)
-    if model_repository.exists():
-        stale = stale_adapters(model_repository)
-        if stale:
-            raise RepositoryMissingError(
-                f"model repository {model_repository} was built from other sources than this checkout "
-                f"({', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}: model.py differs from model_repository/); "
-                f"serving it would run the old code. Rebuild it: rm -rf {model_repository} build/export && "
-                f"{BUILD_COMMAND} (with the flags you built it with)")
-        return model_repository
-    try:
-        assemble = importlib.import_module("builder.assemble")
-    except ImportError as err:
-        raise RepositoryMissingError(
-            f"model repository {model_repository} does not exist and the builder cannot be "
-            f"imported ({err}); build it first with `{BUILD_COMMAND}` from the project root"
-        ) from err
-    log.info("model repository %s is missing; building it with builder.assemble", model_repository)
-    assemble.main([])
     if not model_repository.exists():
         raise RepositoryMissingError(
-            f"builder.assemble finished but {model_repository} still does not exist; "
-            f"build it with `{BUILD_COMMAND}` and pass its output to --model-repository"
-        )
+            f"model repository {model_repository} does not exist; build it with `{BUILD_COMMAND}` from the "
+            f"project root (bash scripts/serve.sh builds it and serves)")
+    stale = stale_adapters(model_repository)
+    if stale:
+        raise RepositoryMissingError(
+            f"model repository {model_repository} was built from other sources than this checkout "
+            f"({', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}: model.py differs from model_repository/); "
+            f"serving it would run the old code. Rebuild it: rm -rf {model_repository} build/export && "
+            f"{BUILD_COMMAND} (with the flags you built it with)")
     return model_repository
 
 
-def client_host(host: str) -> str:
-    """Where a client on this machine connects to a server bound to `host` (wildcard binds are
-    reached via loopback)."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
 
 
-def free_ports(host: str, count: int) -> list[int]:
-    """`count` distinct ports that are free on `host` now (held open together while choosing)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(family, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _answers(url: str) -> bool:
@@ -523,19 +479,14 @@ def admin_key(path: Path = DEFAULT_ADMIN_KEY_FILE, create: bool = False) -> str 
     return path.read_text().strip() if path.exists() else None
 
 
-def write_private_file(path: Path, text: str) -> None:
-    """A file only its owner reads (keys, secrets), its folder made if need be."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(0o600)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m dualend.launch", description=__doc__.split("\n\n")[0]
+        prog="python -m dualend.ops.launch", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY,
-                        help="built with `python -m builder.assemble` if missing (default %(default)s)")
+                        help="built by `python -m builder.assemble` (default %(default)s)")
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default %(default)s)")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="0 = any free port")
     parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="0 = any free port")
@@ -564,8 +515,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-file", type=Path, help="server log (default: a temporary file)")
     parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
     parser.add_argument(
-        "--no-build", action="store_true",
-        help=f"fail instead of running `{BUILD_COMMAND}` when the repository is missing",
+        "--no-source-check", action="store_true",
+        help="serve the repository without checking that its adapters are this checkout's (containers)",
     )
     parser.add_argument(
         "extra_args", nargs="*", metavar="-- TRITON_ARG",
@@ -582,8 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     gateway, watching = None, None
     try:
-        if not args.no_build:
-            build_repository_if_missing(args.model_repository)
+        if not args.no_source_check:
+            check_repository(args.model_repository)
         behind = not args.no_gateway
         server = TritonServer(
             args.model_repository,

@@ -1,7 +1,7 @@
 # Environment for perf_analyzer 2.51.0 (from the tritonclient==2.51.0 wheel) on a CPU-only machine.
 #
 # Usage (bash or zsh, from anywhere):
-#   source client/perf_env.sh
+#   source benchmarks/perf_env.sh
 #   perf_analyzer --version
 #   perf_analyzer -m ensemble -u 127.0.0.1:8001 -i grpc --streaming ...
 #

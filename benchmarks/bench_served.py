@@ -1,9 +1,9 @@
 """Served vs in-process, dual-end vs baseline: TTFT and TPOT at concurrency 1, interleaved;
 a concurrency sweep; and what a long prompt arriving does to running streams.
 
-    python -m client.bench_served --lengths 256 960 --repeats 5 --new-tokens 64
-    python -m client.bench_served --sweep 1 4 16 32 --lengths 256 --repeats 2
-    python -m client.bench_served --interference --repeats 3
+    python -m benchmarks.bench_served --lengths 256 960 --repeats 5 --new-tokens 64
+    python -m benchmarks.bench_served --sweep 1 4 16 32 --lengths 256 --repeats 2
+    python -m benchmarks.bench_served --interference --repeats 3
 
 Starts a real tritonserver on the assembled repository (or uses --grpc-url). The default mode,
 for each repeat, prompt length and deployment, runs the same prompt over gRPC streaming and
@@ -28,14 +28,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from builder.assemble import DEFAULTS as ASSEMBLE, calibrated_threshold, main as assemble_main
-from builder.bench_engine import long_prompt, timed_generation
-from dualend.decode import SamplingParams
-from dualend.launch import TritonServer
-from dualend.onnx_engine import OnnxComponents
-
-from .api import RequestError, median_and_spread, percentile, stream_grpc
-from .processes import cpu_snapshot, cpu_used, server_processes, server_tree
+from benchmarks.bench_engine import long_prompt, timed_generation
+from builder.assemble import DEFAULTS as ASSEMBLE
+from builder.assemble import calibrated_threshold
+from builder.assemble import main as assemble_main
+from client.api import RequestError, median_and_spread, percentile, stream_grpc
+from dualend.engine.decode import SamplingParams
+from dualend.engine.onnx_engine import OnnxComponents
+from dualend.ops.launch import TritonServer
+from dualend.ops.processes import cpu_snapshot, cpu_used, server_processes, server_tree
 
 DEPLOYMENTS = ("dualend", "baseline")
 CPU_ROLES = ("tritonserver", "preprocessing", "compressor", "backbone", "mtp_verify", "postprocessing", "other",

@@ -5,9 +5,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dualend.launch import stub_processes
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def stub_processes(server_pid: int) -> dict[str, tuple[int, str]]:
+    """{model: (pid, shared-memory region)} of one tritonserver's Python backend stubs, from their
+    command lines (`stub model.py region size growth parent-pid backends ... <model>_<n>_<device>`)."""
+    stubs = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(args) > 8 and args[0].endswith(b"triton_python_backend_stub") and args[5] == str(server_pid).encode():
+            stubs[args[8].decode().rsplit("_", 2)[0]] = (int(proc.name), args[2].decode())
+    return stubs
 
 
 def server_tree(server_pid: int) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """Benchmark report with pictures: perf_analyzer sweeps of both deployments plus the quality report.
 
-    python -m client.bench_report                          # against tritonserver on 127.0.0.1:18001 (behind the gateway)
-    python -m client.bench_report --sweep build/perf/run1  # re-plot sweeps already run
+    python -m benchmarks.bench_report                          # against tritonserver on 127.0.0.1:18001 (behind the gateway)
+    python -m benchmarks.bench_report --sweep build/perf/run1  # re-plot sweeps already run
 
 Runs `perf_analyzer_configs/run.sh` (dual-end and baseline back to back at every concurrency) for
 the concurrency sweep on one workload and for TTFT at each fixed prompt length at concurrency 1,
@@ -26,7 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .perf_report import read_export, table  # noqa: E402
+from benchmarks.perf_report import read_export, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(url="127.0.0.1:18001", out=ROOT / "builder" / "reports" / "bench", workload="fixed_256",
@@ -129,7 +129,7 @@ def main(argv=None) -> Path:
     lines = ["# Benchmark report\n",
              f"perf_analyzer 2.51.0 over gRPC streaming, `{args.workload}` workload (held-out text, "
              f"ignore_eos), dual-end and baseline back to back at each concurrency; figures from the profile "
-             f"exports (`client/perf_report.py`).\n", "## Concurrency sweep\n", table(rows),
+             f"exports (`benchmarks/perf_report.py`).\n", "## Concurrency sweep\n", table(rows),
              "\n## Fixed prompt lengths, concurrency 1\n", table(ttft_rows),
              f"\n## Quality (from `{Path(args.quality).name}`, threshold {quality['threshold']})\n"]
     lines += [f"![{p.stem}]({p.name})" for p in plots]

@@ -19,12 +19,13 @@ from typing import Protocol
 
 import numpy as np
 
-from .decode import CapacityError, InvalidRequest, SequenceDecoder, TextStream
+from dualend.engine.decode import CapacityError, InvalidRequest, SequenceDecoder, TextStream
+from dualend.engine.onnx_engine import BackboneBatch, BackboneResult, MTPComponent, OnnxComponents
+from dualend.engine.scheduler import Scheduler
+from dualend.engine.tokenizer import TextTokenizer
+
+from .contract import PreparedRequest, Response, ResponseStream
 from .metrics import PhaseMetrics
-from .onnx_engine import BackboneBatch, BackboneResult, MTPComponent, OnnxComponents
-from .scheduler import Scheduler
-from .serving import PreparedRequest, Response, ResponseStream
-from .tokenizer import TextTokenizer
 
 SEQUENCE_LOST = "holds no KV cache"
 

@@ -1,7 +1,7 @@
 """Engine benchmark: dual-end vs baseline in-process, interleaved in one run, no server.
 
-    python -m builder.bench_engine --lengths 256 512 960 --repeats 5 --new-tokens 64
-    python -m builder.bench_engine --batch-sizes 1 4 16 32 --lengths 256 --repeats 3
+    python -m benchmarks.bench_engine --lengths 256 512 960 --repeats 5 --new-tokens 64
+    python -m benchmarks.bench_engine --batch-sizes 1 4 16 32 --lengths 256 --repeats 3
 
 Prompts are held-out standard-library source cut to each length in raw tokens; generation is
 greedy at the calibrated threshold with EOS ignored, so every run decodes `--new-tokens` tokens.
@@ -24,17 +24,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from builder.assemble import DEFAULTS as ASSEMBLE_DEFAULTS
+from builder.assemble import calibrated_threshold, up_to_date_export
 from client.api import median_and_spread
-from dualend.batch_loop import DecodeLoop, Executor
-from dualend.checkpoint import load_checkpoint
-from dualend.data import stdlib_chunks
-from dualend.decode import SamplingParams, generate, pad_prompt
-from dualend.onnx_engine import OnnxComponents
-from dualend.reference import TorchComponents
-from dualend.scheduler import Scheduler
-from dualend.serving import PreparedRequest
-
-from .assemble import DEFAULTS as ASSEMBLE_DEFAULTS, calibrated_threshold, up_to_date_export
+from dualend.engine.checkpoint import load_checkpoint
+from dualend.engine.decode import SamplingParams, generate, pad_prompt
+from dualend.engine.onnx_engine import OnnxComponents
+from dualend.engine.reference import TorchComponents
+from dualend.engine.scheduler import Scheduler
+from dualend.serving.contract import PreparedRequest
+from dualend.serving.loop import DecodeLoop, Executor
+from dualend.train.data import stdlib_chunks
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(lengths=[256, 512, 960], repeats=5, new_tokens=64, threads=2, threshold=None)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import io
+import itertools
 import random
 import string
 import sysconfig

@@ -1,6 +1,6 @@
 """Write perf_analyzer input files: held-out text prompts of known token lengths.
 
-    python -m client.perf_inputs                     # -> perf_analyzer_configs/*.json
+    python -m benchmarks.perf_inputs                     # -> perf_analyzer_configs/*.json
 
 Every workload streams, ignores EOS (so each request decodes exactly max_tokens tokens) and stays
 inside the trained context (prompt + max_tokens <= raw_context_limit):
@@ -16,8 +16,8 @@ import json
 import random
 from pathlib import Path
 
-from dualend.checkpoint import load_checkpoint
-from dualend.data import stdlib_chunks
+from dualend.engine.checkpoint import load_checkpoint
+from dualend.train.data import stdlib_chunks
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(checkpoint=ROOT / "checkpoints" / "dualend", out=ROOT / "perf_analyzer_configs", prompts=32, seed=0)

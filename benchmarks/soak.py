@@ -1,8 +1,8 @@
 """Soak test: many closed-loop streams for a long time, against a running server; prints errors by
 kind, latency percentiles and the memory (RSS) of every server process over time.
 
-    python -m client.soak --streams 64 --passes 2 --pass-s 300            # the production check
-    python -m client.soak --url 127.0.0.1:18001 --streams 16 --passes 2 --pass-s 60
+    python -m benchmarks.soak --streams 64 --passes 2 --pass-s 300            # the production check
+    python -m benchmarks.soak --url 127.0.0.1:18001 --streams 16 --passes 2 --pass-s 60
 
 Each pass runs `--streams` clients that send requests back to back (prompts of the three task
 families, 16-128 new tokens, both deployments alternating) for `--pass-s` seconds. After each pass
@@ -19,10 +19,9 @@ import sys
 import threading
 import time
 
-from dualend.data import FAMILIES, eval_set
-
-from .api import RequestError, percentile, stream_grpc
-from .processes import rss_mb, server_processes
+from client.api import RequestError, percentile, stream_grpc
+from dualend.ops.processes import rss_mb, server_processes
+from dualend.train.data import FAMILIES, eval_set
 
 DEPLOYMENTS = ("dualend", "baseline")
 

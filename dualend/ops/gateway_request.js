@@ -3,7 +3,7 @@
 // integer past INT32 (10^12 arrives as -727379968) and passes an unknown field on as a parameter, so a
 // misspelt `temprature` would be ignored. Values of the right type are checked by the preprocessing
 // model (ranges, text), as for gRPC. INPUTS (name -> {type, many, required}) is written above this
-// file by dualend.gateway from the ensemble's config.
+// file by dualend.ops.gateway from the ensemble's config.
 
 // Past 2^53 a JSON number is no longer exact here, so a UINT64's upper bound is checked on its digits
 // as written (tritonserver reads them exactly), in textProblem.

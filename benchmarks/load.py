@@ -1,6 +1,6 @@
 """Closed-loop load: N concurrent clients send held-out task prompts until M requests are done.
 
-    python -m client.load --model dualend --concurrency 8 --requests 64
+    python -m benchmarks.load --model dualend --concurrency 8 --requests 64
 
 Prints throughput (requests/s, output tokens/s), TTFT and TPOT median and p90, tokens per step,
 and every error by message. Bounded in count; talks only to the server it is given.
@@ -14,9 +14,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dualend.data import FAMILIES, eval_set
-
-from .api import RequestError, median_and_spread, stream_grpc, stream_http
+from client.api import RequestError, median_and_spread, stream_grpc, stream_http
+from dualend.train.data import FAMILIES, eval_set
 
 DEFAULTS = dict(url="127.0.0.1:8001", model="dualend", concurrency=8, requests=64, max_tokens=64)
 

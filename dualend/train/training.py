@@ -10,11 +10,21 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from .data import (FAMILIES, Example, after_solved, examples, lookup_context, lookup_entries, shot_pool,
-                   sized_examples, stdlib_chunks)
-from .decode import pad_prompt
-from .model import LanguageModel
-from .tokenizer import TextTokenizer
+from dualend.engine.decode import pad_prompt
+from dualend.engine.model import LanguageModel
+from dualend.engine.tokenizer import TextTokenizer
+
+from .data import (
+    FAMILIES,
+    Example,
+    after_solved,
+    examples,
+    lookup_context,
+    lookup_entries,
+    shot_pool,
+    sized_examples,
+    stdlib_chunks,
+)
 
 IGNORE = -100
 MAX_COMPLETION_TOKENS = 64  # room left after a long prompt for its answer

@@ -19,7 +19,7 @@ no model name nginx can read). Keys come from a file of `name key` lines; client
 (over gRPC, the `authorization` metadata). Changing the canary weight rewrites the config and
 reloads nginx gracefully: requests in flight finish on the old workers, none is dropped.
 
-    python -m dualend.gateway weight --baseline-percent 0 --prefix build/gateway
+    python -m dualend.ops.gateway weight --baseline-percent 0 --prefix build/gateway
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launch import client_host, write_private_file
+from .host import client_host, write_private_file
 from .watchdog import STUCK_MARK
 
 PUBLIC_DEPLOYMENTS = ("dualend", "baseline")
@@ -163,7 +163,7 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
         }}"""
 
     grpc_methods = "|".join(GRPC_METHODS)
-    return f"""# written by dualend.gateway; edits are overwritten
+    return f"""# written by dualend.ops.gateway; edits are overwritten
 load_module {NJS_MODULE};
 worker_processes 1;
 pid {prefix}/nginx.pid;

@@ -18,8 +18,10 @@ import threading
 import time
 from pathlib import Path
 
+from dualend.serving.repository import generation_of, pipeline_name
+
+from .processes import stub_processes
 from .repository_api import RepositoryAPI
-from .serving import generation_of, pipeline_name
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,6 @@ class Watchdog:
 
     def failed_models(self, ready: list[str]) -> list[str]:
         """Of the READY models, the Python models of our deployments whose stub is gone."""
-        from .launch import stub_processes
-
         alive = stub_processes(self.server.pid)
         return [name for name in ready if name.startswith(tuple(f"{d}_v" for d in self.deployments))
                 and name not in alive]

@@ -1,6 +1,6 @@
 """Turn perf_analyzer profile exports into TTFT, inter-token latency and throughput.
 
-    python -m client.perf_report build/perf/<run>/*.json [--json summary.json]
+    python -m benchmarks.perf_report build/perf/<run>/*.json [--json summary.json]
 
 perf_analyzer's console summary times only a decoupled model's first response; its
 `--profile-export-file` keeps every response's timestamp and outputs, which this reads:
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .api import token_gaps
+from client.api import token_gaps
 
 PERCENTILES = (50, 90, 99)
 

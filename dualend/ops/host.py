@@ -1,0 +1,38 @@
+"""This host as servers and clients on it see it: the address a client dials, free ports, files
+only their owner reads."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+
+def client_host(host: str) -> str:
+    """Where a client on this machine connects to a server bound to `host` (wildcard binds are
+    reached via loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct ports that are free on `host` now (held open together while choosing)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """A file only its owner reads (keys, secrets), its folder made if need be."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o600)

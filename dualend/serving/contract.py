@@ -1,0 +1,168 @@
+"""The public request contract: a request's raw tensors validated into a PreparedRequest, and
+the responses a decode loop sends back for it. No Triton import."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from dualend.engine.decode import MAX_STOP_WORDS, Chunk, InvalidRequest, SamplingParams, pad_prompt
+from dualend.engine.tokenizer import TextTokenizer
+
+COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps",
+            "num_prompt_tokens", "num_prompt_latents")
+
+
+@dataclass(frozen=True)
+class Limits:
+    raw_context_limit: int   # prompt + generated tokens, as the user counts them
+    pair_size: int
+    max_new_tokens: int
+
+    @property
+    def effective_latent_limit(self) -> int:
+        return self.raw_context_limit // self.pair_size
+
+
+@dataclass
+class PreparedRequest:
+    prompt_ids: list[int]    # BOS + prompt tokens, before pair padding
+    params: SamplingParams
+    stream: bool
+    exclude_input_in_output: bool
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "PreparedRequest":
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "PreparedRequest":
+        raw = dict(raw)
+        params = raw.pop("params")
+        params["stop_words"] = tuple(params["stop_words"])
+        return cls(params=SamplingParams(**params), **raw)
+
+    def prompt_pairs(self, pair_size: int, pad_id: int) -> np.ndarray:
+        """The prompt as the compressor reads it: [latents, pair_size] token ids, padded to pairs."""
+        return np.asarray(pad_prompt(self.prompt_ids, pair_size, pad_id), dtype=np.int64).reshape(-1, pair_size)
+
+
+def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max_tokens,
+                    stream=None, temperature=None, top_k=None, top_p=None, random_seed=None,
+                    stop_words=None, exclude_input_in_output=None, acceptance_threshold=None,
+                    ignore_eos=None) -> PreparedRequest:
+    """Validates one request's raw tensors (numpy arrays or None) into a PreparedRequest."""
+    texts = np.asarray(text_input, dtype=object).reshape(-1)
+    if texts.size != 1:
+        raise InvalidRequest(f"text_input must hold exactly one string, got {texts.size}")
+    raw_bytes = len(texts[0].encode() if isinstance(texts[0], str) else bytes(texts[0]))
+    byte_limit = limits.raw_context_limit * tokenizer.max_token_bytes
+    if raw_bytes > byte_limit:  # refused before tokenizing: a huge prompt costs nobody any time
+        raise InvalidRequest(
+            f"prompt is {raw_bytes} bytes, longer than any prompt of raw_context_limit {limits.raw_context_limit} "
+            f"tokens can be ({byte_limit} bytes); prompts are never truncated, shorten it")
+    text = _text(texts[0], "text_input")
+    if not text.strip():
+        raise InvalidRequest("text_input is empty")
+    params = SamplingParams(
+        max_tokens=_scalar(max_tokens, "max_tokens", int),
+        temperature=_scalar(temperature, "temperature", float) or 0.0,
+        top_k=_scalar(top_k, "top_k", int) or 0,
+        top_p=1.0 if top_p is None else _scalar(top_p, "top_p", float),
+        seed=_scalar(random_seed, "random_seed", int) or 0,
+        acceptance_threshold=_scalar(acceptance_threshold, "acceptance_threshold", float),
+        stop_words=_stop_words(stop_words),
+        ignore_eos=bool(_scalar(ignore_eos, "ignore_eos", int) or False),
+    )
+    if params.max_tokens is None:
+        raise InvalidRequest("max_tokens is required")
+    params.validate(limits.max_new_tokens)
+    prompt_ids = tokenizer.encode_prompt(text)
+    prompt_slots = len(pad_prompt(prompt_ids, limits.pair_size, tokenizer.pad_id))
+    counted = (f"{len(prompt_ids)} tokens" if prompt_slots == len(prompt_ids)
+               else f"{len(prompt_ids)} tokens, {prompt_slots} slots with the pair padding")
+    if prompt_slots >= limits.raw_context_limit:
+        raise InvalidRequest(
+            f"prompt is {counted}, leaving no room for a new token within raw_context_limit "
+            f"{limits.raw_context_limit} ({limits.effective_latent_limit} latents); prompts are never truncated, "
+            "shorten it")
+    if prompt_slots + params.max_tokens > limits.raw_context_limit:
+        raise InvalidRequest(
+            f"prompt ({counted}) + max_tokens ({params.max_tokens}) exceeds raw_context_limit "
+            f"{limits.raw_context_limit}; lower max_tokens to at most {limits.raw_context_limit - prompt_slots}")
+    return PreparedRequest(prompt_ids, params, bool(_scalar(stream, "stream", int) or False),
+                           bool(_scalar(exclude_input_in_output, "exclude_input_in_output", int) or False))
+
+
+def _scalar(value, name: str, kind):
+    if value is None:
+        return None
+    array = np.asarray(value).reshape(-1)
+    if array.size != 1:
+        raise InvalidRequest(f"{name} must hold exactly one value, got {array.size}")
+    item = array[0].item()
+    if kind is float and not isinstance(item, (int, float)) or kind is int and not isinstance(item, int):
+        raise InvalidRequest(f"{name} must be a number, got {type(item).__name__}")
+    return kind(item)
+
+
+def _text(value: bytes | str, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidRequest(f"{name} is not valid UTF-8 (bad byte at offset {error.start})") from None
+
+
+def _stop_words(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    words = np.asarray(value, dtype=object).reshape(-1)
+    if words.size > MAX_STOP_WORDS:  # counted before any is decoded
+        raise InvalidRequest(f"stop_words holds {words.size} words, at most {MAX_STOP_WORDS}")
+    return tuple(_text(word, "stop_words") for word in words)
+
+
+@dataclass
+class Response:
+    output_ids: list[int]
+    counters: dict[str, int]
+    finish_reason: str | None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {"output_ids": np.asarray(self.output_ids, dtype=np.int64)}
+        out.update({name: np.asarray([value], dtype=np.int32) for name, value in self.counters.items()})
+        out["finish_reason"] = np.asarray([(self.finish_reason or "").encode()], dtype=object)
+        return out
+
+
+class ResponseStream:
+    """One request's chunks -> its responses: one per chunk when streaming, otherwise one with
+    everything when the last chunk arrives. The prompt, unless excluded, leads the first response;
+    it is not counted as output."""
+
+    def __init__(self, request: PreparedRequest, num_prompt_latents: int):
+        self.stream = request.stream
+        self.prompt_echo = [] if request.exclude_input_in_output else list(request.prompt_ids)
+        self.fixed = {"num_prompt_tokens": len(request.prompt_ids), "num_prompt_latents": num_prompt_latents}
+        self.total = Response([], {name: 0 for name in COUNTERS[:4]} | self.fixed, None)
+
+    def add(self, chunk: Chunk) -> Response | None:
+        part = {"num_output_tokens": len(chunk.tokens), "num_drafts": chunk.drafts,
+                "num_accepted_drafts": chunk.accepted, "num_steps": chunk.steps}
+        if self.stream:
+            response = Response(self.prompt_echo + chunk.tokens, part | self.fixed, chunk.finish_reason)
+            self.prompt_echo = []
+            return response
+        self.total.output_ids += chunk.tokens
+        self.total.counters = {k: self.total.counters[k] + part.get(k, 0) for k in self.total.counters}
+        if chunk.finish_reason is None:
+            return None
+        self.total.finish_reason = chunk.finish_reason
+        self.total.output_ids = self.prompt_echo + self.total.output_ids
+        return self.total

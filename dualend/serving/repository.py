@@ -1,0 +1,72 @@
+"""A Triton model's view of the repository: its config parameters, its version folder's
+components, and the names of a deployment's generations."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from dualend.engine.onnx_engine import ExportedModel
+
+
+class ModelParameters(dict):
+    """A model config's `parameters`; a missing one names itself and the way to fix it."""
+
+    def __init__(self, model: str, values: dict[str, str]):
+        super().__init__(values)
+        self.model = model
+
+    def __missing__(self, key: str) -> str:
+        raise KeyError(f"{self.model}: the model config has no parameter {key!r}: the repository was built by "
+                       f"another version of dualend; rebuild it with `python -m builder.assemble`")
+
+
+def model_parameters(args: dict) -> ModelParameters:
+    """The `parameters` of a Triton model's config, from the args of its initialize()."""
+    config = json.loads(args["model_config"])
+    return ModelParameters(args.get("model_name", config.get("name", "model")),
+                           {k: v["string_value"] for k, v in config.get("parameters", {}).items()})
+
+
+def version_components(args: dict, names: tuple[str, ...]) -> ExportedModel:
+    """The verified components that sit in a Triton model's version folder."""
+    return ExportedModel.open(Path(args["model_repository"]) / args["model_version"], names)
+
+
+def pipeline_name(deployment: str, generation: int) -> str:
+    return f"{deployment}_v{generation}"
+
+
+def generation_of(model: str, deployment: str) -> int | None:
+    """The generation of one of the deployment's internal models (`dualend_v3_backbone` -> 3), None
+    for any other name (the ensemble itself, another deployment's models)."""
+    match = re.fullmatch(rf"{re.escape(deployment)}_v(\d+)_\w+", model)
+    return int(match.group(1)) if match else None
+
+
+def served_generation(repository: Path, deployment: str) -> int | None:
+    """The generation of internal models the deployment's ensemble uses, None if there is none."""
+    config = repository / deployment / "config.pbtxt"
+    match = re.search(r'model_name: "(\w+)"', config.read_text()) if config.exists() else None
+    return generation_of(match.group(1), deployment) if match else None
+
+
+def generations(repository: Path, deployment: str) -> list[int]:
+    return sorted({g for p in repository.glob(f"{deployment}_v*_*")
+                   if (g := generation_of(p.name, deployment)) is not None})
+
+
+def prune_generations(repository: Path, deployment: str, keep: set[str], keep_newer_than: int | None = None
+                      ) -> list[str]:
+    """Removes the folders of the deployment's generations not in `keep` (pipeline names) and, with
+    `keep_newer_than`, not newer than that generation (one assembled meanwhile stays); returns the
+    pipelines removed. Only for generations no server has loaded."""
+    removed = []
+    for generation in generations(repository, deployment):
+        pipeline = pipeline_name(deployment, generation)
+        if pipeline not in keep and (keep_newer_than is None or generation <= keep_newer_than):
+            for folder in repository.glob(f"{pipeline}_*"):
+                shutil.rmtree(folder, ignore_errors=True)
+            removed.append(pipeline)
+    return removed

@@ -29,8 +29,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from benchmarks.perf_report import read_export, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULTS = dict(url="127.0.0.1:18001", out=ROOT / "builder" / "reports" / "bench", workload="fixed_256",
-                concurrency="1 4 16 32", lengths="256 512 896", quality=ROOT / "builder" / "reports" / "quality.json")
+DEFAULTS = dict(url="127.0.0.1:18001", out=ROOT / "reports" / "bench", workload="fixed_256",
+                concurrency="1 4 16 32", lengths="256 512 896", quality=ROOT / "reports" / "quality.json")
 DEPLOYMENTS = ("dualend", "baseline")
 COLORS = {"dualend": "tab:blue", "baseline": "tab:orange"}
 

@@ -7,6 +7,10 @@ For each deployment (`dualend`, `baseline`) it exports the checkpoint (skipped w
 already matches the checkpoint id), then writes the six Triton models with their artifacts and
 manifests and configs rendered from model_repository/*/config.pbtxt.template. The repository is
 written beside the target and swapped in whole, so a server never sees half of it.
+
+Inputs: the checkpoints (`--checkpoints`) and the quality report (`--quality-report`, default
+reports/quality.json): the evaluation report written by `python -m builder.evaluate`, whose
+calibrated acceptance_threshold the dual-end deployment ships (`--threshold` overrides it).
 """
 from __future__ import annotations
 
@@ -34,11 +38,13 @@ SOURCES = ROOT / "model_repository"
 DEFAULTS = dict(
     checkpoints=ROOT / "checkpoints", out=ROOT / "build" / "model_repository", export_dir=ROOT / "build" / "export",
     hf_tokenizer=ROOT / "build" / "tokenizer",
-    quality_report=ROOT / "builder" / "reports" / "quality.json", engine="onnxruntime",
+    quality_report=ROOT / "reports" / "quality.json", engine="onnxruntime",
     raw_context_limit=0, max_new_tokens=0, kv_block_size=16, kv_capacity_sequences=32,
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
     engine_threads=2, preprocessing_instances=1,
 )
+HELP = dict(quality_report="the evaluation report (python -m builder.evaluate) whose calibrated "
+                           "acceptance_threshold the dual-end deployment ships (default: %(default)s)")
 DEPLOYMENTS = ("dualend", "baseline")
 # Triton model suffix -> (source folder, components copied into its version folder)
 MODELS = {
@@ -193,7 +199,7 @@ def main(argv=None) -> Path:
     for key, value in DEFAULTS.items():
         kind = str if isinstance(value, Path) else type(value)
         parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=value,
-                            choices=ENGINES if key == "engine" else None)
+                            choices=ENGINES if key == "engine" else None, help=HELP.get(key))
     parser.add_argument("--threshold", type=float, default=None,
                         help="acceptance_threshold; default: the calibrated one in the quality report")
     parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS))

@@ -13,7 +13,7 @@ Splits are disjoint by construction (`dualend.train.data.split_of`). Per family 
   3. held-out text, teacher-forced: loss by position bucket up to the trained context (baseline;
      dual-end with every draft accepted, at the chosen threshold, drafting off), and the
      confidence head's reliability table.
-Writes builder/reports/quality.json and quality.md.
+Writes reports/quality.json and quality.md.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from dualend.train.evaluation import (
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(dualend=ROOT / "checkpoints" / "dualend", baseline=ROOT / "checkpoints" / "baseline",
-                reports=ROOT / "builder" / "reports", report_examples=400, calibration_examples=200,
+                reports=ROOT / "reports", report_examples=400, calibration_examples=200,
                 samples=4, temperature=0.7, gate=0.02, interval_floor=0.05, text_chunks=40, seed=0, threads=2)
 THRESHOLDS = (-1.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 CELLS = [(f, b) for f in FAMILIES for b in BUCKETS]

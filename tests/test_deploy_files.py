@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dualend.ops.gateway import GatewaySettings, render
-from dualend.serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSALS
+from dualend.serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, POOL_COUNTERS, POOL_GAUGES, REFUSALS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER, K8S = ROOT / "docker", ROOT / "k8s"
@@ -19,8 +19,7 @@ DOCKER, K8S = ROOT / "docker", ROOT / "k8s"
 
 def exported_metrics() -> set[str]:
     """Every metric name the Triton models register: the decode loop's and the backbone's."""
-    backbone = (ROOT / "model_repository" / "backbone" / "model.py").read_text()
-    return ({*COUNTERS, *HISTOGRAMS, *GAUGES, REFUSALS[0]} | set(re.findall(r'"(dualend_[a-z_]+)"', backbone)))
+    return {*COUNTERS, *HISTOGRAMS, *GAUGES, REFUSALS[0], *POOL_GAUGES, *POOL_COUNTERS}
 
 
 @pytest.mark.parametrize("manifest", sorted(K8S.glob("*.yaml")), ids=lambda p: p.name)

@@ -9,16 +9,19 @@ a release moves the last row into the freed one. Every layout lives in one buffe
 never shrinks; a server sizes and touches it at start (`preallocate_slots`), so its memory is
 fixed from the first request on, however lengths vary.
 
-A sequence reserves, at its start, the slots it may need (prompt pairs + max new tokens),
-accounted in blocks, so a request is admitted or refused up front and never runs out of cache
-halfway. Sequences idle past `idle_timeout_s` are evicted, so a caller that vanished cannot hold
-the cache forever.
+A sequence reserves, at its start, a row and the slots it may need (prompt pairs + max new
+tokens). Whether it may is decided before, by the one account of KV blocks
+(`kv_blocks.KVBlockManager`, the scheduler's): the cache keeps no budget of its own, and refuses
+only what it physically cannot do (no row left, a step beyond a reservation), with a typed error.
+Sequences idle past `idle_timeout_s` are evicted, a safety net for a caller that vanished (its
+account went with it); a later step of one says it was evicted (`EvictedSequence`).
 """
 from __future__ import annotations
 
 import math
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,18 +30,24 @@ from .decode import CapacityError
 
 
 class UnknownSequence(KeyError):
-    pass
+    """The sequence holds no cache here: released, lost in a model reload, or never started."""
 
 
-def blocks_for(slots: int, block_size: int) -> int:
-    """Blocks a reservation of `slots` pair slots takes (at least one)."""
-    return max(1, math.ceil(slots / block_size))
+class EvictedSequence(UnknownSequence):
+    """The sequence's cache was evicted after idling."""
+
+
+class AlreadyStarted(ValueError):
+    """A reservation for a sequence that holds one."""
+
+
+class NoRoom(CapacityError):
+    """No row is left, or a step would go beyond the sequence's reservation."""
 
 
 @dataclass
 class _Sequence:
     row: int
-    blocks: int
     reserved_slots: int
     last_used: float = field(default_factory=time.monotonic)
 
@@ -54,13 +63,14 @@ class Past:
 class KVCache:
     bucket_default = 64
 
-    def __init__(self, layers: int, heads: int, head_dim: int, max_sequences: int, block_size: int = 16,
-                 capacity_blocks: int | None = None, idle_timeout_s: float = 60.0, bucket: int = bucket_default,
-                 preallocate_slots: int = 0, clock=time.monotonic):
-        self.layers, self.heads, self.head_dim = layers, heads, head_dim
-        self.max_sequences, self.block_size, self.capacity_blocks = max_sequences, block_size, capacity_blocks
+    remembered_evictions = 1024  # evicted sequence ids kept, so their next step says so
+
+    def __init__(self, layers: int, heads: int, head_dim: int, max_sequences: int, idle_timeout_s: float = 60.0,
+                 bucket: int = bucket_default, preallocate_slots: int = 0, clock=time.monotonic):
+        self.layers, self.heads, self.head_dim, self.max_sequences = layers, heads, head_dim, max_sequences
         self.idle_timeout_s, self.bucket, self.clock = idle_timeout_s, bucket, clock
         self.sequences: dict[int, _Sequence] = {}
+        self.evicted: OrderedDict[int, None] = OrderedDict()
         self.row_owner: list[int] = []  # sequence id of each row in use
         self.lengths = np.zeros(max_sequences, np.int64)
         self.keys: list[np.ndarray] = []
@@ -77,39 +87,27 @@ class KVCache:
     def capacity_slots(self) -> int:
         return self.keys[0].shape[2]
 
-    @property
-    def used_blocks(self) -> int:
-        return sum(s.blocks for s in self.sequences.values())
-
-    @property
-    def free_blocks(self) -> int | None:
-        return None if self.capacity_blocks is None else self.capacity_blocks - self.used_blocks
-
     def reserve(self, seq_id: int, slots: int) -> int:
-        """Gives the sequence a row and `slots` slots of budget; returns its row."""
-        blocks = blocks_for(slots, self.block_size)
+        """Gives the sequence a row and `slots` slots; returns its row."""
         with self._lock:
             if seq_id in self.sequences:
-                raise ValueError(f"sequence {seq_id} already holds a cache")
+                raise AlreadyStarted(f"sequence {seq_id} already holds a cache")
             self._evict_idle_locked()
-            free = self.free_blocks
-            if free is not None and blocks > free:
-                raise CapacityError(
-                    f"KV cache full: the request needs {blocks} blocks of {self.block_size} pair slots, "
-                    f"{free} of {self.capacity_blocks} are free; retry later or lower max_tokens")
             if len(self.row_owner) == self.max_sequences:
-                raise CapacityError(f"KV cache full: all {self.max_sequences} sequence rows are taken; retry later")
+                raise NoRoom(f"KV cache full: all {self.max_sequences} sequence rows are taken; retry later")
             row = len(self.row_owner)
             self.row_owner.append(seq_id)
             self.lengths[row] = 0
-            self.sequences[seq_id] = _Sequence(row, blocks, slots, last_used=self.clock())
+            self.sequences[seq_id] = _Sequence(row, slots, last_used=self.clock())
+            self.evicted.pop(seq_id, None)
             return row
 
     def row(self, seq_id: int) -> int:
         sequence = self.sequences.get(seq_id)
         if sequence is None:
-            raise UnknownSequence(f"sequence {seq_id} holds no KV cache (released, evicted after "
-                                  f"{self.idle_timeout_s:.0f} s idle, lost in a model reload, or never started)")
+            lost = EvictedSequence if seq_id in self.evicted else UnknownSequence
+            raise lost(f"sequence {seq_id} holds no KV cache (released, evicted after "
+                       f"{self.idle_timeout_s:.0f} s idle, lost in a model reload, or never started)")
         sequence.last_used = self.clock()
         return sequence.row
 
@@ -120,13 +118,17 @@ class KVCache:
         """Before `rows` get `new_slots` more slots each: checks their reservations and grows T
         to the next bucket when the longest would not fit."""
         for row in rows:
-            sequence = self.sequences[self.row_owner[row]]
-            if self.lengths[row] + new_slots > sequence.reserved_slots:
-                raise CapacityError(f"sequence {self.row_owner[row]} outgrew its reservation of "
-                                    f"{sequence.reserved_slots} pair slots")
+            self.check_room(row, new_slots)
         needed = int(max(self.lengths[row] for row in rows)) + new_slots
         if needed > self.capacity_slots:
             self._allocate(self._bucketed(needed))
+
+    def check_room(self, row: int, new_slots: int) -> None:
+        """Raises NoRoom when `new_slots` more would take the row beyond its reservation."""
+        sequence = self.sequences[self.row_owner[row]]
+        if self.lengths[row] + new_slots > sequence.reserved_slots:
+            raise NoRoom(f"sequence {self.row_owner[row]} outgrew its reservation of "
+                         f"{sequence.reserved_slots} pair slots")
 
     def past(self, one: int | None = None) -> Past:
         """The past of every row in use, or of row `one` alone: views, no copy."""
@@ -189,6 +191,9 @@ class KVCache:
         idle = [k for k, s in self.sequences.items() if now - s.last_used > self.idle_timeout_s]
         for seq_id in idle:
             self._release_locked(seq_id)
+            self.evicted[seq_id] = None
+        while len(self.evicted) > self.remembered_evictions:
+            self.evicted.popitem(last=False)
         self.evicted_total += len(idle)
         return idle
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 
 import numpy as np
 
 from .decode import BackboneOutput, CapacityError
-from .kv_pool import KVCache, UnknownSequence
+from .kv_pool import AlreadyStarted, EvictedSequence, KVCache, NoRoom, UnknownSequence
 from .manifest import Manifest, ManifestError, verify_component, verify_siblings
 from .tokenizer import TextTokenizer
 
@@ -86,7 +87,8 @@ class BackboneBatch:
     """One call to the backbone: new latents of several sequences, one segment each.
 
     A segment with `reserve_slots` > 0 starts its sequence (its first prefill chunk); a decode
-    step is a segment of one latent. `releases` are freed before anything runs.
+    step is a segment of one latent. `releases`: sequences whose blocks the caller's account
+    (`kv_blocks.KVBlockManager`) freed; their rows are released before anything runs.
     """
     sequence_ids: list[int]
     latents: np.ndarray          # [sum(counts), D], the segments one after the other
@@ -95,11 +97,32 @@ class BackboneBatch:
     releases: list[int]
 
 
+class SequenceStatus(IntEnum):
+    """How one sequence's part of a backbone call went (an INT32 over BLS)."""
+    OK = 0
+    UNKNOWN_SEQUENCE = 1  # it holds no cache: released, lost in a model reload, or never started
+    EVICTED = 2           # its cache was evicted after idling
+    NO_ROOM = 3           # no cache row left, or a step beyond its reservation
+    ALREADY_STARTED = 4   # a first chunk for a sequence that holds a cache
+    ENGINE_FAILED = 5     # the engine call it was in raised
+
+
+_KV_ERRORS = ((EvictedSequence, SequenceStatus.EVICTED), (UnknownSequence, SequenceStatus.UNKNOWN_SEQUENCE),
+              (NoRoom, SequenceStatus.NO_ROOM), (AlreadyStarted, SequenceStatus.ALREADY_STARTED))
+
+
 @dataclass
 class BackboneResult:
-    logits: np.ndarray           # [B, V] at each segment's last latent
-    hidden: np.ndarray           # [B, D]
-    errors: list[str]            # per sequence, "" when it ran
+    logits: np.ndarray             # [B, V] at each segment's last latent
+    hidden: np.ndarray             # [B, D]
+    status: list[SequenceStatus]   # per sequence
+    messages: list[str]            # per sequence, for humans: "" when OK
+
+    def failed(self, index: int) -> bool:
+        return self.status[index] != SequenceStatus.OK
+
+    def fail(self, index: int, status: SequenceStatus, message: str) -> None:
+        self.status[index], self.messages[index] = status, message
 
 
 class BackboneRunner:
@@ -118,8 +141,9 @@ class BackboneRunner:
     def step(self, seq_ids: list[int], latents: np.ndarray) -> list[BackboneOutput]:
         # latents: [B, D], one new pair per sequence
         result = self.run_batch(BackboneBatch(seq_ids, latents, [1] * len(seq_ids), [0] * len(seq_ids), []))
-        if any(result.errors):
-            raise RuntimeError(next(e for e in result.errors if e))
+        failed = [i for i in range(len(seq_ids)) if result.failed(i)]
+        if failed:
+            raise RuntimeError(result.messages[failed[0]])
         return [BackboneOutput(result.logits[i], result.hidden[i]) for i in range(len(seq_ids))]
 
     def release(self, seq_id: int) -> bool:
@@ -127,20 +151,20 @@ class BackboneRunner:
 
     @staticmethod
     def _single(result: BackboneResult) -> BackboneOutput:
-        if result.errors[0]:
-            raise (CapacityError if result.errors[0].startswith("KV cache full") else RuntimeError)(result.errors[0])
+        if result.failed(0):
+            raise (CapacityError if result.status[0] == SequenceStatus.NO_ROOM else RuntimeError)(result.messages[0])
         return BackboneOutput(result.logits[0], result.hidden[0])
 
     def run_batch(self, batch: BackboneBatch) -> BackboneResult:
         """Every single-latent segment in one engine call over all cache rows; each longer prefill
-        chunk in its own. A sequence that fails (cache full, unknown) fails alone, with its message
-        in `errors`."""
+        chunk in its own. A sequence that fails (unknown, evicted, no room) fails alone, with its
+        status and message."""
         for seq_id in batch.releases:
             self.cache.release(seq_id)
         self.cache.compact()
         size = len(batch.sequence_ids)
         result = BackboneResult(np.zeros((size, self.vocab_size), np.float32),
-                                np.zeros((size, self.d_model), np.float32), [""] * size)
+                                np.zeros((size, self.d_model), np.float32), [SequenceStatus.OK] * size, [""] * size)
         starts = np.concatenate([[0], np.cumsum(batch.counts)]).astype(int)
         singles, chunks, started, rows = [], [], [], {}
         for index, (seq_id, reserve) in enumerate(zip(batch.sequence_ids, batch.reserve_slots)):
@@ -150,8 +174,10 @@ class BackboneRunner:
                     started.append(index)
                 else:
                     rows[index] = self.cache.row(seq_id)
-            except (CapacityError, UnknownSequence, ValueError) as error:
-                result.errors[index] = str(error).strip("'\"")
+                self.cache.check_room(rows[index], batch.counts[index])
+            except tuple(kind for kind, _ in _KV_ERRORS) as error:
+                status = next(status for kind, status in _KV_ERRORS if isinstance(error, kind))
+                result.fail(index, status, str(error).strip("'\""))
                 continue
             (singles if batch.counts[index] == 1 else chunks).append(index)
         latents = np.asarray(batch.latents, np.float32)
@@ -163,12 +189,12 @@ class BackboneRunner:
                            else [self._chunk(rows[indices[0]], segments[0])])
             except Exception as error:  # noqa: BLE001 - the group fails, the other groups run
                 for index in indices:
-                    result.errors[index] = f"backbone engine failed: {error}"
+                    result.fail(index, SequenceStatus.ENGINE_FAILED, f"backbone engine failed: {error}")
                 continue
             for index, (logits, hidden) in zip(indices, outputs):
                 result.logits[index], result.hidden[index] = logits, hidden
         for index in started:  # a sequence whose first chunk failed holds nothing
-            if result.errors[index]:
+            if result.failed(index):
                 self.cache.release(batch.sequence_ids[index])
         return result
 
@@ -291,13 +317,12 @@ class MTPComponent:
 class OnnxComponents(MTPComponent):
     """The in-process engine: every component on ONNX Runtime, no server."""
 
-    def __init__(self, directory: str | Path, threads: int | None = None, kv_capacity_blocks: int | None = None,
-                 max_sequences: int = DEFAULT_MAX_SEQUENCES):
+    def __init__(self, directory: str | Path, threads: int | None = None, max_sequences: int = DEFAULT_MAX_SEQUENCES):
         exported = ExportedModel.open(directory)
         super().__init__(exported, max_sequences)
         self.exported = exported
         settings = exported.settings
-        cache = kv_cache(settings, settings["n_layers"], max_sequences, capacity_blocks=kv_capacity_blocks)
+        cache = kv_cache(settings, settings["n_layers"], max_sequences)
         # The only multi-threaded session in this process, so its threads may spin between steps.
         self.backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning=True), cache,
                                        settings["vocab_size"], settings["d_model"])

@@ -7,8 +7,9 @@ Engine-free and clock-injected, so it is tested without a server, as vLLM keeps 
 - chunked prefill: each iteration prefills at most `prefill_chunk` prompt latents, spread over the
   sequences still prefilling in arrival order, so a long prompt never stalls the decoding ones;
 - decode: every sequence past its prefill takes one step in every iteration.
-The KV memory itself lives with the backbone engine (`kv_pool.KVCache`); the scheduler only counts
-blocks, so it never admits a sequence the cache could not hold.
+A sequence takes its KV blocks from the scheduler's `kv_blocks.KVBlockManager` when it is admitted
+and gives them back in `finish`: the one account of KV blocks. The caches (`kv_pool.KVCache`) hold
+the storage and only do what they are told, so a sequence admitted here is never refused there.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .decode import CapacityError, InvalidRequest
-from .kv_pool import blocks_for
+from .kv_blocks import KVBlockManager
 
 
 class Schedulable(Protocol):
@@ -53,15 +54,16 @@ class Scheduler:
         self.max_running, self.max_queue, self.wait_s = max_running, max_queue, wait_s
         self.prefill_chunk, self.kv_blocks, self.kv_block_size = prefill_chunk, kv_blocks, kv_block_size
         self.clock = clock
+        self.kv = KVBlockManager(kv_blocks, kv_block_size)
         self.waiting: deque[tuple[Schedulable, float]] = deque()  # (sequence, arrival time)
         self.running: list[Schedulable] = []
 
     def blocks(self, sequence: Schedulable) -> int:
-        return blocks_for(sequence.reserve_slots, self.kv_block_size)
+        return self.kv.blocks_for(sequence.reserve_slots)
 
     @property
     def used_blocks(self) -> int:
-        return sum(self.blocks(s) for s in self.running)
+        return self.kv.used_blocks
 
     def submit(self, sequence: Schedulable) -> None:
         """Runs the sequence now if it fits and nobody waits before it, queues it otherwise;
@@ -70,7 +72,7 @@ class Scheduler:
             raise InvalidRequest(f"the request needs {sequence.reserve_slots} KV slots, more than the whole cache "
                                  f"holds ({self.kv_blocks} blocks of {self.kv_block_size}); lower max_tokens")
         if not self.waiting and self._fits(sequence):
-            self.running.append(sequence)
+            self._run(sequence)
             return
         if len(self.waiting) >= self.max_queue:
             raise CapacityError(f"server busy: {len(self.running)} requests running and {len(self.waiting)} "
@@ -82,7 +84,7 @@ class Scheduler:
         admitted, expired = [], []
         while self.waiting and self._fits(self.waiting[0][0]):
             sequence, _ = self.waiting.popleft()
-            self.running.append(sequence)
+            self._run(sequence)
             admitted.append(sequence)
         now = self.clock()
         while self.waiting and now - self.waiting[0][1] >= self.wait_s:
@@ -90,12 +92,16 @@ class Scheduler:
             expired.append((sequence, CapacityError(
                 f"server busy: waited {self.wait_s:g} s in the queue (queue_wait_s) for a place "
                 f"({len(self.running)} of {self.max_running} taken) and room in the KV cache (it needs "
-                f"{self.blocks(sequence)} blocks, {self.kv_blocks - self.used_blocks} of {self.kv_blocks} are free); "
+                f"{self.blocks(sequence)} blocks, {self.kv.free_blocks} of {self.kv_blocks} are free); "
                 f"retry later or lower max_tokens")))
         return admitted, expired
 
     def _fits(self, sequence: Schedulable) -> bool:
-        return len(self.running) < self.max_running and self.used_blocks + self.blocks(sequence) <= self.kv_blocks
+        return len(self.running) < self.max_running and self.kv.fits(sequence.reserve_slots)
+
+    def _run(self, sequence: Schedulable) -> None:
+        self.kv.allocate(sequence, sequence.reserve_slots)
+        self.running.append(sequence)
 
     def plan(self) -> Plan:
         plan, budget = Plan(), self.prefill_chunk
@@ -108,12 +114,14 @@ class Scheduler:
                 budget -= stop - sequence.prefilled
         return plan
 
-    def finish(self, sequence: Schedulable) -> None:
-        """Frees the sequence's place and blocks, or takes it out of the queue."""
+    def finish(self, sequence: Schedulable) -> bool:
+        """Frees the sequence's place and blocks, or takes it out of the queue; True when it held
+        blocks (only then may the caches hold anything of it), and only the first time."""
         if sequence in self.running:
             self.running.remove(sequence)
-        else:
-            self.waiting = deque(item for item in self.waiting if item[0] is not sequence)
+            return self.kv.free(sequence)
+        self.waiting = deque(item for item in self.waiting if item[0] is not sequence)
+        return False
 
     def __contains__(self, sequence: Schedulable) -> bool:
         return sequence in self.running or any(item[0] is sequence for item in self.waiting)

@@ -20,14 +20,12 @@ from typing import Protocol
 import numpy as np
 
 from dualend.engine.decode import CapacityError, InvalidRequest, SequenceDecoder, TextStream
-from dualend.engine.onnx_engine import BackboneBatch, BackboneResult, MTPComponent, OnnxComponents
+from dualend.engine.onnx_engine import BackboneBatch, BackboneResult, MTPComponent, OnnxComponents, SequenceStatus
 from dualend.engine.scheduler import Scheduler
 from dualend.engine.tokenizer import TextTokenizer
 
 from .contract import PreparedRequest, Response, ResponseStream
 from .metrics import PhaseMetrics
-
-SEQUENCE_LOST = "holds no KV cache"
 
 
 class Output(Protocol):
@@ -126,20 +124,41 @@ class Observer(Protocol):
 
 class Executor:
     """Runs the engines of one deployment: the backbone (in-process or over BLS), and the
-    compressor and MTP head in-process, each batched over the sequences of an iteration."""
+    compressor and MTP head in-process, each batched over the sequences of an iteration.
+
+    It holds no KV account: the scheduler's block manager frees a sequence's blocks, and the loop
+    then tells `release` to free its storage, the MTP head's at once and the backbone's with the
+    next backbone call (released there before anything is reserved), or at once when the loop idles."""
 
     def __init__(self, backbone: Backbone, local: MTPComponent, d_model: int):
         self.backbone, self.local, self.d_model = backbone, local, d_model
+        self.releases: list[int] = []  # sequences whose backbone rows go with the next call
 
     @classmethod
     def in_process(cls, engine: OnnxComponents) -> "Executor":
         return cls(engine.backbone, engine, engine.exported.settings["d_model"])
 
     def run_backbone(self, batch: BackboneBatch) -> BackboneResult:
-        return self.backbone.run_batch(batch)
+        batch.releases, self.releases = self.releases + batch.releases, []
+        try:
+            return self.backbone.run_batch(batch)
+        except Exception:
+            self.releases += batch.releases  # the call may not have got to them (releasing twice is harmless)
+            raise
 
-    def release(self, seq_ids: list[int]) -> None:
-        self.backbone.run_batch(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], seq_ids))
+    def release(self, seq_id: int) -> None:
+        if self.local.mtp is not None:
+            self.local.mtp.cache.release(seq_id)
+        self.releases.append(seq_id)
+
+    def flush_releases(self) -> None:
+        """Frees the queued backbone rows now (the loop is idle)."""
+        if self.releases:
+            releases, self.releases = self.releases, []
+            try:
+                self.backbone.run_batch(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], releases))
+            except Exception:  # noqa: BLE001 - the backbone's idle eviction frees them instead
+                pass
 
     def compress(self, pairs: np.ndarray) -> np.ndarray:
         # pairs: [B, pair_size] -> latents [B, D]
@@ -152,9 +171,6 @@ class Executor:
               positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # t1: [B]; hidden: [B, D]; positions: [B] -> draft logits [B, V], confidence [B]
         return self.local.mtp.step_batch(seq_ids, t1, hidden, positions)
-
-    def close_drafts(self, seq_id: int) -> None:
-        self.local.mtp.cache.release(seq_id)
 
 
 @dataclass(eq=False)
@@ -173,11 +189,6 @@ class LiveSequence:
     first_token_at: float = 0.0  # its first released token was decoded (0: none yet)
     last_sent: float = 0.0       # its last response with tokens went out (0: none yet)
     next_cancel_check: float = 0.0
-
-    @property
-    def started(self) -> bool:
-        """The backbone holds a cache for it (its first prefill chunk ran)."""
-        return self.prefilled > 0
 
     @property
     def num_latents(self) -> int:
@@ -205,7 +216,6 @@ class DecodeLoop:
         local = executor.local
         self.pair_size, self.pad_id, self.eos_id, self.bos_id = local.pair_size, local.pad_id, local.eos_id, local.bos_id
         self.live: dict[int, LiveSequence] = {}
-        self.releases: list[int] = []
         self._inbox = _Inbox()
         self._wake = threading.Condition()
         self._drained: str | None = None  # the message every request gets once the loop drained
@@ -270,12 +280,7 @@ class DecodeLoop:
             self._end(sequence, error=str(error), reason="queue_timeout")
         plan = self.scheduler.plan()
         if not plan:
-            if self.releases:  # idle: free the caches now rather than with the next request
-                releases, self.releases = self.releases, []
-                try:
-                    self.executor.release(releases)
-                except Exception:  # noqa: BLE001 - the backbone's idle eviction frees them instead
-                    pass
+            self.executor.flush_releases()  # idle: free the rows now rather than with the next request
             return False
         rows = plan.decode + [chunk.sequence for chunk in plan.prefill]
         parts = []
@@ -286,9 +291,7 @@ class DecodeLoop:
         batch = BackboneBatch(
             [s.request_id for s in rows], np.concatenate(parts), [1] * len(plan.decode)
             + [c.stop - c.start for c in plan.prefill],
-            [0] * len(plan.decode) + [0 if c.start else c.sequence.reserve_slots for c in plan.prefill],
-            self.releases)
-        self.releases = []
+            [0] * len(plan.decode) + [0 if c.start else c.sequence.reserve_slots for c in plan.prefill], [])
         started = self.clock()
         for chunk in plan.prefill:
             if chunk.start == 0:
@@ -297,16 +300,14 @@ class DecodeLoop:
         try:
             result = self.executor.run_backbone(batch)
         except Exception as error:  # noqa: BLE001 - the iteration's sequences fail, the loop goes on
-            # The call may have got as far as the cache: release what it was to release, and what
-            # the first chunks may have reserved (releasing an unknown sequence is harmless).
-            self.releases += batch.releases + [c.sequence.request_id for c in plan.prefill if c.start == 0]
-            for sequence in rows:
-                self._end(sequence, error=_backbone_message(str(error)), reason="backbone")
+            for sequence in rows:  # each ends, so its rows are released (a first chunk's too, if it got that far)
+                self._end(sequence, error=str(error), reason="backbone")
             return True
         ready = []
         for row, sequence in enumerate(rows):
-            if result.errors[row]:
-                self._end(sequence, error=_backbone_message(result.errors[row]), reason="backbone")
+            if result.failed(row):
+                self._end(sequence, error=_backbone_message(result.status[row], result.messages[row]),
+                          reason="backbone")
                 continue
             if row >= len(plan.decode):
                 chunk = plan.prefill[row - len(plan.decode)]
@@ -431,11 +432,8 @@ class DecodeLoop:
         """Frees everything the sequence holds; a request that did not finish gets its last word."""
         if self.live.pop(sequence.request_id, None) is None:
             return
-        self.scheduler.finish(sequence)
-        if sequence.started:
-            self.releases.append(sequence.request_id)
-        if sequence.drafting:
-            self.executor.close_drafts(sequence.request_id)
+        if self.scheduler.finish(sequence):  # its blocks came back, once: now its storage goes too
+            self.executor.release(sequence.request_id)
         if error is not None:
             self.observer.refused(reason)
             sequence.output.fail(error)
@@ -449,8 +447,8 @@ class DecodeLoop:
         self._take_inbox()
 
 
-def _backbone_message(error: str) -> str:
-    if SEQUENCE_LOST in error:
+def _backbone_message(status: SequenceStatus, message: str) -> str:
+    if status in (SequenceStatus.UNKNOWN_SEQUENCE, SequenceStatus.EVICTED):
         return (f"the backbone lost this stream's sequence (the model was reloaded, or it evicted the sequence "
-                f"after idling); the stream ends here, retry: {error}")
-    return error
+                f"after idling); the stream ends here, retry: {message}")
+    return message

@@ -4,12 +4,14 @@ Each call into Triton's metric API is a round trip to the server process (about 
 streamed response), so the loop records here, for free, and the Triton adapter pushes what
 changed a few times a second: one increment per counter and per histogram bucket, whatever the
 traffic. Histograms are cumulative buckets as Prometheus has them (`_bucket{le=...}`, `_sum`,
-`_count`).
+`_count`). `PoolMetrics` reports the backbone's KV storage.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+
+from dualend.engine.kv_blocks import blocks_for
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 REFUSAL_REASONS = ("queue_full", "queue_timeout", "too_large", "shutdown", "backbone")
@@ -115,3 +117,36 @@ class PhaseMetrics:
     def flush(self, idle: bool, running: int, waiting: int) -> None:
         """Called after every loop iteration, busy or idle; an exporter pushes `take()` from here."""
         self.gauges["dualend_running_sequences"], self.gauges["dualend_waiting_requests"] = running, waiting
+
+
+POOL_GAUGES = {"dualend_kv_blocks_used": "KV cache blocks in use",
+               "dualend_kv_blocks_free": "KV cache blocks free",
+               "dualend_kv_live_sequences": "Sequences holding a KV cache"}
+POOL_COUNTERS = {"dualend_sequences_evicted": "Sequences evicted after idling"}
+
+
+class PoolMetrics:
+    """The backbone's KV storage as metrics: the rows it holds, their reservations in blocks of the
+    deployment's size, and its idle evictions. It reports; the scheduler's block manager decides.
+
+    `family(name, description, kind)` makes a metric family of kind "gauge" or "counter" whose
+    `Metric(labels=...)` can `set` and `increment` (`pb_utils.MetricFamily` in Triton)."""
+
+    def __init__(self, family, labels: dict[str, str], pool, block_size: int, capacity_blocks: int):
+        self.pool, self.block_size, self.capacity_blocks = pool, block_size, capacity_blocks
+        self.families = [family(name, description, "gauge") for name, description in POOL_GAUGES.items()]
+        self.families += [family(name, description, "counter") for name, description in POOL_COUNTERS.items()]
+        self.used, self.free, self.live, self.evicted = (f.Metric(labels=labels) for f in self.families)
+        self.reported = (None, None, None, 0)
+        self.update()
+
+    def update(self) -> None:
+        """Only what changed: each metric call is a round trip to the server process."""
+        used = sum(blocks_for(s.reserved_slots, self.block_size) for s in self.pool.sequences.values())
+        now = (used, self.capacity_blocks - used, len(self.pool.sequences), self.pool.evicted_total)
+        for metric, before, value in zip((self.used, self.free, self.live), self.reported, now):
+            if value != before:
+                metric.set(value)
+        if now[3] != self.reported[3]:
+            self.evicted.increment(now[3] - self.reported[3])
+        self.reported = now

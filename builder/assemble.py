@@ -21,17 +21,18 @@ import py_compile
 import secrets
 import shutil
 import string
+from dataclasses import asdict
 from pathlib import Path
 
 from builder.export import export_checkpoint
 from dualend.engine.checkpoint import load_checkpoint
 from dualend.engine.engines import ENGINES
-from dualend.engine.kv_pool import blocks_for
+from dualend.engine.kv_blocks import blocks_for
 from dualend.engine.manifest import ManifestError
 from dualend.engine.onnx_engine import ExportedModel
 from dualend.engine.tokenizer import BOS, EOS, PAD
 from dualend.serving.keys import PIPELINE_SECRET_FILE
-from dualend.serving.repository import generations, pipeline_name, served_generation
+from dualend.serving.repository import DeploymentConfig, generations, pipeline_name, served_generation
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ROOT / "model_repository"
@@ -110,29 +111,30 @@ def trained_context(checkpoint_dir: Path) -> int:
     return int(recipe["context"])
 
 
-def deployment_values(name: str, exported: ExportedModel, args, threshold: float, raw_context_limit: int) -> dict:
-    """Template values; max_new_tokens defaults to the whole limit (prompt + max_tokens <=
+def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, threshold: float,
+                      raw_context_limit: int) -> dict:
+    """Template values: the deployment config (each field, and all of them as `parameters` lines)
+    and the tensor dims. max_new_tokens defaults to the whole limit (prompt + max_tokens <=
     raw_context_limit is checked per request)."""
     settings = exported.settings
     pair_size = settings["pair_size"]
     max_new_tokens = args.max_new_tokens or raw_context_limit
-    latent_limit = raw_context_limit // pair_size
     sequence_slots = max_sequence_latents(raw_context_limit, max_new_tokens, pair_size)
-    return {
-        "deployment": name, "checkpoint_id": exported.checkpoint_id, "pair_size": pair_size,
+    config = DeploymentConfig(
+        deployment=name, pipeline=pipeline, pair_size=pair_size,
+        acceptance_threshold=threshold if pair_size == 2 else 1.0,
+        raw_context_limit=raw_context_limit, max_new_tokens=max_new_tokens,
+        max_concurrent_requests=args.max_concurrent_requests, max_queue_size=args.max_queue_size,
+        queue_wait_s=args.queue_wait_s, prefill_chunk_latents=max(1, args.prefill_chunk_tokens // pair_size),
+        kv_block_size=args.kv_block_size,
+        kv_capacity_blocks=args.kv_capacity_sequences * blocks_for(sequence_slots, args.kv_block_size),
+        max_sequence_slots=sequence_slots, idle_timeout_s=args.idle_timeout_s,
+        engine=args.engine, engine_threads=args.engine_threads,
+        compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
+    )
+    return asdict(config) | {
+        "parameters": config.pbtxt(), "checkpoint_id": exported.checkpoint_id,
         "d_model": settings["d_model"], "vocab_size": settings["vocab_size"],
-        "extra_draft_tokens": pair_size - 1,
-        "acceptance_threshold": threshold if pair_size == 2 else 1.0,
-        "raw_context_limit": raw_context_limit, "effective_latent_limit": latent_limit,
-        "max_new_tokens": max_new_tokens, "kv_block_size": args.kv_block_size,
-        "kv_capacity_blocks": args.kv_capacity_sequences * blocks_for(sequence_slots, args.kv_block_size),
-        "max_sequence_slots": sequence_slots,
-        "max_concurrent_requests": args.max_concurrent_requests,
-        "prefill_chunk_latents": max(1, args.prefill_chunk_tokens // pair_size),
-        "max_queue_size": args.max_queue_size, "queue_wait_s": args.queue_wait_s,
-        "idle_timeout_s": args.idle_timeout_s,
-        "engine": args.engine, "engine_threads": args.engine_threads,
-        "compressor_engine": "onnxruntime",  # only the backbone is compiled to TensorRT
         "preprocessing_instances": args.preprocessing_instances,
     }
 
@@ -159,7 +161,7 @@ def assemble(args) -> Path:
         limit = args.raw_context_limit or trained_context(Path(args.checkpoints) / name)
         served = served_generation(out, name)
         generation = max(generations(out, name), default=0) + 1
-        values = deployment_values(name, exported, args, threshold, limit) | {"pipeline": pipeline_name(name, generation)}
+        values = deployment_values(name, pipeline_name(name, generation), exported, args, threshold, limit)
         render_deployment(name, exported, staging, values)
         if name == args.deployments[0]:
             write_hf_tokenizer(exported, Path(args.hf_tokenizer))

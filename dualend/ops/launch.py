@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dualend.engine.manifest import verify_component
+from dualend.serving.control import drain_request
 from dualend.serving.keys import PIPELINE_SECRET_ENV, pipeline_key
 from dualend.serving.repository import pipeline_name, prune_generations, served_generation
 
@@ -394,9 +395,9 @@ class TritonServer:
     def drain(self, timeout_s: float = 5.0) -> int:
         """Ends every running stream at once with a clear error (each deployment's decode loop is told
         to drain, and refuses new requests), so a stop does not wait for them; returns how many loops."""
-        import numpy as np
         import tritonclient.grpc as grpcclient
         import tritonclient.http as httpclient
+        from tritonclient.utils import np_to_triton_dtype
 
         drained = 0
         http = httpclient.InferenceServerClient(self.http_url)
@@ -404,17 +405,13 @@ class TritonServer:
             try:
                 if not http.is_model_ready(model):
                     continue
-                latent_size = int(http.get_model_config(model)["input"][0]["dims"][-1])
             except Exception:  # noqa: BLE001 - not loaded, or the server is already going
                 continue
-            inputs = [grpcclient.InferInput("prompt_latents", [1, latent_size], "FP32"),
-                      grpcclient.InferInput("request_params", [1], "BYTES"),
-                      grpcclient.InferInput("pipeline_key", [1], "BYTES")]
-            inputs[0].set_data_from_numpy(np.zeros((1, latent_size), np.float32))
-            inputs[1].set_data_from_numpy(np.array([b'{"drain": true}'], dtype=object))
             checkpoint = verify_component(self.model_repository / model / "1" / "compressor").checkpoint_id
-            inputs[2].set_data_from_numpy(np.array([pipeline_key(self.pipeline_secret, checkpoint).encode()],
-                                                   dtype=object))
+            inputs = []
+            for name, array in drain_request(pipeline_key(self.pipeline_secret, checkpoint)).items():
+                inputs.append(grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)))
+                inputs[-1].set_data_from_numpy(array)
             done = threading.Event()
             client = grpcclient.InferenceServerClient(self.grpc_url)
             try:

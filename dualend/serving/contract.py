@@ -10,6 +10,8 @@ import numpy as np
 from dualend.engine.decode import MAX_STOP_WORDS, Chunk, InvalidRequest, SamplingParams, pad_prompt
 from dualend.engine.tokenizer import TextTokenizer
 
+REQUEST_INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
+                  "exclude_input_in_output", "acceptance_threshold", "ignore_eos")  # prepare_request's
 COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps",
             "num_prompt_tokens", "num_prompt_latents")
 

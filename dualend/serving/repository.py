@@ -1,10 +1,11 @@
-"""A Triton model's view of the repository: its config parameters, its version folder's
+"""A Triton model's view of the repository: its deployment config, its version folder's
 components, and the names of a deployment's generations."""
 from __future__ import annotations
 
 import json
 import re
 import shutil
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from dualend.engine.onnx_engine import ExportedModel
@@ -27,6 +28,54 @@ def model_parameters(args: dict) -> ModelParameters:
     config = json.loads(args["model_config"])
     return ModelParameters(args.get("model_name", config.get("name", "model")),
                            {k: v["string_value"] for k, v in config.get("parameters", {}).items()})
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """One deployment's settings, rendered by the builder into the `parameters` of each of its
+    Python models (one parameter per field) and parsed once, typed, in each model's initialize."""
+
+    deployment: str
+    pipeline: str                 # its generation's model name prefix, `dualend_v3`
+    pair_size: int
+    acceptance_threshold: float
+    raw_context_limit: int        # prompt + generated tokens, as the user counts them
+    max_new_tokens: int
+    max_concurrent_requests: int
+    max_queue_size: int
+    queue_wait_s: float
+    prefill_chunk_latents: int
+    kv_block_size: int
+    kv_capacity_blocks: int
+    max_sequence_slots: int       # KV slots one sequence can hold
+    idle_timeout_s: float
+    engine: str                   # the backbone's
+    engine_threads: int
+    compressor_engine: str
+    compressor_threads: int
+
+    @classmethod
+    def from_args(cls, args: dict) -> "DeploymentConfig":
+        """From the args of a Triton model's initialize(); a missing or mistyped parameter names itself."""
+        parameters = model_parameters(args)
+        values = {}
+        for field in fields(cls):
+            kind = _KINDS[field.type]
+            try:
+                values[field.name] = kind(parameters[field.name])
+            except ValueError:
+                raise ValueError(f"{parameters.model}: parameter {field.name!r} is {parameters[field.name]!r}, "
+                                 f"not {kind.__name__}: rebuild the repository with `python -m builder.assemble`"
+                                 ) from None
+        return cls(**values)
+
+    def pbtxt(self) -> str:
+        """The config.pbtxt `parameters` lines that `from_args` reads back."""
+        return "\n".join(f'parameters {{ key: "{name}" value: {{ string_value: "{value}" }} }}'
+                         for name, value in asdict(self).items())
+
+
+_KINDS = {"str": str, "int": int, "float": float}
 
 
 def version_components(args: dict, names: tuple[str, ...]) -> ExportedModel:

@@ -1,7 +1,7 @@
-"""Triton adapter: token pairs -> prompt latents on the compressor engine.
+"""Triton adapter: a request's prompt -> prompt latents on the compressor engine.
 
-It takes only the prompt preprocessing tokenized for these request parameters (preprocessing's
-token names them), and signs the latents it returns for mtp_verify (`serving.latents_token`).
+It reads the prompt from the request parameters preprocessing wrote (preprocessing's token names
+them) and signs the latents it returns for mtp_verify (`serving.keys.latents_token`).
 """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -9,15 +9,16 @@ import triton_python_backend_utils as pb_utils
 from dualend.engine.engines import open_engine
 from dualend.serving.contract import PreparedRequest
 from dualend.serving.keys import PipelineGuard, latents_token, request_token
-from dualend.serving.repository import model_parameters, version_components
+from dualend.serving.repository import DeploymentConfig, version_components
+from dualend.serving.triton import error_response, input_arrays, tensors
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        parameters = model_parameters(args)
+        config = DeploymentConfig.from_args(args)
         exported = version_components(args, ("compressor",))
-        self.session = open_engine(exported, "compressor", parameters["engine"], int(parameters["threads"]))
-        self.guard = PipelineGuard(args, exported.checkpoint_id, parameters["deployment"])
+        self.session = open_engine(exported, "compressor", config.compressor_engine, config.compressor_threads)
+        self.guard = PipelineGuard(args, exported.checkpoint_id, config.deployment)
         self.pair_size, self.pad_id = exported.settings["pair_size"], exported.settings["pad_id"]
         self.session.run(None, {"tokens": np.full((1, self.pair_size), exported.settings["bos_id"], np.int64)})  # warm-up
 
@@ -25,20 +26,16 @@ class TritonPythonModel:
         return [self._one(request) for request in requests]
 
     def _one(self, request):
-        params = bytes(_input(request, "request_params")[0])
-        refusal = self.guard.refuses(_input(request, "pipeline_key"), request_token(self.guard.secret, params))
+        inputs = input_arrays(pb_utils, request, ("request_params", "pipeline_key"))
+        params = bytes(inputs["request_params"][0])
+        refusal = self.guard.refuses(inputs["pipeline_key"], request_token(self.guard.secret, params))
         if refusal:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal))
-        tokens = _input(request, "input_ids")
-        if not np.array_equal(tokens, PreparedRequest.from_json(params.decode()).prompt_pairs(self.pair_size, self.pad_id)):
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                f"input_ids ({tokens.shape[0]} rows) are not the prompt of these request_params", pb_utils.TritonError.INVALID_ARG))
-        latents = self.session.run(None, {"tokens": tokens})[0]
+            return error_response(pb_utils, refusal)
+        try:
+            prompt = PreparedRequest.from_json(params)
+        except (KeyError, TypeError, ValueError) as error:  # only a caller holding the secret gets here
+            return error_response(pb_utils, f"malformed request_params: {error}", invalid_argument=True)
+        latents = self.session.run(None, {"tokens": prompt.prompt_pairs(self.pair_size, self.pad_id)})[0]  # [n, D]
         key = latents_token(self.guard.secret, params, latents).encode()
-        return pb_utils.InferenceResponse([pb_utils.Tensor("prompt_latents", latents),
-                                           pb_utils.Tensor("latents_key", np.asarray([key], dtype=object))])
-
-
-def _input(request, name):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
+        return pb_utils.InferenceResponse(tensors(pb_utils, {
+            "prompt_latents": latents, "latents_key": np.asarray([key], dtype=object)}))

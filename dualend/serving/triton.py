@@ -1,0 +1,135 @@
+"""What the Triton adapters hand to Triton, with no Triton import: each class takes the python
+backend's `pb_utils` module as an argument (only the adapters import `triton_python_backend_utils`),
+so tests drive them with a fake."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from dualend.engine.onnx_engine import BackboneResult, SequenceStatus
+
+from .contract import Response
+from .keys import response_token
+from .metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSAL_REASONS, REFUSALS, PhaseMetrics
+
+
+def input_arrays(pb_utils, request, names) -> dict:
+    """A request's inputs by name as numpy arrays, None for one it does not carry."""
+    tensors = {name: pb_utils.get_input_tensor_by_name(request, name) for name in names}
+    return {name: None if tensor is None else tensor.as_numpy() for name, tensor in tensors.items()}
+
+
+def tensors(pb_utils, arrays: dict) -> list:
+    return [pb_utils.Tensor(name, array) for name, array in arrays.items()]
+
+
+def error_response(pb_utils, message: str, invalid_argument: bool = False):
+    code = (pb_utils.TritonError.INVALID_ARG,) if invalid_argument else ()
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, *code))
+
+
+class BLSBackbone:
+    """The deployment's backbone model, one BLS request per loop iteration. The pipeline key names
+    this checkpoint, so a backbone of another one refuses the call."""
+
+    def __init__(self, pb_utils, model_name: str, secret: str):
+        self.pb_utils, self.model_name = pb_utils, model_name
+        self.pipeline_key = np.asarray([secret.encode()], dtype=object)
+
+    def run_batch(self, batch):
+        pb = self.pb_utils
+        inputs = {"latents": np.ascontiguousarray(batch.latents, dtype=np.float32),   # [n, D]
+                  "sequence_ids": np.asarray(batch.sequence_ids, dtype=np.int64),
+                  "new_latents": np.asarray(batch.counts, dtype=np.int32),
+                  "reserve_slots": np.asarray(batch.reserve_slots, dtype=np.int32),
+                  "pipeline_key": self.pipeline_key}
+        if batch.releases:
+            inputs["release_ids"] = np.asarray(batch.releases, dtype=np.int64)
+        response = pb.InferenceRequest(model_name=self.model_name, inputs=tensors(pb, inputs),
+                                       requested_output_names=["logits", "hidden", "status", "messages"]).exec()
+        if response.has_error():
+            raise RuntimeError(f"{self.model_name}: {response.error().message()}")
+        out = {name: pb.get_output_tensor_by_name(response, name).as_numpy()
+               for name in ("logits", "hidden", "status", "messages")}
+        return BackboneResult(out["logits"], out["hidden"], [SequenceStatus(s) for s in out["status"].tolist()],
+                              [m.decode() for m in out["messages"]])
+
+
+class ResponseSenderOutput:
+    """One request's answers through its Triton response sender (a `loop.Output`), each with
+    postprocessing's token for its request id and token ids."""
+
+    def __init__(self, pb_utils, sender, request_id: int, secret: str):
+        self.pb_utils, self.sender, self.secret, self.id = pb_utils, sender, secret, request_id
+        self.request_id = np.asarray([request_id], dtype=np.uint64)
+        self.final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+    def send(self, response: Response) -> None:
+        arrays = response.arrays()
+        token = response_token(self.secret, self.id, arrays["output_ids"])
+        arrays |= {"request_id": self.request_id, "response_key": np.asarray([token.encode()], dtype=object)}
+        self.sender.send(self.pb_utils.InferenceResponse(tensors(self.pb_utils, arrays)),
+                         flags=self.final if response.finish_reason else 0)
+
+    def fail(self, message: str) -> None:
+        self.sender.send(error_response(self.pb_utils, message), flags=self.final)
+
+    def end(self) -> None:
+        self.sender.send(flags=self.final)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+
+class TritonMetrics(PhaseMetrics):
+    """The loop's metrics pushed to Triton (`pb_utils.MetricFamily`) at most every PUSH_EVERY_S, and
+    when the loop goes idle: one call per changed counter, bucket and gauge, however many tokens went
+    out in between."""
+
+    PUSH_EVERY_S = 0.5
+
+    def __init__(self, pb_utils, labels: dict[str, str]):
+        super().__init__()
+        kinds, self.families, self.metrics = pb_utils.MetricFamily, [], {}
+
+        def family(name, description, kind):
+            self.families.append(kinds(name, description, kind))  # referenced, or its metrics raise
+            return self.families[-1]
+
+        for name, description in COUNTERS.items():
+            self.metrics[name] = family(name, description, kinds.COUNTER).Metric(labels=labels)
+        for name, description in GAUGES.items():
+            self.metrics[name] = family(name, description, kinds.GAUGE).Metric(labels=labels)
+        for name, (description, bounds) in HISTOGRAMS.items():
+            buckets = family(f"{name}_bucket", f"{description} (cumulative buckets)", kinds.COUNTER)
+            self.metrics[name] = ([buckets.Metric(labels=labels | {"le": f"{b:g}"}) for b in bounds]
+                                  + [buckets.Metric(labels=labels | {"le": "+Inf"})],
+                                  family(f"{name}_sum", description, kinds.COUNTER).Metric(labels=labels),
+                                  family(f"{name}_count", description, kinds.COUNTER).Metric(labels=labels))
+        refusals = family(*REFUSALS, kinds.COUNTER)
+        self.refusal_metrics = {r: refusals.Metric(labels=labels | {"reason": r}) for r in REFUSAL_REASONS}
+        self.pushed = time.monotonic()
+
+    def flush(self, idle: bool, running: int, waiting: int) -> None:
+        super().flush(idle, running, waiting)
+        if not idle and time.monotonic() - self.pushed < self.PUSH_EVERY_S:
+            return
+        self.pushed = time.monotonic()
+        delta = self.take()
+        for name, value in delta.counters.items():
+            if value:
+                self.metrics[name].increment(value)
+        for name, histogram in delta.histograms.items():
+            if histogram.counts[-1]:
+                buckets, total, count = self.metrics[name]
+                for bucket, value in zip(buckets, histogram.counts):
+                    if value:
+                        bucket.increment(value)
+                total.increment(histogram.total)
+                count.increment(histogram.counts[-1])
+        for name, value in delta.gauges.items():
+            self.metrics[name].set(value)
+        for reason, value in delta.refusals.items():
+            if value:
+                self.refusal_metrics[reason].increment(value)

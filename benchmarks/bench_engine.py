@@ -8,7 +8,7 @@ greedy at the calibrated threshold with EOS ignored, so every run decodes `--new
 TTFT = first step's tokens ready minus call; TPOT = (last - first) / (tokens - 1). Prints median
 and 10th-90th percentile spread of each, the dual-end / baseline speedups, and the per-step cost
 of ONNX Runtime against the torch reference. `--batch-sizes` instead measures the batched decode
-loop in-process (the served loop without a server: `batch_loop.DecodeLoop` on the same engines):
+loop in-process (the served loop without a server: `serving.loop.DecodeLoop` on the same engines):
 that many requests of the first prompt length submitted at once, output tokens/s from submission
 to the last token; the ceiling for served throughput at that concurrency.
 """
@@ -28,12 +28,13 @@ from builder.assemble import DEFAULTS as ASSEMBLE_DEFAULTS
 from builder.assemble import calibrated_threshold, up_to_date_export
 from client.api import median_and_spread
 from dualend.engine.checkpoint import load_checkpoint
-from dualend.engine.decode import SamplingParams, generate, pad_prompt
+from dualend.engine.decode import SamplingParams, pad_prompt
 from dualend.engine.onnx_engine import OnnxComponents
 from dualend.engine.reference import TorchComponents
 from dualend.engine.scheduler import Scheduler
 from dualend.serving.contract import PreparedRequest
 from dualend.serving.loop import DecodeLoop, Executor
+from dualend.serving.offline import stream
 from dualend.train.data import stdlib_chunks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,14 +90,15 @@ def long_prompt(tokenizer, length: int) -> list[int]:
     raise AssertionError("unreachable")
 
 
-def timed_generation(components, prompt: list[int], params: SamplingParams, threshold: float) -> dict:
+def timed_generation(components: OnnxComponents, prompt: list[int], params: SamplingParams, threshold: float) -> dict:
+    """One request through the in-process decode loop; a step's tokens count once they are released."""
     started = time.perf_counter()
     stamps, tokens, steps = [], 0, 0
-    for step in generate(components, prompt, params, threshold):
-        if step.tokens:
+    for response in stream(components, components.exported.tokenizer(), prompt, params, threshold):
+        if response.output_ids:
             stamps.append(time.perf_counter())
-            tokens += len(step.tokens)
-        steps += 1
+            tokens += len(response.output_ids)
+        steps += response.counters["num_steps"]
     return {"ttft": stamps[0] - started, "tpot": (stamps[-1] - stamps[0]) / max(1, tokens - 1),
             "tokens_per_step": tokens / steps}
 

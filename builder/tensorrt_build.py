@@ -19,11 +19,12 @@ import numpy as np
 
 from builder.assemble import DEFAULTS as ASSEMBLE
 from builder.assemble import max_sequence_latents, trained_context
-from dualend.engine.decode import SamplingParams, generate
+from dualend.engine.decode import SamplingParams
 from dualend.engine.kv_pool import KVCache
 from dualend.engine.manifest import Manifest, write_manifest
 from dualend.engine.onnx_engine import ExportedModel, OnnxComponents, backbone_inputs, ort_session
 from dualend.engine.tensorrt_engine import PLAN_FILE, TensorRTSession, gpu_available
+from dualend.serving.offline import generate_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(export_dir=ROOT / "build" / "export", max_batch=ASSEMBLE["max_concurrent_requests"] + 1)
@@ -90,9 +91,8 @@ def check_parity(directory: Path, session: TensorRTSession) -> dict:
 
 
 def _greedy(engine, exported) -> list[int]:
-    prompt = exported.tokenizer().encode_prompt("Q: 4+3-2\nA:")
     threshold = 0.5 if engine.mtp is not None else 1.0
-    return [t for step in generate(engine, prompt, SamplingParams(max_tokens=32), threshold) for t in step.tokens]
+    return generate_text(engine, exported.tokenizer(), "Q: 4+3-2\nA:", SamplingParams(max_tokens=32), threshold).tokens
 
 
 def main(argv=None) -> int:

@@ -17,11 +17,9 @@ from dualend.engine.decode import (
     SamplingParams,
     TextStream,
     gate,
-    generate,
-    generate_text,
     pad_prompt,
 )
-from dualend.engine.reference import TorchBatch, TorchComponents, generate_batch
+from dualend.engine.reference import TorchBatch, TorchComponents, generate_batch, reference_generate, reference_text
 from dualend.train.data import (
     FAMILIES,
     Example,
@@ -212,6 +210,39 @@ def test_text_stream_releases_whole_characters_only(tiny_tokenizer):
     assert "".join(tiny_tokenizer.decode(g) for g in groups) == "é 1€"
 
 
+def test_text_stream_stops_at_a_stop_word_that_ends_in_a_character_split_across_tokens(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("abc a😀 def")  # the emoji is four byte-level tokens
+    stream = TextStream(tiny_tokenizer, ["a😀"])
+    groups = [stream.push([i]) for i in ids] + [stream.finish()]
+    assert "".join(tiny_tokenizer.decode(g) for g in groups) == "abc " and stream.stopped
+
+
+class CountingTokenizer:
+    """The tokenizer, counting the tokens it is asked to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids):
+        ids = list(ids)
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("stop_at_end", [False, True])
+def test_text_stream_decodes_each_token_a_bounded_number_of_times_with_a_long_stop_word(tiny_tokenizer, stop_at_end):
+    stop = "#" * 200 + "é€ end"
+    body = "".join(f"x{i} = {i} * 2  # é€\n" for i in range(300))
+    ids = tiny_tokenizer.encode(body + (stop + " after" if stop_at_end else ""))
+    counting = CountingTokenizer(tiny_tokenizer)
+    stream = TextStream(counting, [stop])
+    groups = [stream.push(ids[i:i + 2]) for i in range(0, len(ids), 2)] + [stream.finish()]
+    assert counting.decoded <= 4 * len(ids)  # re-decoding the held-back window would be ~200x
+    released = [tiny_tokenizer.decode(g) for g in groups]
+    assert "".join(released) == body and stream.stopped == stop_at_end
+    assert all("\ufffd" not in text for text in released)
+
+
 # ---- decode loop on a scripted fake --------------------------------------------------------
 
 def one_hot(token: int) -> np.ndarray:
@@ -267,7 +298,7 @@ def test_an_odd_prompt_gets_one_pad_after_bos_so_its_last_token_completes_a_pair
     assert pad_prompt([1, 5, 6, 7], 2, PAD) == [1, 5, 6, 7]
     assert pad_prompt([1, 5, 6], 1, PAD) == [1, 5, 6]
     fake = ScriptedComponents([3, EOS])
-    list(generate(fake, [BOS, 5, 6], SamplingParams(max_tokens=5), threshold=2.0))
+    list(reference_generate(fake, [BOS, 5, 6], SamplingParams(max_tokens=5), threshold=2.0))
     assert fake.compressed[0] == [[BOS, PAD], [5, 6]]
 
 
@@ -275,7 +306,7 @@ def test_gate_edges():
     assert gate(0.5, 0.5) and not gate(0.49, 0.5)
     assert gate(0.0, -0.1)                     # threshold < 0 always accepts
     fake = ScriptedComponents([3, 4, 5, EOS], confidence=1.0)
-    steps = list(generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=1.0))
+    steps = list(reference_generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=1.0))
     assert fake.mtp_calls == 0                 # threshold >= 1: drafting off
     assert [s.tokens for s in steps[:-1]] == [[3], [4], [5]]
     assert fake.compressed[1:] == [[[3, PAD]], [[4, PAD]], [[5, PAD]]]
@@ -283,7 +314,7 @@ def test_gate_edges():
 
 def test_accepted_drafts_give_two_tokens_per_step():
     fake = ScriptedComponents([3, 4, EOS], draft=7, confidence=0.9)
-    steps = list(generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5))
+    steps = list(reference_generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5))
     assert [s.tokens for s in steps] == [[3, 7], [4, 7], []]
     assert all(s.accepted for s in steps[:2]) and steps[-1].finish_reason == "eos"
     assert fake.compressed[1:] == [[[3, 7]], [[4, 7]]]
@@ -291,7 +322,7 @@ def test_accepted_drafts_give_two_tokens_per_step():
 
 def test_rejected_draft_feeds_pad():
     fake = ScriptedComponents([3, EOS], draft=7, confidence=0.2)
-    steps = list(generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5))
+    steps = list(reference_generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5))
     assert steps[0].tokens == [3] and steps[0].drafted and not steps[0].accepted
     assert fake.compressed[1] == [[3, PAD]]
 
@@ -305,20 +336,20 @@ def test_the_largest_requests_fit_one_sequence_of_the_kv_budget():
             fake = ScriptedComponents([3] * max_tokens)
             fake.pair_size = pair_size
             prompt = [BOS] + [5] * (raw_limit - max_tokens - 1)
-            list(generate(fake, prompt, SamplingParams(max_tokens=max_tokens), threshold=1.0))
+            list(reference_generate(fake, prompt, SamplingParams(max_tokens=max_tokens), threshold=1.0))
             assert fake.reserved[0] <= max_sequence_latents(raw_limit, max_new, pair_size)
 
 
 def test_max_tokens_is_exact_and_sessions_close():
     fake = ScriptedComponents([3, 4, 5, 6, 8], draft=7, confidence=0.9)
-    steps = list(generate(fake, [BOS, 5], SamplingParams(max_tokens=3), threshold=0.5))
+    steps = list(reference_generate(fake, [BOS, 5], SamplingParams(max_tokens=3), threshold=0.5))
     assert sum(len(s.tokens) for s in steps) == 3 and steps[-1].finish_reason == "length"
     assert fake.open_sessions == 0
 
 
 def test_closing_the_stream_early_releases_the_backbone():
     fake = ScriptedComponents([3] * 10)
-    stream = generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5)
+    stream = reference_generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5)
     next(stream)
     stream.close()
     assert fake.open_sessions == 0
@@ -326,7 +357,7 @@ def test_closing_the_stream_early_releases_the_backbone():
 
 def test_accepted_eos_draft_ends_generation():
     fake = ScriptedComponents([3, 4], draft=EOS, confidence=0.9)
-    steps = list(generate(fake, [BOS], SamplingParams(max_tokens=20), threshold=0.5))
+    steps = list(reference_generate(fake, [BOS], SamplingParams(max_tokens=20), threshold=0.5))
     assert [s.tokens for s in steps] == [[3]] and steps[0].finish_reason == "eos"
 
 
@@ -388,9 +419,9 @@ def test_cached_mtp_matches_training_forward(tiny_tokenizer):
 def test_fixed_seed_reproduces_a_sampled_generation(tiny_tokenizer, pair_size):
     components = TorchComponents(tiny_model(tiny_tokenizer, pair_size))
     params = SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=11)
-    first = generate_text(components, tiny_tokenizer, "Q: 1+2\nA:", params, threshold=0.3)
-    again = generate_text(components, tiny_tokenizer, "Q: 1+2\nA:", params, threshold=0.3)
-    other = generate_text(components, tiny_tokenizer, "Q: 1+2\nA:",
+    first = reference_text(components, tiny_tokenizer, "Q: 1+2\nA:", params, threshold=0.3)
+    again = reference_text(components, tiny_tokenizer, "Q: 1+2\nA:", params, threshold=0.3)
+    other = reference_text(components, tiny_tokenizer, "Q: 1+2\nA:",
                           SamplingParams(**{**params.__dict__, "seed": 12}), threshold=0.3)
     assert first.tokens == again.tokens and len(first.tokens) > 0
     assert first.tokens != other.tokens
@@ -399,7 +430,7 @@ def test_fixed_seed_reproduces_a_sampled_generation(tiny_tokenizer, pair_size):
 def test_generated_text_never_contains_pad(tiny_tokenizer):
     components = TorchComponents(tiny_model(tiny_tokenizer, 2))
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=3)
-    out = generate_text(components, tiny_tokenizer, "get ab\nA:", params, threshold=0.99)
+    out = reference_text(components, tiny_tokenizer, "get ab\nA:", params, threshold=0.99)
     assert tiny_tokenizer.pad_id not in out.tokens and "<pad>" not in out.text
 
 
@@ -408,10 +439,10 @@ def test_outcome_counts_eos_apart_from_tokens(tiny_tokenizer):
     example = Example("lookup", "get ab\nA:", " 37", "37")
     params = SamplingParams(max_tokens=8)
     off = outcome(example, tiny_tokenizer,
-                  [generate_text(ScriptedComponents([3, 4, EOS]), tiny_tokenizer, example.prompt, params, 1.0)])
+                  [reference_text(ScriptedComponents([3, 4, EOS]), tiny_tokenizer, example.prompt, params, 1.0)])
     assert (off.tokens, off.eos, off.steps) == (2, 1, 3)
     scripted = ScriptedComponents([3, 4, EOS], draft=7, confidence=0.9)
-    on = outcome(example, tiny_tokenizer, [generate_text(scripted, tiny_tokenizer, example.prompt, params, 0.5)])
+    on = outcome(example, tiny_tokenizer, [reference_text(scripted, tiny_tokenizer, example.prompt, params, 0.5)])
     assert (on.tokens, on.eos, on.steps, on.accepted) == (4, 1, 3, 2)
     assert summary([off, on])["tokens_per_step_no_eos"] == 1.0
 
@@ -427,7 +458,7 @@ def test_batched_generation_equals_one_at_a_time(tiny_tokenizer, pair_size, thre
     again = generate_batch(batch, params, threshold)  # restarts from the same prefill
     components = TorchComponents(model)
     for prompt, p, got, repeat in zip(prompts, params, batched, again):
-        want = generate_text(components, tiny_tokenizer, prompt, p, threshold)
+        want = reference_text(components, tiny_tokenizer, prompt, p, threshold)
         assert (got.tokens, got.steps, got.accepted, got.finish_reason) == \
             (want.tokens, want.steps, want.accepted, want.finish_reason)
         assert repeat.tokens == got.tokens
@@ -540,7 +571,7 @@ def test_gated_pairs_are_what_the_decode_loop_feeds_back():
     completion = [3, 4, 5, 6, 7, 8, 9, EOS]
     accept = [True, False, True, False, False, True]
     fake = TeacherForcedComponents(completion, [0.9 if a else 0.1 for a in accept])
-    list(generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5))
+    list(reference_generate(fake, [BOS, 5], SamplingParams(max_tokens=20), threshold=0.5))
     served = [pair for (pair,) in fake.compressed[1:]]
     trained = gated_pairs(completion, 0.5, PAD, ScriptedRng([0.9 if a else 0.1 for a in accept]))
     trained_pairs = [trained[i:i + 2] for i in range(0, len(trained), 2)]

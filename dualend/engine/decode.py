@@ -1,14 +1,16 @@
-"""The one decode loop: prefill, then backbone step -> t1 -> MTP draft t2 -> confidence gate.
+"""One sequence's decode decisions, sampling and text release, engine-free.
 
-It talks to the model through `Components` (compressor, a backbone session, an MTP session), so
-the same loop runs on the torch reference, the ONNX Runtime engine, the Triton backbone over BLS
-and a scripted fake in unit tests.
+`SequenceDecoder` decides a step (sample t1, ask for a draft, sample and gate it, count, finish,
+name the next pair); `TextStream` turns emitted tokens into released ones. The one decode driver
+is the batched `serving.loop.DecodeLoop` (served, and in-process through `serving.offline`); the
+step-by-step `reference.reference_generate` is the test oracle it is checked against.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from collections import deque
+from typing import Sequence
 
 import numpy as np
 
@@ -93,28 +95,6 @@ class BackboneOutput:
     hidden: np.ndarray  # [D] final-normed hidden state at the last position
 
 
-class BackboneSession(Protocol):
-    def prefill(self, latents: np.ndarray, reserve_slots: int) -> BackboneOutput: ...  # [n, D]
-    def step(self, latent: np.ndarray) -> BackboneOutput: ...       # latent: [D]
-    def close(self) -> None: ...
-
-
-class MTPSession(Protocol):
-    def step(self, t1: int, hidden: np.ndarray, position: int) -> tuple[np.ndarray, float]: ...
-    def close(self) -> None: ...
-
-
-class Components(Protocol):
-    pair_size: int
-    pad_id: int
-    eos_id: int
-    bos_id: int
-
-    def compress(self, tokens: np.ndarray) -> np.ndarray: ...  # [n, pair_size] -> [n, D]
-    def open_backbone(self) -> BackboneSession: ...
-    def open_mtp(self, max_steps: int) -> MTPSession: ...
-
-
 @dataclass
 class Step:
     tokens: list[int]              # emitted this step: 0, 1 or 2 real tokens, never PAD
@@ -187,44 +167,13 @@ class SequenceDecoder:
         return step
 
 
-def generate(components: Components, prompt_ids: Sequence[int], params: SamplingParams,
-             threshold: float, prompt_latents: np.ndarray | None = None) -> Iterator[Step]:
-    """Yields one Step per backbone step; closing the iterator releases every cache.
-
-    `prompt_latents` [n, D], when the caller already compressed the prompt, skips that step.
-    """
-    pair_size, pad = components.pair_size, components.pad_id
-    if prompt_latents is None:
-        prompt = pad_prompt(prompt_ids, pair_size, pad)
-        prompt_latents = components.compress(np.asarray(prompt, dtype=np.int64).reshape(-1, pair_size))
-    decoder = SequenceDecoder(pair_size, pad, components.eos_id, components.bos_id, params, threshold,
-                              len(prompt_latents))
-    backbone = components.open_backbone()
-    mtp = None
-    try:
-        # One slot per prompt pair and at most one per generated token.
-        out = backbone.prefill(prompt_latents, reserve_slots=len(prompt_latents) + params.max_tokens)
-        mtp = components.open_mtp(max_steps=params.max_tokens) if decoder.use_mtp else None
-        while True:
-            t1 = decoder.first_token(out.logits)
-            draft = mtp.step(t1, out.hidden, decoder.position) if decoder.wants_draft(t1) else ()
-            step = decoder.complete(t1, *draft)
-            yield step
-            if step.finish_reason is not None:
-                return
-            out = backbone.step(components.compress(np.asarray([decoder.next_pair], dtype=np.int64))[0])
-    finally:
-        try:
-            backbone.close()
-        finally:
-            if mtp is not None:
-                mtp.close()
-
-
 def _masked(logits: np.ndarray, banned: list[int]) -> np.ndarray:
     logits = np.array(logits, dtype=np.float32, copy=True)
     logits[banned] = -np.inf
     return logits
+
+
+MAX_INCOMPLETE_TOKENS = 8  # bytes that make no whole character after this many tokens are not UTF-8
 
 
 class TextStream:
@@ -234,25 +183,38 @@ class TextStream:
     It releases token ids, not text, so whoever decodes the released groups one by one (the
     postprocessing model) gets exactly the text of the whole. A stop word ends the text at the
     last token boundary before it.
+
+    Decoding is incremental, so its work is linear in the output however long the stop words:
+    the tokenizer is byte-level BPE (a token's text is its bytes), so the tokens since the last
+    whole character are decoded on their own, and become text once they end on a whole
+    character; a stop word is looked for only where the new text may complete it.
     """
 
     def __init__(self, tokenizer: TextTokenizer, stop_words: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop_words = list(stop_words)
         self.holdback = max((len(w) for w in self.stop_words), default=1) - 1
-        self.pending: list[int] = []
+        self.pending: list[int] = []  # generated, not released; pending[:whole] decodes to `text`
+        self.whole = 0
+        self.text = ""
+        self.released_tokens = self.released_chars = 0
+        # (tokens, characters) since the start of the stream at each token that ends a whole character
+        self.boundaries: deque[tuple[int, int]] = deque()
         self.stopped = False
 
     def push(self, tokens: Sequence[int]) -> list[int]:
         if self.stopped:
             return []
-        self.pending += tokens
-        text = self.tokenizer.decode(self.pending)
-        hits = [i for i in (text.find(w) for w in self.stop_words) if i >= 0]
+        searched = len(self.text)
+        for token in tokens:
+            self.pending.append(token)
+            self._decode_tail()
+        hits = [i for i in (self.text.find(w, max(0, searched - len(w) + 1)) for w in self.stop_words) if i >= 0]
         if hits:
             self.stopped = True
-            return self._take(limit=min(hits), final=True)
-        return self._take(limit=len(text) - self.holdback, final=False)
+            released, self.pending = self._take(limit=min(hits)), []
+            return released
+        return self._take(limit=len(self.text) - self.holdback)
 
     def finish(self) -> list[int]:
         released, self.pending = ([] if self.stopped else self.pending), []
@@ -267,17 +229,27 @@ class TextStream:
             chunk.tokens += self.finish()
         return chunk
 
-    def _take(self, limit: int, final: bool) -> list[int]:
-        """Releases the longest prefix of pending tokens whose text fits in `limit` characters."""
-        count = 0
-        for n in range(1, len(self.pending) + 1):
-            text = self.tokenizer.decode(self.pending[:n])
-            if len(text) > limit:
-                break
-            if not text.endswith("\ufffd"):
-                count = n
-        released = self.pending[:count]
-        self.pending = [] if final else self.pending[count:]
+    def _decode_tail(self) -> None:
+        """Decodes the tokens after the last whole character; once they end on one, they are text."""
+        tail = self.pending[self.whole:]
+        piece = self.tokenizer.decode(tail)
+        if piece.endswith("\ufffd") and len(tail) < MAX_INCOMPLETE_TOKENS:
+            return  # a character split across tokens: wait for its last bytes
+        self.text += piece
+        self.whole = len(self.pending)
+        self.boundaries.append((self.released_tokens + self.whole, self.released_chars + len(self.text)))
+
+    def _take(self, limit: int) -> list[int]:
+        """Releases the longest prefix of pending tokens that ends on a whole character within
+        `limit` characters of pending text."""
+        count = chars = 0
+        while self.boundaries and self.boundaries[0][1] - self.released_chars <= limit:
+            tokens, characters = self.boundaries.popleft()
+            count, chars = tokens - self.released_tokens, characters - self.released_chars
+        released, self.pending, self.text = self.pending[:count], self.pending[count:], self.text[chars:]
+        self.whole -= count
+        self.released_tokens += count
+        self.released_chars += chars
         return released
 
 
@@ -288,22 +260,6 @@ class Chunk:
     drafts: int = 0
     accepted: int = 0
     finish_reason: str | None = None  # "eos" | "length" | "stop" on the last chunk
-
-
-def stream_chunks(components: Components, tokenizer: TextTokenizer, prompt_ids: Sequence[int],
-                  params: SamplingParams, threshold: float,
-                  prompt_latents: np.ndarray | None = None) -> Iterator[Chunk]:
-    """One chunk per decode step, the last with its finish reason; closing it frees the caches."""
-    text = TextStream(tokenizer, params.stop_words)
-    steps = generate(components, prompt_ids, params, threshold, prompt_latents)
-    try:
-        for step in steps:
-            chunk = text.chunk(step)
-            yield chunk
-            if chunk.finish_reason is not None:
-                return
-    finally:
-        steps.close()
 
 
 @dataclass
@@ -321,13 +277,3 @@ class Generation:
         self.drafts += drafts
         self.accepted += accepted
         self.finish_reason = finish_reason or self.finish_reason
-
-
-def generate_text(components: Components, tokenizer: TextTokenizer, prompt: str,
-                  params: SamplingParams, threshold: float) -> Generation:
-    """Whole generation as text, for evaluation, tests and offline checks."""
-    result = Generation()
-    for chunk in stream_chunks(components, tokenizer, tokenizer.encode_prompt(prompt), params, threshold):
-        result.add(chunk.tokens, chunk.steps, chunk.drafts, chunk.accepted, chunk.finish_reason)
-    result.text = tokenizer.decode(result.tokens)
-    return result

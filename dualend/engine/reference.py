@@ -1,11 +1,92 @@
-"""The torch reference engine: the decode loop's Components backed by the torch model."""
+"""References the batched decode loop (`serving.loop.DecodeLoop`) is checked against.
+
+- `reference_generate`: the step-by-step test oracle, one sequence through `Components` sessions
+  (the torch model here, ONNX Runtime in `onnx_engine`, a scripted fake in unit tests). Tests and
+  export parity only: nothing serves through it.
+- `TorchBatch` / `generate_batch`: the quality gate's torch driver (evaluation), many prompts of a
+  training checkpoint prefilled once and decoded together for every threshold and sample. Its
+  decisions are `SequenceDecoder`'s, and a test holds it equal to the oracle.
+"""
 from __future__ import annotations
+
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from .decode import BackboneOutput, Generation, SamplingParams, SequenceDecoder, pad_prompt
+from .decode import BackboneOutput, Generation, SamplingParams, SequenceDecoder, Step, TextStream, pad_prompt
 from .model import LanguageModel
+from .tokenizer import TextTokenizer
+
+
+class BackboneSession(Protocol):
+    def prefill(self, latents: np.ndarray, reserve_slots: int) -> BackboneOutput: ...  # [n, D]
+    def step(self, latent: np.ndarray) -> BackboneOutput: ...       # latent: [D]
+    def close(self) -> None: ...
+
+
+class MTPSession(Protocol):
+    def step(self, t1: int, hidden: np.ndarray, position: int) -> tuple[np.ndarray, float]: ...
+    def close(self) -> None: ...
+
+
+class Components(Protocol):
+    pair_size: int
+    pad_id: int
+    eos_id: int
+    bos_id: int
+
+    def compress(self, tokens: np.ndarray) -> np.ndarray: ...  # [n, pair_size] -> [n, D]
+    def open_backbone(self) -> BackboneSession: ...
+    def open_mtp(self, max_steps: int) -> MTPSession: ...
+
+
+def reference_generate(components: Components, prompt_ids: Sequence[int], params: SamplingParams,
+                       threshold: float) -> Iterator[Step]:
+    """The test oracle: one sequence, one backbone call per step, the whole prompt prefilled at
+    once. Yields one Step per backbone step; closing the iterator releases every cache."""
+    pair_size, pad = components.pair_size, components.pad_id
+    prompt = pad_prompt(prompt_ids, pair_size, pad)
+    prompt_latents = components.compress(np.asarray(prompt, dtype=np.int64).reshape(-1, pair_size))
+    decoder = SequenceDecoder(pair_size, pad, components.eos_id, components.bos_id, params, threshold,
+                              len(prompt_latents))
+    backbone = components.open_backbone()
+    mtp = None
+    try:
+        # One slot per prompt pair and at most one per generated token.
+        out = backbone.prefill(prompt_latents, reserve_slots=len(prompt_latents) + params.max_tokens)
+        mtp = components.open_mtp(max_steps=params.max_tokens) if decoder.use_mtp else None
+        while True:
+            t1 = decoder.first_token(out.logits)
+            draft = mtp.step(t1, out.hidden, decoder.position) if decoder.wants_draft(t1) else ()
+            step = decoder.complete(t1, *draft)
+            yield step
+            if step.finish_reason is not None:
+                return
+            out = backbone.step(components.compress(np.asarray([decoder.next_pair], dtype=np.int64))[0])
+    finally:
+        try:
+            backbone.close()
+        finally:
+            if mtp is not None:
+                mtp.close()
+
+
+def reference_text(components: Components, tokenizer: TextTokenizer, prompt: str, params: SamplingParams,
+                   threshold: float) -> Generation:
+    """The oracle's whole generation, released through `TextStream` as the decode loop releases it."""
+    result, text = Generation(), TextStream(tokenizer, params.stop_words)
+    steps = reference_generate(components, tokenizer.encode_prompt(prompt), params, threshold)
+    try:
+        for step in steps:
+            chunk = text.chunk(step)
+            result.add(chunk.tokens, chunk.steps, chunk.drafts, chunk.accepted, chunk.finish_reason)
+            if chunk.finish_reason is not None:
+                break
+    finally:
+        steps.close()
+    result.text = tokenizer.decode(result.tokens)
+    return result
 
 
 class TorchBackboneSession:
@@ -77,7 +158,8 @@ class TorchComponents:
 
 
 class TorchBatch:
-    """Many prompts prefilled together and then stepped together on the torch model (evaluation).
+    """Many prompts prefilled together and then stepped together on the torch model: the
+    evaluation's batch, driven by `generate_batch`.
 
     Prompts are left-padded to a common number of pairs, so every row writes its next pair at the
     same KV column; keys and values live in buffers allocated once and written in place. Every
@@ -153,7 +235,8 @@ class TorchBatch:
 
 
 def generate_batch(batch: TorchBatch, params: list[SamplingParams], threshold: float) -> list[Generation]:
-    """One generation per row of `batch`, each deciding exactly as `decode.generate` does."""
+    """One generation per row of `batch`, each deciding through its `SequenceDecoder` as the decode
+    loop does (so exactly as `reference_generate`; a test holds them equal)."""
     cfg = batch.cfg
     decoders = [SequenceDecoder(cfg.pair_size, cfg.pad_id, cfg.eos_id, cfg.bos_id, p, threshold, int(n))
                 for p, n in zip(params, batch.prompt_pairs)]

@@ -3,10 +3,11 @@
 An iteration admits waiting requests (`scheduler.Scheduler`), makes one backbone call that carries
 every decoding sequence's next latent and this iteration's prefill chunks, one batched MTP head +
 confidence gate call for the sequences that may draft, and sends each sequence's tokens out through
-its `Output`. Each sequence decides exactly as `decode.generate` does (`decode.SequenceDecoder`).
+its `Output`. Each sequence decides through its `decode.SequenceDecoder`, exactly as the step-by-step
+test oracle (`reference.reference_generate`) does.
 
 The loop runs on one thread; other threads only `submit` and `cancel`. It reaches the engines
-through an `Executor`, so the same loop runs in-process (tests, benchmarks) and inside mtp_verify,
+through an `Executor`, so the same loop runs in-process (`offline`, tests, benchmarks) and inside mtp_verify,
 where the backbone is a Triton model reached over BLS.
 """
 from __future__ import annotations

@@ -17,10 +17,12 @@ from conftest import wait_for
 from builder.assemble import DEFAULTS
 from builder.assemble import main as assemble_main
 from client.api import RequestError, generate_http, metric_value, stream_grpc, stream_http
-from dualend.engine.decode import SamplingParams, generate_text
+from dualend.engine.decode import SamplingParams
 from dualend.engine.onnx_engine import OnnxComponents
 from dualend.ops.host import free_ports
 from dualend.ops.launch import TritonServer
+from dualend.serving.control import drain_request
+from dualend.serving.offline import generate_text
 from dualend.train.data import FAMILIES, eval_set, sized_examples
 
 pytestmark = pytest.mark.server
@@ -426,7 +428,7 @@ def test_a_reload_whose_drain_runs_out_keeps_the_old_generation_and_a_rerun_fini
 @pytest.mark.parametrize("model, inputs", [
     ("dualend_v1_backbone", {"latents": np.zeros((1, 4), np.float32), "sequence_ids": np.array([1], np.int64),
                           "new_latents": np.array([1], np.int32), "reserve_slots": np.array([9999], np.int32)}),
-    ("dualend_v1_compressor", {"input_ids": np.array([[5, 6]], np.int64), "request_params": np.array([b"{}"], object)}),
+    ("dualend_v1_compressor", {"request_params": np.array([b"{}"], object)}),
     ("dualend_v1_postprocessing", {"output_ids": np.array([5, 6], np.int64), "request_id": np.array([7], np.uint64)}),
     ("dualend_v1_postprocessing", {"output_ids": np.arange(2_000_000, dtype=np.int64) % 64,  # 16 MB
                                    "request_id": np.array([7], np.uint64)}),
@@ -459,7 +461,7 @@ def test_internal_models_refuse_calls_from_outside_their_pipeline(server, model,
 def grpc_inputs(**arrays):
     import tritonclient.grpc as grpcclient
 
-    kinds = {np.float32: "FP32", np.int64: "INT64", np.int32: "INT32", np.object_: "BYTES"}
+    kinds = {np.float32: "FP32", np.int64: "INT64", np.int32: "INT32", np.uint64: "UINT64", np.object_: "BYTES"}
     tensors = []
     for name, value in arrays.items():
         tensors.append(grpcclient.InferInput(name, list(value.shape), kinds[value.dtype.type]))
@@ -467,17 +469,20 @@ def grpc_inputs(**arrays):
     return tensors
 
 
-def mtp_verify_error(server, key: bytes, params: bytes = b'{"drain": true}', latents=None) -> str:
+def mtp_verify_error(server, key: bytes, params: bytes | None = None, latents=None) -> str:
     """The error a request sent straight to dualend's mtp_verify with `key` gets (its stream's first
-    answer): by default a drain."""
+    answer): a generation of `params` and `latents`, by default a drain (a control request)."""
     import tritonclient.grpc as grpcclient
 
+    if params is None:
+        inputs = drain_request("unused") | {"pipeline_key": np.array([key], object)}
+    else:
+        inputs = dict(prompt_latents=latents, request_params=np.array([params], object),
+                      pipeline_key=np.array([key], object))
     errors = []
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: errors.append(error))
-    client.async_stream_infer("dualend_v1_mtp_verify", grpc_inputs(
-        prompt_latents=np.zeros((1, 256), np.float32) if latents is None else latents,
-        request_params=np.array([params], object), pipeline_key=np.array([key], object)))
+    client.async_stream_infer("dualend_v1_mtp_verify", grpc_inputs(**inputs))
     assert wait_for(lambda: errors, 10)
     client.stop_stream()
     client.close()
@@ -501,7 +506,7 @@ def test_a_client_calling_the_pipelines_steps_can_replay_only_its_own_request(se
     client = grpcclient.InferenceServerClient(server.grpc_url)
     prepared = client.infer("dualend_v1_preprocessing", grpc_inputs(
         text_input=np.array([PROMPTS[0].encode()], object), max_tokens=np.array([4], np.int32)))
-    key, params, ids = (prepared.as_numpy(n) for n in ("pipeline_key", "request_params", "input_ids"))
+    key, params = (prepared.as_numpy(n) for n in ("pipeline_key", "request_params"))
     refusal = "internal step of the dualend pipeline"
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(stream_grpc, server.grpc_url, "dualend", PROMPTS[1], 120, ignore_eos=True)
@@ -510,16 +515,16 @@ def test_a_client_calling_the_pipelines_steps_can_replay_only_its_own_request(se
             client.infer("dualend_v1_backbone", grpc_inputs(
                 latents=np.zeros((1, 256), np.float32), sequence_ids=np.array([1], np.int64),
                 new_latents=np.array([1], np.int32), reserve_slots=np.array([9999], np.int32), pipeline_key=key))
-        with pytest.raises(Exception, match=refusal):
-            client.infer("dualend_v1_compressor", grpc_inputs(
-                input_ids=ids, request_params=np.array([b'{"drain": true}'], object), pipeline_key=key))
-        with pytest.raises(Exception, match=r"input_ids \(3000 rows\) are not the prompt of these request_params"):
-            client.infer("dualend_v1_compressor", grpc_inputs(
-                input_ids=np.ones((3000, 2), np.int64), request_params=params, pipeline_key=key))
+        forged = json.loads(bytes(params[0])) | {"prompt_ids": [1] + [5] * 3000}  # another prompt
+        for other in (b'{"drain": true}', json.dumps(forged).encode()):
+            with pytest.raises(Exception, match=refusal):
+                client.infer("dualend_v1_compressor", grpc_inputs(
+                    request_params=np.array([other], object), pipeline_key=key))
         compressed = client.infer("dualend_v1_compressor", grpc_inputs(  # its own request: what the ensemble does
-            input_ids=ids, request_params=params, pipeline_key=key))
+            request_params=params, pipeline_key=key))
         latents, latents_key = compressed.as_numpy("prompt_latents"), bytes(compressed.as_numpy("latents_key")[0])
-        assert latents.shape == (len(ids), 256)
+        prompt_ids = json.loads(bytes(params[0]))["prompt_ids"]
+        assert latents.shape == (-(-len(prompt_ids) // 2), 256)
         assert refusal in mtp_verify_error(server, bytes(key[0]), bytes(params[0]), latents)  # preprocessing's key
         assert refusal in mtp_verify_error(server, latents_key, bytes(params[0]), latents * np.nan)
         assert refusal in mtp_verify_error(server, latents_key)  # a drain

@@ -40,9 +40,8 @@ class SamplingParams:
     stop_words: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: always decode max_tokens tokens
 
-    def validate(self, max_tokens_limit: int) -> None:
-        if not 1 <= self.max_tokens <= max_tokens_limit:
-            raise InvalidRequest(f"max_tokens must be between 1 and {max_tokens_limit}, got {self.max_tokens}")
+    def validate(self) -> None:
+        """The sampling parameters; max_tokens is the request contract's (`serving.contract`)."""
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:

@@ -80,9 +80,11 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
         stop_words=_stop_words(stop_words),
         ignore_eos=bool(_scalar(ignore_eos, "ignore_eos", int) or False),
     )
-    if params.max_tokens is None:
+    if params.max_tokens is None:  # max_tokens is checked here only: later steps trust it
         raise InvalidRequest("max_tokens is required")
-    params.validate(limits.max_new_tokens)
+    if not 1 <= params.max_tokens <= limits.max_new_tokens:
+        raise InvalidRequest(f"max_tokens must be between 1 and {limits.max_new_tokens}, got {params.max_tokens}")
+    params.validate()
     prompt_ids = tokenizer.encode_prompt(text)
     prompt_slots = len(pad_prompt(prompt_ids, limits.pair_size, tokenizer.pad_id))
     counted = (f"{len(prompt_ids)} tokens" if prompt_slots == len(prompt_ids)

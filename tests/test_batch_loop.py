@@ -1,12 +1,13 @@
 """The batched decode loop without a server: the scheduler's decisions on hand-built cases, and
-the loop on the exported tiny models against the one-at-a-time decoder."""
+the loop on the exported tiny models against the step-by-step reference (`reference_generate`)."""
 import threading
 
 import numpy as np
 import pytest
 
-from dualend.engine.decode import CapacityError, InvalidRequest, SamplingParams, generate_text, pad_prompt
+from dualend.engine.decode import CapacityError, InvalidRequest, SamplingParams, pad_prompt
 from dualend.engine.onnx_engine import OnnxComponents
+from dualend.engine.reference import reference_text
 from dualend.engine.scheduler import Scheduler
 from dualend.serving.contract import PreparedRequest, Response
 from dualend.serving.loop import DecodeLoop, Executor, QueuedOutput, SendThread
@@ -153,7 +154,7 @@ def test_batched_chunked_decoding_equals_one_at_a_time(exported, tiny_tokenizer,
     outputs = [submit(loop, engine, tiny_tokenizer, i + 1, p) for i, p in enumerate(PROMPTS)]
     run_until_idle(loop)
     for prompt, output in zip(PROMPTS, outputs):
-        alone = generate_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), threshold)
+        alone = reference_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), threshold)
         assert output.tokens == alone.tokens and output.error is None
         assert sum(r.counters["num_accepted_drafts"] for r in output.responses) == alone.accepted
         assert output.responses[-1].finish_reason == alone.finish_reason
@@ -356,7 +357,7 @@ def test_sends_through_the_send_thread_arrive_as_the_loop_sent_them(exported, ti
     run_until_idle(loop)
     assert sends.close(timeout_s=10) and errors == []
     for prompt, output in zip(PROMPTS, outputs):
-        alone = generate_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), 0.5)
+        alone = reference_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), 0.5)
         assert output.tokens == alone.tokens and output.responses[-1].finish_reason == alone.finish_reason
 
 
@@ -388,3 +389,105 @@ def test_the_send_thread_keeps_order_survives_a_lost_client_and_delivers_everyth
     assert lost_out.is_cancelled() and not kept_out.is_cancelled()  # the loop stops decoding for a lost client
     kept.cancel_asked = True
     assert kept_out.is_cancelled()
+
+
+def test_blocks_are_given_back_once_however_a_sequence_ends():
+    s = scheduler(max_running=2, kv_blocks=8, kv_block_size=4)
+    running, other, queued = Seq(4), Seq(4), Seq(4)   # 12 slots: 3 blocks each
+    for sequence in (running, other, queued):
+        s.submit(sequence)
+    assert s.used_blocks == 6 and s.kv.free_blocks == 2 and queued not in s.kv
+    assert s.finish(running) and not s.finish(running)   # freed once; a second end frees nothing
+    assert not s.finish(queued)                            # never admitted: it held no blocks
+    assert s.finish(other) and s.used_blocks == 0 and len(s.kv) == 0
+
+
+class ScriptedBackbone:
+    """The in-process backbone, counting each release it is told, and failing the sequences in
+    `fail` ({request id: SequenceStatus}) with that status."""
+
+    def __init__(self, runner):
+        self.runner, self.released, self.fail = runner, [], {}
+
+    def run_batch(self, batch):
+        self.released += batch.releases
+        result = self.runner.run_batch(batch)
+        for index, seq_id in enumerate(batch.sequence_ids):
+            if seq_id in self.fail:
+                result.fail(index, self.fail[seq_id], f"scripted {self.fail[seq_id].name}")
+        return result
+
+
+def test_every_way_a_sequence_ends_frees_its_blocks_and_rows_exactly_once(exported, tiny_tokenizer):
+    """Finished, failed by the backbone, cancelled, refused at the queue: the scheduler's block manager
+    ends at 0, the backbone's and the MTP head's caches are empty, and the backbone was told to
+    release each admitted sequence once."""
+    from dualend.engine.onnx_engine import SequenceStatus
+
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, -1.0, max_running=4, max_queue=1)
+    backbone = loop.executor.backbone = ScriptedBackbone(engine.backbone)
+    backbone.fail = {2: SequenceStatus.EVICTED, 3: SequenceStatus.NO_ROOM}
+    outputs = {i: submit(loop, engine, tiny_tokenizer, i, PROMPTS[i % len(PROMPTS)], max_tokens=60)
+               for i in range(1, 7)}
+    for _ in range(3):
+        loop.run_once()
+    loop.cancel(4)
+    run_until_idle(loop)
+    assert outputs[1].responses[-1].finish_reason and outputs[5].responses[-1].finish_reason
+    assert outputs[2].error.startswith("the backbone lost this stream's sequence")
+    assert outputs[2].error.endswith("retry: scripted EVICTED")
+    assert outputs[3].error == "scripted NO_ROOM"
+    assert outputs[4].ended and "is full" in outputs[6].error  # 5 waited for a place, 6 found the queue full
+    assert loop.scheduler.used_blocks == 0 and len(loop.scheduler.kv) == 0
+    assert not engine.backbone.cache.sequences and not engine.mtp_pool_sequences()
+    assert sorted(backbone.released) == [1, 2, 3, 4, 5]  # each admitted one once; 6 was never admitted
+
+
+def test_the_backbone_says_what_went_wrong_per_sequence_with_a_status(exported):
+    from dualend.engine.onnx_engine import BackboneBatch, SequenceStatus
+
+    _, directory = exported["baseline"]
+    engine = OnnxComponents(directory)
+    runner, cache = engine.backbone, engine.backbone.cache
+    latents = np.zeros((4, engine.exported.settings["d_model"]), np.float32)
+
+    def run(ids, counts, reserves):
+        result = runner.run_batch(BackboneBatch(ids, latents[:sum(counts)], counts, reserves, []))
+        return [SequenceStatus(s) for s in result.status], result.messages
+
+    assert run([1, 2], [2, 1], [3, 1]) == ([SequenceStatus.OK] * 2, ["", ""])
+    status, messages = run([1, 2, 7], [1, 1, 1], [0, 0, 0])  # 2 reserved 1 slot and holds it; 7 never started
+    assert status == [SequenceStatus.OK, SequenceStatus.NO_ROOM, SequenceStatus.UNKNOWN_SEQUENCE]
+    assert "outgrew its reservation of 1" in messages[1] and "holds no KV cache" in messages[2]
+    assert run([1], [1], [4])[0] == [SequenceStatus.ALREADY_STARTED]
+    cache.clock = lambda: 1e12  # long idle: the safety net evicts every row
+    cache.evict_idle()
+    assert run([1], [1], [0])[0] == [SequenceStatus.EVICTED]
+
+
+def test_the_backbones_pool_metrics_report_what_changed(exported):
+    from dualend.serving.metrics import PoolMetrics
+
+    calls = []
+
+    class Family:
+        def __init__(self, name, description, kind):
+            self.name, self.kind = name, kind
+
+        def Metric(self, labels):
+            family = self
+            return type("Metric", (), {"set": lambda _, v: calls.append((family.name, "set", v)),
+                                       "increment": lambda _, v: calls.append((family.name, "inc", v))})()
+
+    _, directory = exported["baseline"]
+    cache = OnnxComponents(directory).backbone.cache
+    metrics = PoolMetrics(Family, {"model": "m"}, cache, block_size=4, capacity_blocks=10)
+    assert calls == [("dualend_kv_blocks_used", "set", 0), ("dualend_kv_blocks_free", "set", 10),
+                     ("dualend_kv_live_sequences", "set", 0)]
+    calls.clear()
+    cache.reserve(1, 9)  # 3 blocks
+    metrics.update()
+    metrics.update()
+    assert calls == [("dualend_kv_blocks_used", "set", 3), ("dualend_kv_blocks_free", "set", 7),
+                     ("dualend_kv_live_sequences", "set", 1)]

@@ -8,11 +8,12 @@ import torch
 
 from builder.export import export_checkpoint
 from dualend.engine.checkpoint import Checkpoint
-from dualend.engine.decode import CapacityError, SamplingParams, generate_text
-from dualend.engine.kv_pool import KVCache, UnknownSequence
+from dualend.engine.decode import CapacityError, SamplingParams
+from dualend.engine.kv_pool import AlreadyStarted, EvictedSequence, KVCache, NoRoom, UnknownSequence
 from dualend.engine.manifest import ManifestError
 from dualend.engine.onnx_engine import ExportedModel, OnnxComponents
-from dualend.engine.reference import TorchComponents
+from dualend.engine.reference import TorchComponents, reference_text
+from dualend.serving.offline import generate_text
 
 PROMPTS = ["Q: 1+2+3\nA:", "get ab\nA:", "def f(x):\n    return x + 1\nprint(f(2))\n# output:"]
 
@@ -40,8 +41,8 @@ def test_onnx_greedy_generation_equals_torch(exported, tiny_tokenizer, name, thr
     engine, reference = OnnxComponents(directory), TorchComponents(checkpoint.model)
     params = SamplingParams(max_tokens=24)
     for prompt in PROMPTS:
-        ours = generate_text(engine, tiny_tokenizer, prompt, params, threshold)
-        theirs = generate_text(reference, tiny_tokenizer, prompt, params, threshold)
+        ours = generate_text(engine, tiny_tokenizer, prompt, params, threshold)  # the decode loop, in-process
+        theirs = reference_text(reference, tiny_tokenizer, prompt, params, threshold)  # the step-by-step oracle
         assert ours.tokens == theirs.tokens and ours.accepted == theirs.accepted
         assert len(ours.tokens) > 0
 
@@ -93,7 +94,7 @@ def test_components_from_two_checkpoints_are_refused(exported, tmp_path):
 
 
 def cache(**options):
-    settings = dict(layers=1, heads=1, head_dim=2, max_sequences=3, block_size=4, bucket=4)
+    settings = dict(layers=1, heads=1, head_dim=2, max_sequences=3, bucket=4)
     settings.update(options)
     return KVCache(**settings)
 
@@ -102,19 +103,19 @@ def filled(value, slots):
     return np.full((1, 1, 1, slots, 2), value, np.float32)  # [L, B, heads, S, Dh]
 
 
-def test_kv_cache_reserves_refuses_and_frees():
-    kv = cache(capacity_blocks=3)
-    kv.reserve(1, 8)  # 2 blocks
-    with pytest.raises(CapacityError, match="KV cache full.*2 blocks.*1 of 3 are free"):
-        kv.reserve(2, 5)
-    kv.reserve(3, 2)
-    assert kv.free_blocks == 0
+def test_kv_cache_reserves_what_it_is_told_and_refuses_only_a_step_past_a_reservation():
+    """No block budget here (the scheduler's block manager keeps it): any reservation gets a row."""
+    kv = cache()
+    kv.reserve(1, 8)
+    kv.reserve(2, 10_000)
+    with pytest.raises(AlreadyStarted):
+        kv.reserve(2, 8)
     kv.make_room([kv.row(1)], 3)
     kv.write([kv.row(1)], filled(1, 3), filled(1, 3))
     assert kv.length(1) == 3
-    with pytest.raises(CapacityError, match="outgrew its reservation of 8"):
+    with pytest.raises(NoRoom, match="outgrew its reservation of 8"):
         kv.make_room([kv.row(1)], 6)
-    assert kv.release(1) and kv.free_blocks == 2
+    assert kv.release(1) and not kv.release(1)
     with pytest.raises(UnknownSequence):
         kv.row(1)
 
@@ -163,13 +164,18 @@ def test_kv_cache_runs_out_of_rows_with_a_clear_error():
         kv.reserve(2, 2)
 
 
-def test_kv_cache_evicts_idle_sequences():
+def test_kv_cache_evicts_idle_sequences_and_says_so_to_their_next_step():
     now = [0.0]
-    kv = cache(capacity_blocks=2, idle_timeout_s=10, clock=lambda: now[0])
+    kv = cache(idle_timeout_s=10, clock=lambda: now[0])
     kv.reserve(1, 8)
     now[0] = 11.0
-    kv.reserve(2, 8)  # the idle one is evicted to make room
+    kv.reserve(2, 8)  # a caller that vanished cannot hold a row forever
     assert 1 not in kv.sequences and kv.evicted_total == 1
+    with pytest.raises(EvictedSequence, match="holds no KV cache"):
+        kv.row(1)
+    with pytest.raises(UnknownSequence) as never:
+        kv.row(3)
+    assert type(never.value) is UnknownSequence
 
 
 def test_the_past_is_a_view_of_the_cache_and_rows_stay_dense():

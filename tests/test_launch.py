@@ -146,3 +146,14 @@ def test_the_watchdog_marks_the_server_not_live_after_repeated_failed_restores_a
     watchdog.failures.clear()  # restored after all
     watchdog.report_stuck()
     assert not (tmp_path / "down" / STUCK_MARK).exists()
+
+
+def test_the_launcher_serves_where_the_builder_builds_and_keeps_its_files_under_build():
+    from builder.assemble import DEFAULTS
+    from dualend.ops.gateway import DEFAULT_PREFIX
+    from dualend.ops.launch import ADAPTER_SOURCES, DEFAULT_ADMIN_KEY_FILE, DEFAULT_REPOSITORY
+
+    assert DEFAULT_REPOSITORY == DEFAULTS["out"]
+    assert ADAPTER_SOURCES == DEFAULTS["out"].parent.parent / "model_repository"
+    assert (ADAPTER_SOURCES / "mtp_verify" / "model.py").is_file()
+    assert DEFAULT_ADMIN_KEY_FILE.parent == DEFAULT_PREFIX == DEFAULTS["out"].parent / "gateway"

@@ -1,5 +1,4 @@
 """The serving core without Triton: request validation, response shaping, and the TensorRT path (skipped, with the reason, where there is no GPU)."""
-import json
 import time
 
 import numpy as np
@@ -13,7 +12,6 @@ from dualend.serving.keys import PIPELINE_SECRET_ENV, PipelineGuard, latents_tok
 from dualend.serving.repository import (
     generation_of,
     generations,
-    model_parameters,
     prune_generations,
     served_generation,
 )
@@ -185,16 +183,6 @@ def test_tensorrt_backbone_matches_onnx_runtime(tmp_path):
     for name in ("dualend", "baseline"):
         up_to_date_export(DEFAULTS["checkpoints"] / name, tmp_path / name)
     assert tensorrt_main(["--export-dir", str(tmp_path)]) == 0
-
-
-def test_a_parameter_missing_from_an_older_repository_says_how_to_fix_it():
-    args = {"model_name": "dualend_v1_backbone",
-            "model_config": json.dumps({"parameters": {"engine": {"string_value": "onnxruntime"}}})}
-    parameters = model_parameters(args)
-    assert parameters["engine"] == "onnxruntime"
-    with pytest.raises(KeyError, match="dualend_v1_backbone: the model config has no parameter 'max_sequence_slots'"
-                                       ".*rebuild it with `python -m builder.assemble`"):
-        parameters["max_sequence_slots"]
 
 
 def test_generations_are_read_from_internal_model_names_of_that_deployment_only(tmp_path):

@@ -8,8 +8,8 @@ step-by-step `reference.reference_generate` is the test oracle it is checked aga
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np

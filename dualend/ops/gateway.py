@@ -44,7 +44,7 @@ from .watchdog import STUCK_MARK
 
 PUBLIC_DEPLOYMENTS = ("dualend", "baseline")
 CANARY_MODEL = "llm"
-DEFAULT_PREFIX = Path(__file__).resolve().parent.parent / "build" / "gateway"
+DEFAULT_PREFIX = Path(__file__).resolve().parents[2] / "build" / "gateway"
 REQUEST_CHECK = Path(__file__).resolve().parent / "gateway_request.js"
 NJS_MODULE = Path("/usr/lib/nginx/modules/ngx_http_js_module.so")
 GRPC_METHODS = ("ModelStreamInfer", "ModelInfer", "ModelMetadata", "ModelReady", "ServerLive", "ServerReady",

@@ -29,7 +29,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -67,9 +66,10 @@ EXIT_TIMEOUT_S = 10
 DEFAULT_STOP_TIMEOUT_S = EXIT_TIMEOUT_S + 5.0
 LOG_TAIL_LINES = 40
 BUILD_COMMAND = "python -m builder.assemble"
-DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "build" / "model_repository"
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_REPOSITORY = PROJECT_ROOT / "build" / "model_repository"
 ADMIN_KEY_ENV = "DUALEND_ADMIN_KEY"
-DEFAULT_ADMIN_KEY_FILE = Path(__file__).resolve().parent.parent / "build" / "gateway" / "admin_key"
+DEFAULT_ADMIN_KEY_FILE = PROJECT_ROOT / "build" / "gateway" / "admin_key"
 RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"  # tritonserver API groups behind the admin key
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-ADAPTER_SOURCES = Path(__file__).resolve().parent.parent / "model_repository"
+ADAPTER_SOURCES = PROJECT_ROOT / "model_repository"
 
 
 def stale_adapters(model_repository: Path) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 

@@ -11,25 +11,6 @@ from pathlib import Path
 from dualend.engine.onnx_engine import ExportedModel
 
 
-class ModelParameters(dict):
-    """A model config's `parameters`; a missing one names itself and the way to fix it."""
-
-    def __init__(self, model: str, values: dict[str, str]):
-        super().__init__(values)
-        self.model = model
-
-    def __missing__(self, key: str) -> str:
-        raise KeyError(f"{self.model}: the model config has no parameter {key!r}: the repository was built by "
-                       f"another version of dualend; rebuild it with `python -m builder.assemble`")
-
-
-def model_parameters(args: dict) -> ModelParameters:
-    """The `parameters` of a Triton model's config, from the args of its initialize()."""
-    config = json.loads(args["model_config"])
-    return ModelParameters(args.get("model_name", config.get("name", "model")),
-                           {k: v["string_value"] for k, v in config.get("parameters", {}).items()})
-
-
 @dataclass(frozen=True)
 class DeploymentConfig:
     """One deployment's settings, rendered by the builder into the `parameters` of each of its
@@ -57,14 +38,19 @@ class DeploymentConfig:
     @classmethod
     def from_args(cls, args: dict) -> "DeploymentConfig":
         """From the args of a Triton model's initialize(); a missing or mistyped parameter names itself."""
-        parameters = model_parameters(args)
+        config = json.loads(args["model_config"])
+        model = args.get("model_name", config.get("name", "model"))
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         values = {}
         for field in fields(cls):
             kind = _KINDS[field.type]
+            if field.name not in parameters:
+                raise KeyError(f"{model}: the model config has no parameter {field.name!r}: the repository was built "
+                               f"by another version of dualend; rebuild it with `python -m builder.assemble`")
             try:
                 values[field.name] = kind(parameters[field.name])
             except ValueError:
-                raise ValueError(f"{parameters.model}: parameter {field.name!r} is {parameters[field.name]!r}, "
+                raise ValueError(f"{model}: parameter {field.name!r} is {parameters[field.name]!r}, "
                                  f"not {kind.__name__}: rebuild the repository with `python -m builder.assemble`"
                                  ) from None
         return cls(**values)

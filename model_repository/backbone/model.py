@@ -15,28 +15,28 @@ from dualend.engine.engines import open_engine
 from dualend.engine.onnx_engine import BackboneBatch, BackboneRunner, kv_cache
 from dualend.serving.keys import PipelineGuard
 from dualend.serving.metrics import PoolMetrics
-from dualend.serving.repository import model_parameters, version_components
+from dualend.serving.repository import DeploymentConfig, version_components
 
 INPUTS = ("sequence_ids", "latents", "new_latents", "reserve_slots", "release_ids")
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        parameters = model_parameters(args)
+        config = DeploymentConfig.from_args(args)
         exported = version_components(args, ("backbone",))
         settings = exported.settings
-        self.pool = kv_cache(settings, settings["n_layers"], int(parameters["max_sequences"]) + 1,  # + warm-up
-                             idle_timeout_s=float(parameters["idle_timeout_s"]),
-                             preallocate_slots=int(parameters["max_sequence_slots"]))
-        engine = open_engine(exported, "backbone", parameters["engine"], int(parameters["threads"]))
+        self.pool = kv_cache(settings, settings["n_layers"], config.max_concurrent_requests + 1,  # + warm-up
+                             idle_timeout_s=config.idle_timeout_s,
+                             preallocate_slots=config.max_sequence_slots)
+        engine = open_engine(exported, "backbone", config.engine, config.engine_threads)
         self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"])
-        self.guard = PipelineGuard(args, exported.checkpoint_id, parameters["deployment"])
+        self.guard = PipelineGuard(args, exported.checkpoint_id, config.deployment)
         self._warm_up(settings["d_model"])
-        block_size, capacity = int(parameters["kv_block_size"]), int(parameters["kv_capacity_blocks"])
-        self.metrics = PoolMetrics(_family, {"model": args["model_name"], "deployment": parameters["deployment"]},
+        block_size, capacity = config.kv_block_size, config.kv_capacity_blocks
+        self.metrics = PoolMetrics(_family, {"model": args["model_name"], "deployment": config.deployment},
                                    self.pool, block_size, capacity)
         pb_utils.Logger.log_info(f"{args['model_name']}: backbone of checkpoint {exported.checkpoint_id} on "
-                                 f"{parameters['engine']}, KV pool {capacity} blocks of {block_size} pair slots")
+                                 f"{config.engine}, KV pool {capacity} blocks of {block_size} pair slots")
 
     def _warm_up(self, d_model):
         latents = np.zeros((9, d_model), np.float32)

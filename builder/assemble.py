@@ -40,11 +40,15 @@ DEFAULTS = dict(
     checkpoints=ROOT / "checkpoints", out=ROOT / "build" / "model_repository", export_dir=ROOT / "build" / "export",
     hf_tokenizer=ROOT / "build" / "tokenizer",
     quality_report=ROOT / "reports" / "quality.json", engine="onnxruntime",
-    raw_context_limit=0, max_new_tokens=0, kv_block_size=16, kv_capacity_sequences=32,
+    raw_context_limit=0, max_new_tokens=0, kv_block_size=64, kv_cache_mb=512,
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
     engine_threads=2, preprocessing_instances=1,
 )
-HELP = dict(quality_report="the evaluation report (python -m builder.evaluate) whose calibrated "
+HELP = dict(kv_cache_mb="each deployment's KV memory budget in MiB: its backbone's cache holds this much (fp32 "
+                        "keys and values), allocated at start; requests are admitted by what they need of it "
+                        "(default: %(default)s)",
+            kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)",
+            quality_report="the evaluation report (python -m builder.evaluate) whose calibrated "
                            "acceptance_threshold the dual-end deployment ships (default: %(default)s)")
 DEPLOYMENTS = ("dualend", "baseline")
 # Triton model suffix -> (source folder, components copied into its version folder)
@@ -103,6 +107,19 @@ def max_sequence_latents(raw_context_limit: int, max_new_tokens: int, pair_size:
     return raw_context_limit // pair_size + max_new_tokens // pair_size
 
 
+def kv_budget_blocks(settings: dict, budget_mb: int, block_size: int, widest_slots: int) -> int:
+    """The KV memory budget in blocks of the backbone's cache (fp32 keys and values of every layer);
+    refused when one request at the limits would not fit."""
+    heads = settings.get("n_kv_heads") or settings["n_heads"]
+    head_dim = settings.get("head_dim") or settings["d_model"] // settings["n_heads"]
+    slot_bytes = 2 * settings["n_layers"] * heads * head_dim * 4
+    blocks = budget_mb * 2**20 // (slot_bytes * block_size)
+    if blocks < blocks_for(widest_slots, block_size):
+        raise SystemExit(f"--kv-cache-mb {budget_mb} holds {blocks * block_size} KV slots of {slot_bytes} bytes; one "
+                         f"request at the limits needs {widest_slots}: raise --kv-cache-mb or lower --raw-context-limit")
+    return blocks
+
+
 def trained_context(checkpoint_dir: Path) -> int:
     recipe = load_checkpoint(checkpoint_dir).recipe
     if "context" not in recipe:
@@ -127,8 +144,8 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
         max_concurrent_requests=args.max_concurrent_requests, max_queue_size=args.max_queue_size,
         queue_wait_s=args.queue_wait_s, prefill_chunk_latents=max(1, args.prefill_chunk_tokens // pair_size),
         kv_block_size=args.kv_block_size,
-        kv_capacity_blocks=args.kv_capacity_sequences * blocks_for(sequence_slots, args.kv_block_size),
-        max_sequence_slots=sequence_slots, idle_timeout_s=args.idle_timeout_s,
+        kv_capacity_blocks=kv_budget_blocks(settings, args.kv_cache_mb, args.kv_block_size, sequence_slots),
+        idle_timeout_s=args.idle_timeout_s,
         engine=args.engine, engine_threads=args.engine_threads,
         compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
     )

@@ -66,13 +66,22 @@ def test_a_wait_that_runs_out_is_refused_saying_so():
     assert late not in s
 
 
-def test_kv_blocks_hold_back_a_sequence_that_would_not_fit():
-    s = scheduler(max_running=4, kv_blocks=5, kv_block_size=4)
-    big, small = Seq(8, max_tokens=8), Seq(2, max_tokens=2)   # 16 slots = 4 blocks, 4 slots = 1 block
-    s.submit(big), s.submit(Seq(8, max_tokens=8)), s.submit(small)
-    assert s.running == [big] and len(s.waiting) == 2  # arrival order: the small one waits its turn
+def test_each_running_sequence_costs_a_row_as_wide_as_the_widest_reservation():
+    """The caches lay rows out dense, as wide as the longest: two 4-block sequences fill 8 blocks, and
+    a 1-block one waits behind them (arrival order) until one leaves; short ones beside short ones
+    take a block each."""
+    s = scheduler(max_running=4, kv_blocks=8, kv_block_size=4)
+    big, other_big, small = Seq(8, max_tokens=8), Seq(8, max_tokens=8), Seq(2, max_tokens=2)  # 16 slots, 4 slots
+    s.submit(big), s.submit(other_big), s.submit(small)
+    assert s.running == [big, other_big] and len(s.waiting) == 1 and s.used_blocks == 8
     s.finish(big)
-    assert len(s.admit()[0]) == 2 and s.used_blocks == 5
+    assert s.admit()[0] == [small] and s.used_blocks == 8  # two rows of 4 blocks
+    s.finish(other_big)
+    assert s.used_blocks == 1
+    shorts = [Seq(2, max_tokens=2) for _ in range(3)]
+    for sequence in shorts:
+        s.submit(sequence)
+    assert len(s.running) == 4 and s.used_blocks == 4
 
 
 def test_a_request_larger_than_the_whole_cache_is_refused_at_once():

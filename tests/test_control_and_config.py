@@ -17,7 +17,7 @@ from dualend.serving.triton import BLSBackbone, ResponseSenderOutput
 CONFIG = DeploymentConfig(
     deployment="dualend", pipeline="dualend_v3", pair_size=2, acceptance_threshold=0.35, raw_context_limit=512,
     max_new_tokens=256, max_concurrent_requests=16, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_latents=32,
-    kv_block_size=16, kv_capacity_blocks=1024, max_sequence_slots=384, idle_timeout_s=60.0, engine="onnxruntime",
+    kv_block_size=16, kv_capacity_blocks=1024, idle_timeout_s=60.0, engine="onnxruntime",
     engine_threads=2, compressor_engine="onnxruntime", compressor_threads=1)
 
 
@@ -45,8 +45,8 @@ def test_the_deployment_config_reads_back_what_the_builder_rendered_typed():
 
 def test_a_parameter_missing_from_the_config_names_itself_and_the_fix():
     parameters = rendered_parameters(CONFIG)
-    del parameters["max_sequence_slots"]
-    with pytest.raises(KeyError, match="dualend_v3_mtp_verify: the model config has no parameter 'max_sequence_slots'"
+    del parameters["kv_capacity_blocks"]
+    with pytest.raises(KeyError, match="dualend_v3_mtp_verify: the model config has no parameter 'kv_capacity_blocks'"
                                        ".*rebuild it with `python -m builder.assemble`"):
         DeploymentConfig.from_args(model_args(parameters))
 

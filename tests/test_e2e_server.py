@@ -207,17 +207,18 @@ def test_a_backbone_from_another_checkpoint_is_refused_and_the_rest_keeps_servin
 
 
 def test_busy_server_refuses_clearly_and_the_running_stream_loses_nothing(tmp_path):
-    """Room in the KV cache for one long sequence, one place in the queue: a request that needs more
-    KV than is free waits, then is refused saying why; one more while it waits finds the queue full;
-    a small request fits beside the long one once the queue is clear, and the long one runs to the end."""
-    repository = assemble_dualend(tmp_path, "--raw-context-limit", "2048", "--max-new-tokens", "2048",
-                                  "--kv-capacity-sequences", "1", "--max-concurrent-requests", "2",
+    """A KV budget of two rows as wide as a 2000-token sequence (32 MiB: 64 blocks of 64 pair slots of
+    8 KB), one place in the queue: a 4000-token request would need two rows twice that wide, so it
+    waits, then is refused saying why; one more while it waits finds the queue full; a small request
+    fits beside the long one once the queue is clear, and the long one runs to the end."""
+    repository = assemble_dualend(tmp_path, "--raw-context-limit", "4096", "--max-new-tokens", "4096",
+                                  "--kv-cache-mb", "32", "--max-concurrent-requests", "2",
                                   "--max-queue-size", "1", "--queue-wait-s", "1")
     with TritonServer(repository, log_file=tmp_path / "server.log") as busy, ThreadPoolExecutor(2) as pool:
         long_stream = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[0], 2000, ignore_eos=True,
                                   acceptance_threshold=1.0, exclude_input_in_output=True)
         assert wait_for(lambda: metric(busy, "dualend_kv_live_sequences", "dualend_v1_backbone") == 1)
-        waiting = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[2], 500)
+        waiting = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[2], 4000)
         time.sleep(0.3)
         with pytest.raises(RequestError, match=r"server busy: 1 requests running and 1 waiting, the queue "
                                                r"\(max_queue_size 1\) is full; retry later"):
@@ -226,7 +227,7 @@ def test_busy_server_refuses_clearly_and_the_running_stream_loses_nothing(tmp_pa
                                                r"taken\) and room in the KV cache .* retry later or lower max_tokens"):
             waiting.result()
         assert not long_stream.done(), "the long stream must still be running for this test to mean anything"
-        assert stream_grpc(busy.grpc_url, "dualend", PROMPTS[1], 8).output_tokens > 0  # fits the free blocks
+        assert stream_grpc(busy.grpc_url, "dualend", PROMPTS[1], 8).output_tokens > 0  # a row as wide fits
         result = long_stream.result()
         assert result.finish_reason == "length" and result.output_tokens == 2000
         assert busy.is_ready()

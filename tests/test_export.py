@@ -120,12 +120,9 @@ def test_kv_cache_reserves_what_it_is_told_and_refuses_only_a_step_past_a_reserv
         kv.row(1)
 
 
-def test_a_preallocated_cache_re_lays_rows_out_in_place_and_keeps_every_slot():
-    """Rows of distinct values at several lengths survive growing and shrinking T inside the one
-    buffer allocated at start (heads > 1, so a row's heads move too) without a new allocation, and
-    a sequence longer than what was preallocated gets larger buffers with every row carried over."""
-    kv = cache(max_sequences=4, heads=2, bucket=4, preallocate_slots=16)
-    buffers = [b.ctypes.data for b in kv._buffers]
+def _rows_of_distinct_values(kv):
+    """write(seq_id, start, count) fills slots with values that name the sequence, head and slot;
+    expect(seq_id, length) checks them."""
 
     def write(seq_id, start, count):
         slots = np.arange(start, start + count, dtype=np.float32) + 100 * seq_id
@@ -140,21 +137,43 @@ def test_a_preallocated_cache_re_lays_rows_out_in_place_and_keeps_every_slot():
         assert np.array_equal(keys[0, :length, 0], slots) and np.array_equal(keys[1, :length, 1], slots + 50)
         assert np.array_equal(kv.past().values[0][kv.row(seq_id), 1, :length, 1], -(slots + 50))
 
+    return write, expect
+
+
+def test_a_budgeted_cache_re_lays_rows_out_in_place_and_keeps_every_slot():
+    """Rows of distinct values at several lengths survive growing and shrinking T inside the buffers
+    sized by the budget at start (heads > 1, so a row's heads move too), never reallocated; a layout
+    the budget cannot hold (three rows 20 slots wide in 48) is refused with NoRoom and moves nothing."""
+    kv = cache(max_sequences=4, heads=2, bucket=4, budget_slots=48)
+    buffers = [b.ctypes.data for b in kv._buffers]
+    assert kv.bytes == 2 * 48 * 2 * 2 * 4  # keys and values: budget x heads x Dh x fp32
+    write, expect = _rows_of_distinct_values(kv)
     for seq_id, length in ((1, 3), (2, 2), (3, 4)):
         kv.reserve(seq_id, 16)
         write(seq_id, 0, length)
-    write(2, 2, 11)  # T grows from 4 to 16 with three rows in use
-    assert kv.capacity_slots == 16
+    write(2, 2, 11)  # T grows from 4 to 16 with three rows in use: 48 slots, the whole budget
+    assert kv.width == 16
     expect(1, 3), expect(2, 13), expect(3, 4)
     kv.release(2)
     kv.compact()  # back to 4, in place, rows moved up front
-    assert kv.capacity_slots == 4
+    assert kv.width == 4
     expect(1, 3), expect(3, 4)
-    assert [b.ctypes.data for b in kv._buffers] == buffers
     kv.reserve(4, 32)
-    write(4, 0, 20)  # past what was preallocated: new, larger buffers, every row copied over
-    assert kv.capacity_slots == 20 and [b.ctypes.data for b in kv._buffers] != buffers
-    expect(1, 3), expect(3, 4), expect(4, 20)
+    with pytest.raises(NoRoom, match="3 sequences 20 slots wide need 60 slots, the budget holds 48"):
+        write(4, 0, 20)
+    assert kv.width == 4 and [b.ctypes.data for b in kv._buffers] == buffers
+    expect(1, 3), expect(3, 4)
+
+
+def test_a_cache_without_a_budget_grows_its_buffers_and_carries_every_row_over():
+    kv = cache(max_sequences=4, heads=2, bucket=4)
+    buffers = [b.ctypes.data for b in kv._buffers]
+    write, expect = _rows_of_distinct_values(kv)
+    for seq_id, length in ((1, 3), (2, 20)):
+        kv.reserve(seq_id, 32)
+        write(seq_id, 0, length)
+    assert kv.width == 20 and [b.ctypes.data for b in kv._buffers] != buffers
+    expect(1, 3), expect(2, 20)
 
 
 def test_kv_cache_runs_out_of_rows_with_a_clear_error():
@@ -193,4 +212,4 @@ def test_the_past_is_a_view_of_the_cache_and_rows_stay_dense():
     assert kv.past().keys[0][0, 0, 0, 0] == 3 and kv.past().values[0][1, 0, 4, 0] == -2
     kv.release(2)
     kv.compact()  # the long one left: back to one bucket (well below 4), the short one's keys kept
-    assert kv.capacity_slots == 4 and kv.past().keys[0][0, 0, 0, 0] == 3
+    assert kv.width == 4 and kv.past().keys[0][0, 0, 0, 0] == 3

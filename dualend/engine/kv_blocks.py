@@ -5,6 +5,13 @@ once, when it ends, however it ends.
 Only this account decides whether a sequence fits. The caches themselves (`kv_pool.KVCache`, the
 backbone's in its own process, the MTP head's in the decode loop's) hold storage and do what they
 are told: reserve a row for a sequence this account admitted, release it when the account freed it.
+
+The capacity is a memory budget (`builder.assemble --kv-cache-mb`), in blocks of `block_size` slots.
+The caches lay their rows out dense, each as wide as the longest sequence in them (the layout the
+engine's attention reads without a copy), so what the running sequences can come to occupy is
+rows x the widest reservation among them: admission keeps that within the budget. A sequence never
+reserves the context's maximum, only its own prompt and max_tokens; short requests beside short
+ones fill the budget with many rows, one long request narrows it for as long as it runs.
 """
 from __future__ import annotations
 
@@ -27,23 +34,28 @@ class KVBlockManager:
 
     @property
     def used_blocks(self) -> int:
-        return sum(self._held.values())
+        """What the running sequences can come to occupy: rows x the widest reservation."""
+        return self._cost(len(self._held), max(self._held.values(), default=0))
 
     @property
     def free_blocks(self) -> int:
         return self.capacity_blocks - self.used_blocks
 
     def fits(self, slots: int) -> bool:
-        return self.blocks_for(slots) <= self.free_blocks
+        widest = max(self.blocks_for(slots), *self._held.values(), 0)
+        return self._cost(len(self._held) + 1, widest) <= self.capacity_blocks
 
     def allocate(self, sequence: Hashable, slots: int) -> None:
         """Gives `sequence` the blocks for `slots` slots; the caller checked `fits`."""
-        blocks = self.blocks_for(slots)
         if sequence in self._held:
             raise ValueError(f"{sequence!r} already holds {self._held[sequence]} KV blocks")
-        if blocks > self.free_blocks:
-            raise ValueError(f"{blocks} KV blocks asked for, {self.free_blocks} free")
-        self._held[sequence] = blocks
+        if not self.fits(slots):
+            raise ValueError(f"{self.blocks_for(slots)} KV blocks asked for, {self.free_blocks} free")
+        self._held[sequence] = self.blocks_for(slots)
+
+    @staticmethod
+    def _cost(rows: int, widest_blocks: int) -> int:
+        return rows * widest_blocks
 
     def free(self, sequence: Hashable) -> bool:
         """Takes the sequence's blocks back; True the one time it held some."""

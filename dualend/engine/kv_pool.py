@@ -5,9 +5,11 @@ attention reads. A live sequence owns a row, and rows in use are kept dense (0..
 of every live sequence is the view [:n] of each array: contiguous, handed to the engine as it is.
 A step writes only its new keys and values. T grows in buckets as the longest sequence grows (one
 re-layout every `bucket` steps, not a copy every step) and shrinks back when the long ones leave;
-a release moves the last row into the freed one. Every layout lives in one buffer per layer that
-never shrinks; a server sizes and touches it at start (`preallocate_slots`), so its memory is
-fixed from the first request on, however lengths vary.
+a release moves the last row into the freed one. Every layout lives in one buffer per layer. A
+server gives it a budget (`budget_slots`: rows x T of every layout together, from the memory
+budget) and the buffers are that size, touched at start, so its memory is fixed from the first
+request on, however lengths vary; the block account admits only what such a layout holds. Without a
+budget (the in-process engine) the buffers grow as needed.
 
 A sequence reserves, at its start, a row and the slots it may need (prompt pairs + max new
 tokens). Whether it may is decided before, by the one account of KV blocks
@@ -66,7 +68,7 @@ class KVCache:
     remembered_evictions = 1024  # evicted sequence ids kept, so their next step says so
 
     def __init__(self, layers: int, heads: int, head_dim: int, max_sequences: int, idle_timeout_s: float = 60.0,
-                 bucket: int = bucket_default, preallocate_slots: int = 0, clock=time.monotonic):
+                 bucket: int = bucket_default, budget_slots: int | None = None, clock=time.monotonic):
         self.layers, self.heads, self.head_dim, self.max_sequences = layers, heads, head_dim, max_sequences
         self.idle_timeout_s, self.bucket, self.clock = idle_timeout_s, bucket, clock
         self.sequences: dict[int, _Sequence] = {}
@@ -75,8 +77,9 @@ class KVCache:
         self.lengths = np.zeros(max_sequences, np.int64)
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
-        self._buffers = [np.empty(self._size(self._bucketed(preallocate_slots)), np.float32)
-                         for _ in range(2 * layers)]
+        self.budget_slots = budget_slots
+        size = (budget_slots if budget_slots is not None else max_sequences * bucket) * heads * head_dim
+        self._buffers = [np.empty(size, np.float32) for _ in range(2 * layers)]
         for buffer in self._buffers:
             buffer.fill(0.0)  # touched now: the pages are the process's from the start
         self._allocate(bucket)
@@ -84,8 +87,13 @@ class KVCache:
         self._lock = threading.Lock()
 
     @property
-    def capacity_slots(self) -> int:
+    def width(self) -> int:
+        """T, the slots every row is laid out with now."""
         return self.keys[0].shape[2]
+
+    @property
+    def bytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self._buffers)
 
     def reserve(self, seq_id: int, slots: int) -> int:
         """Gives the sequence a row and `slots` slots; returns its row."""
@@ -93,8 +101,8 @@ class KVCache:
             if seq_id in self.sequences:
                 raise AlreadyStarted(f"sequence {seq_id} already holds a cache")
             self._evict_idle_locked()
-            if len(self.row_owner) == self.max_sequences:
-                raise NoRoom(f"KV cache full: all {self.max_sequences} sequence rows are taken; retry later")
+            if len(self.row_owner) == len(self.keys[0]):
+                raise NoRoom(f"KV cache full: all {len(self.keys[0])} sequence rows are taken; retry later")
             row = len(self.row_owner)
             self.row_owner.append(seq_id)
             self.lengths[row] = 0
@@ -120,7 +128,7 @@ class KVCache:
         for row in rows:
             self.check_room(row, new_slots)
         needed = int(max(self.lengths[row] for row in rows)) + new_slots
-        if needed > self.capacity_slots:
+        if needed > self.width:
             self._allocate(self._bucketed(needed))
 
     def check_room(self, row: int, new_slots: int) -> None:
@@ -135,13 +143,13 @@ class KVCache:
         span = slice(0, len(self.row_owner)) if one is None else slice(one, one + 1)
         lengths = self.lengths[span]
         return Past([k[span] for k in self.keys], [v[span] for v in self.values],
-                    np.arange(self.capacity_slots)[None] < lengths[:, None], lengths)
+                    np.arange(self.width)[None] < lengths[:, None], lengths)
 
     def compact(self) -> None:
         """Shrinks T back to the bucket that holds the longest sequence, once the long ones left."""
         longest = int(self.lengths[:len(self.row_owner)].max()) if self.row_owner else 0
         width = max(self.bucket, self._bucketed(longest))
-        if width + 2 * self.bucket <= self.capacity_slots:  # well below, so sizes do not flap at an edge
+        if width + 2 * self.bucket <= self.width:  # well below, so sizes do not flap at an edge
             self._allocate(width)
 
     def write(self, rows: list[int], keys: np.ndarray, values: np.ndarray) -> None:
@@ -200,16 +208,21 @@ class KVCache:
     def _bucketed(self, slots: int) -> int:
         return self.bucket * math.ceil(slots / self.bucket)
 
-    def _size(self, width: int) -> int:
-        return self.max_sequences * self.heads * width * self.head_dim
-
     def _allocate(self, width: int) -> None:
-        """Lays the rows out `width` slots wide, in place in the buffers (grown only if too small).
+        """Lays the rows out `width` slots wide, in place in the buffers: as many rows as the budget
+        holds at that width (at most max_sequences); without a budget the buffers grow if too small.
 
         In place, a row's new place may overlap where other rows are now: growing moves rows from
         the last one down, shrinking from the first one up, so no row is overwritten before it moved.
         """
-        shape, size = (self.max_sequences, self.heads, width, self.head_dim), self._size(width)
+        rows_laid = self.max_sequences
+        if self.budget_slots is not None:
+            rows_laid = min(rows_laid, self.budget_slots // width)
+            if rows_laid < len(self.row_owner):
+                raise NoRoom(f"KV cache full: {len(self.row_owner)} sequences {width} slots wide need "
+                             f"{len(self.row_owner) * width} slots, the budget holds {self.budget_slots}")
+        shape = (rows_laid, self.heads, width, self.head_dim)
+        size = rows_laid * self.heads * width * self.head_dim
         if size > self._buffers[0].size:
             self._buffers = [np.zeros(size, np.float32) for _ in self._buffers]
         layouts = [buffer[:size].reshape(shape) for buffer in self._buffers]

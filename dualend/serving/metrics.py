@@ -142,7 +142,8 @@ class PoolMetrics:
 
     def update(self) -> None:
         """Only what changed: each metric call is a round trip to the server process."""
-        used = sum(blocks_for(s.reserved_slots, self.block_size) for s in self.pool.sequences.values())
+        reserved = [blocks_for(s.reserved_slots, self.block_size) for s in self.pool.sequences.values()]
+        used = len(reserved) * max(reserved, default=0)  # rows x the widest, as the block account counts
         now = (used, self.capacity_blocks - used, len(self.pool.sequences), self.pool.evicted_total)
         for metric, before, value in zip((self.used, self.free, self.live), self.reported, now):
             if value != before:

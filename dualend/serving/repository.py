@@ -26,9 +26,8 @@ class DeploymentConfig:
     max_queue_size: int
     queue_wait_s: float
     prefill_chunk_latents: int
-    kv_block_size: int
-    kv_capacity_blocks: int
-    max_sequence_slots: int       # KV slots one sequence can hold
+    kv_block_size: int            # slots; also the step by which a cache's layout grows
+    kv_capacity_blocks: int       # the KV memory budget, in blocks (each cache holds this many slots)
     idle_timeout_s: float
     engine: str                   # the backbone's
     engine_threads: int
@@ -54,6 +53,11 @@ class DeploymentConfig:
                                  f"not {kind.__name__}: rebuild the repository with `python -m builder.assemble`"
                                  ) from None
         return cls(**values)
+
+    def kv_cache_options(self) -> dict:
+        """A KV cache's sizing from this config: the budget in slots, laid out in steps of a block."""
+        return {"budget_slots": self.kv_capacity_blocks * self.kv_block_size, "bucket": self.kv_block_size,
+                "idle_timeout_s": self.idle_timeout_s}
 
     def pbtxt(self) -> str:
         """The config.pbtxt `parameters` lines that `from_args` reads back."""

@@ -26,8 +26,7 @@ class TritonPythonModel:
         exported = version_components(args, ("backbone",))
         settings = exported.settings
         self.pool = kv_cache(settings, settings["n_layers"], config.max_concurrent_requests + 1,  # + warm-up
-                             idle_timeout_s=config.idle_timeout_s,
-                             preallocate_slots=config.max_sequence_slots)
+                             **config.kv_cache_options())
         engine = open_engine(exported, "backbone", config.engine, config.engine_threads)
         self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"])
         self.guard = PipelineGuard(args, exported.checkpoint_id, config.deployment)

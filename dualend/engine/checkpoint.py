@@ -1,5 +1,8 @@
 """Self-describing checkpoints: safetensors weights, model config, tokenizer, training recipe.
 
+An imported checkpoint (builder.import_model) also holds `tokenizer_config.json`, which names its
+special tokens (the shipped ones find "<pad>", "<bos>", "<eos>" by name and have no such file).
+
 The checkpoint id is a hash of the weights and the model config, so any change to either
 gives a new id; every exported component carries it.
 """
@@ -17,6 +20,7 @@ from .model import LanguageModel, ModelConfig
 from .tokenizer import TextTokenizer
 
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def checkpoint_id(state: dict[str, torch.Tensor], config: dict) -> str:
@@ -56,6 +60,11 @@ class Checkpoint:
         meta = {"checkpoint_id": ckpt_id, "model": self.model.cfg.to_dict(), "recipe": self.recipe}
         (directory / CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         (directory / TOKENIZER).write_text(self.tokenizer.to_json(), encoding="utf-8")
+        tokenizer_config = self.tokenizer.config_json()
+        if tokenizer_config is not None:
+            (directory / TOKENIZER_CONFIG).write_text(tokenizer_config, encoding="utf-8")
+        elif (directory / TOKENIZER_CONFIG).exists():
+            (directory / TOKENIZER_CONFIG).unlink()  # a stale one would rename the specials
         return ckpt_id
 
 
@@ -65,7 +74,9 @@ def load_checkpoint(directory: str | Path) -> Checkpoint:
     model = LanguageModel(ModelConfig(**meta["model"]))
     model.load_state_dict(load_file(str(directory / WEIGHTS)))
     model.eval()
-    tokenizer = TextTokenizer.from_json((directory / TOKENIZER).read_text(encoding="utf-8"))
+    tokenizer_config = directory / TOKENIZER_CONFIG
+    tokenizer = TextTokenizer.from_json((directory / TOKENIZER).read_text(encoding="utf-8"),
+                                        tokenizer_config.read_text(encoding="utf-8") if tokenizer_config.exists() else None)
     # Verified against the config as written, so fields added to ModelConfig later (with defaults
     # that keep the old behaviour) do not invalidate older checkpoints; re-saving gives a new id.
     recomputed = checkpoint_id(_weights(model), meta["model"])

@@ -1,12 +1,20 @@
-"""Byte-level BPE tokenizer (digits split one by one); decoding drops PAD, BOS and EOS."""
+"""Byte-level BPE tokenizer (digits split one by one); decoding drops PAD, BOS and EOS.
+
+The shipped tokenizers name their specials "<pad>", "<bos>", "<eos>" and always start a prompt with
+BOS. An imported one (builder.import_model) says which tokens play those roles, whether a prompt
+starts with BOS and its chat template in a small config, `tokenizer_config.json` beside
+`tokenizer.json` (`TextTokenizer.config`, keys TOKENIZER_CONFIG_KEYS).
+"""
 from __future__ import annotations
 
+import json
 from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
+TOKENIZER_CONFIG_KEYS = ("pad_token", "bos_token", "eos_token", "add_bos_token", "chat_template")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -27,29 +35,59 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 class TextTokenizer:
-    """The project's tokenizer: encode without specials, decode with PAD stripped."""
+    """The project's tokenizer: encode without specials, decode with PAD stripped.
 
-    def __init__(self, tokenizer: Tokenizer):
+    `config` (None for the shipped tokenizers) names the PAD, BOS and EOS tokens, says whether a
+    prompt starts with BOS (`add_bos_token`) and holds the chat template, if any.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, config: dict | None = None):
         self.tokenizer = tokenizer
-        self.pad_id = tokenizer.token_to_id(PAD)
-        self.bos_id = tokenizer.token_to_id(BOS)
-        self.eos_id = tokenizer.token_to_id(EOS)
+        self.config = None if config is None else {k: config.get(k) for k in TOKENIZER_CONFIG_KEYS}
+        if config is None:
+            self.pad_id = tokenizer.token_to_id(PAD)
+            self.bos_id = tokenizer.token_to_id(BOS)
+            self.eos_id = tokenizer.token_to_id(EOS)
+            self.add_bos, self.chat_template = True, None
+        else:
+            unknown = sorted(set(config) - set(TOKENIZER_CONFIG_KEYS))
+            if unknown:
+                raise ValueError(f"tokenizer config: unknown keys {unknown} (known: {list(TOKENIZER_CONFIG_KEYS)})")
+            self.pad_id, self.bos_id, self.eos_id = (self._special_id(config, key)
+                                                     for key in ("pad_token", "bos_token", "eos_token"))
+            self.add_bos = bool(config.get("add_bos_token", True))
+            self.chat_template = config.get("chat_template")
         self.vocab_size = tokenizer.get_vocab_size()
-        # Byte-level BPE: one character of a token's name per byte, so no token covers more bytes.
-        self.max_token_bytes = max(len(name) for name in tokenizer.get_vocab())
+        # Byte-level BPE: one character of a token's name per byte, so no token covers more bytes;
+        # an added token (a special like "<|im_start|>") covers the UTF-8 bytes of its text.
+        added = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
+        self.max_token_bytes = max(len(name.encode("utf-8")) if name in added else len(name)
+                                   for name in tokenizer.get_vocab())
+
+    def _special_id(self, config: dict, key: str) -> int:
+        name = config.get(key)
+        token_id = None if name is None else self.tokenizer.token_to_id(name)
+        if token_id is None:
+            raise ValueError(f"tokenizer config: {key} {name!r} is not a token of this tokenizer")
+        return token_id
 
     @classmethod
-    def from_json(cls, json_text: str) -> "TextTokenizer":
-        return cls(Tokenizer.from_str(json_text))
+    def from_json(cls, json_text: str, config_text: str | None = None) -> "TextTokenizer":
+        """`config_text`: the JSON of `tokenizer_config.json`, None where there is none (shipped)."""
+        return cls(Tokenizer.from_str(json_text), None if config_text is None else json.loads(config_text))
 
     def to_json(self) -> str:
         return self.tokenizer.to_str()
+
+    def config_json(self) -> str | None:
+        """What `tokenizer_config.json` holds; None for a shipped tokenizer (no such file)."""
+        return None if self.config is None else json.dumps(self.config, indent=2, sort_keys=True) + "\n"
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_prompt(self, text: str) -> list[int]:
-        return [self.bos_id, *self.encode(text)]
+        return [self.bos_id, *self.encode(text)] if self.add_bos else self.encode(text)
 
     def prompt_length(self, text: str) -> int:
         """Tokens the prompt holds as served (BOS included), the unit of every length limit."""

@@ -44,7 +44,7 @@ class CompressorGraph(nn.Module):
 class BackboneGraph(nn.Module):
     """Prefill chunks (S > 1) and decode steps (S = 1) in one graph; output only at the last position.
 
-    The past comes as one keys and one values input per layer, [B, heads, T, Dh], the layout
+    The past comes as one keys and one values input per layer, [B, kv_heads, T, Dh], the layout
     attention reads, so the engine gets views of the KV cache and copies none of it.
     """
 
@@ -53,12 +53,12 @@ class BackboneGraph(nn.Module):
         self.model = model
 
     def forward(self, latents, positions, new_valid, past_valid, *past):
-        # latents: [B, S, D]; past: L keys then L values, each [B, heads, T, Dh]
+        # latents: [B, S, D]; past: L keys then L values, each [B, kv_heads, T, Dh]
         layers = len(past) // 2
         hidden, keys, values = self.model.backbone(latents, positions, new_valid, list(past[:layers]),
                                                    list(past[layers:]), past_valid, last_only=True)
         hidden = hidden[:, -1]
-        return self.model.lm_head(hidden), hidden, keys, values  # present: [L, B, heads, S, Dh]
+        return self.model.lm_head(hidden), hidden, keys, values  # present: [L, B, kv_heads, S, Dh]
 
 
 class MTPGraph(nn.Module):
@@ -67,11 +67,11 @@ class MTPGraph(nn.Module):
         self.model = model
 
     def forward(self, t1, hidden, positions, past_valid, past_keys, past_values):
-        # t1: [B, 1]; hidden: [B, 1, D]; past_keys/values: [B, heads, T, Dh]
+        # t1: [B, 1]; hidden: [B, 1, D]; past_keys/values: [B, kv_heads, T, Dh]
         new_valid = torch.ones_like(t1, dtype=torch.bool)
         logits, confidence, keys, values = self.model.mtp_forward(
             t1, hidden, positions, new_valid, past_keys, past_values, past_valid)
-        # present: [B, heads, 1, Dh] -> [1, B, heads, 1, Dh], the cache's [L, B, heads, S, Dh]
+        # present: [B, kv_heads, 1, Dh] -> [1, B, kv_heads, 1, Dh], the cache's [L, B, kv_heads, S, Dh]
         return logits[:, -1], confidence[:, -1], keys[None], values[None]
 
 
@@ -88,7 +88,8 @@ def settings_of(checkpoint: Checkpoint) -> dict:
     cfg = checkpoint.config
     return {"d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "pair_size": cfg.pair_size,
             "pad_id": cfg.pad_id, "bos_id": cfg.bos_id, "eos_id": cfg.eos_id,
-            "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "export_format": EXPORT_FORMAT}
+            "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim, "export_format": EXPORT_FORMAT}
 
 
 def export_checkpoint(checkpoint: Checkpoint, out: Path) -> str:
@@ -96,7 +97,7 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path) -> str:
     ckpt_id, settings = checkpoint.id, settings_of(checkpoint)
     if out.exists():
         shutil.rmtree(out)
-    heads, head_dim, layers, dim = cfg.n_heads, cfg.head_dim, cfg.n_layers, cfg.d_model
+    kv_heads, head_dim, layers, dim = cfg.kv_heads, cfg.head_dim, cfg.n_layers, cfg.d_model
 
     (out / "tokenizer").mkdir(parents=True)
     (out / "tokenizer" / TOKENIZER_FILE).write_text(checkpoint.tokenizer.to_json(), encoding="utf-8")
@@ -108,7 +109,7 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path) -> str:
     write_manifest(out / "compressor", ckpt_id, "compressor", "onnx", settings)
 
     batch, new, past = 2, 3, 4
-    cache = torch.randn(batch, heads, past, head_dim)
+    cache = torch.randn(batch, kv_heads, past, head_dim)
     example = (torch.randn(batch, new, dim), torch.arange(past, past + new).repeat(batch, 1),
                torch.ones(batch, new, dtype=torch.bool), torch.ones(batch, past, dtype=torch.bool),
                *[cache.clone() for _ in range(2 * layers)])

@@ -46,13 +46,12 @@ def build_backbone_plan(onnx_path: Path, settings: dict, max_chunk: int, max_lat
     if fp16:
         config.set_flag(trt.BuilderFlag.FP16)
     dim, layers = settings["d_model"], settings["n_layers"]
-    heads = settings["n_heads"]
-    head_dim = dim // heads
+    kv_heads, head_dim = settings["n_kv_heads"], settings["head_dim"]
 
     width = KVCache.bucket_default * -(-max_latents // KVCache.bucket_default)
 
     def shapes(batch, new, past):
-        caches = {name: (batch, heads, past, head_dim) for name in backbone_inputs(layers)[4:]}
+        caches = {name: (batch, kv_heads, past, head_dim) for name in backbone_inputs(layers)[4:]}
         return {"latents": (batch, new, dim), "positions": (batch, new), "new_valid": (batch, new),
                 "past_valid": (batch, past)} | caches
 
@@ -74,11 +73,10 @@ def check_parity(directory: Path, session: TensorRTSession) -> dict:
     rng = np.random.default_rng(0)
     exported = ExportedModel.open(directory)
     s = exported.settings
-    head_dim = s["d_model"] // s["n_heads"]
     feeds = {"latents": rng.standard_normal((2, 1, s["d_model"]), dtype=np.float32),
              "positions": np.array([[7], [7]], np.int64), "new_valid": np.ones((2, 1), bool),
              "past_valid": np.arange(64)[None].repeat(2, 0) < 7}
-    feeds |= {name: rng.standard_normal((2, s["n_heads"], 64, head_dim), dtype=np.float32)
+    feeds |= {name: rng.standard_normal((2, s["n_kv_heads"], 64, s["head_dim"]), dtype=np.float32)
               for name in backbone_inputs(s["n_layers"])[4:]}
     ours, theirs = session.run(["logits"], feeds)[0], reference.run(["logits"], feeds)[0]
     engine = OnnxComponents(directory)

@@ -8,7 +8,7 @@ the same code serves training (no past), the reference generator and the ONNX ex
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +31,39 @@ class ModelConfig:
     # RoPE angle of pair i is that of token position stride*i + stride-1 (stride 1: the pair index;
     # stride 2: the raw position of the pair's second token, what a converted baseline knows).
     position_stride: int = 1
+    # The Llama family. Later fields: `to_dict` leaves them out at their defaults, so a config
+    # written before they existed hashes (checkpoint id) as it did.
+    n_kv_heads: int = 0         # grouped-query attention; 0: n_heads
+    head_size: int = 0          # 0: d_model // n_heads
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True  # False: a separate `output` matrix is the LM head
+    qkv_bias: bool = False       # Qwen2-style bias on q, k, v (not on the output projection)
+
+    def __post_init__(self):
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim {self.head_dim} is odd; RoPE rotates halves")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     @property
     def is_dualend(self) -> bool:
         return self.pair_size == 2
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        defaults = {f.name: f.default for f in fields(self) if f.name in _LATER_FIELDS}
+        return {k: v for k, v in values.items() if k not in defaults or v != defaults[k]}
+
+
+_LATER_FIELDS = ("n_kv_heads", "head_size", "norm_eps", "tie_embeddings", "qkv_bias")
 
 
 class RMSNorm(nn.Module):
@@ -56,7 +78,7 @@ class RMSNorm(nn.Module):
 
 def rotary(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [B, 1, S, Dh/2] of the RoPE angles of `positions` [B, S] (pair indices); computed
-    once per forward and shared by every layer."""
+    once per forward and shared by every layer. Frequencies base^(-2i/Dh), as Llama's."""
     positions = positions * cfg.position_stride + (cfg.position_stride - 1)
     half = cfg.head_dim // 2
     inv_freq = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float32, device=positions.device) / half)
@@ -65,7 +87,8 @@ def rotary(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, tor
 
 
 def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], half: int) -> torch.Tensor:
-    # x: [B, heads, S, 2 * half]; `half` a Python int, so the export splits by a constant
+    # x: [B, heads, S, 2 * half]; `half` a Python int, so the export splits by a constant.
+    # Rotates the two halves against each other (Llama's rotate_half), not interleaved pairs.
     cos, sin = cos_sin
     x1, x2 = x.split(half, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -87,24 +110,40 @@ def attention_mask(past_valid: torch.Tensor | None, new_valid: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
+    """Grouped-query attention: n_heads query heads, kv_heads key/value heads, each key/value head
+    serving n_heads / kv_heads consecutive query heads (Llama's repeat_kv order)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        # rows: q [n_heads * Dh], then k, then v [kv_heads * Dh each]
+        self.qkv = nn.Linear(cfg.d_model, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.out = nn.Linear(q_size, cfg.d_model, bias=False)
 
     def forward(self, x, cos_sin, mask, past_k=None, past_v=None, last_only=False):
-        # x: [B, S, D]; cos_sin: rotary(); past_k/v: [B, heads, T, Dh]; mask: [B, 1, S, T+S]
-        heads, head_dim = self.cfg.n_heads, self.cfg.head_dim
-        q, k, v = self.qkv(x).unflatten(-1, (3, heads, head_dim)).permute(2, 0, 3, 1, 4).unbind(0)
+        # x: [B, S, D]; cos_sin: rotary(); past_k/v: [B, kv_heads, T, Dh]; mask: [B, 1, S, T+S]
+        heads, kv_heads, head_dim = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.head_dim
+        q, k, v = self.qkv(x).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q = q.unflatten(-1, (heads, head_dim)).transpose(1, 2)     # [B, heads, S, Dh]
+        k = k.unflatten(-1, (kv_heads, head_dim)).transpose(1, 2)  # [B, kv_heads, S, Dh]
+        v = v.unflatten(-1, (kv_heads, head_dim)).transpose(1, 2)
         half = head_dim // 2
         q, k = rope(q, cos_sin, half), rope(k, cos_sin, half)
         if last_only:
             q, mask = q[:, :, -1:], mask[:, :, -1:]
+        groups, queries = heads // kv_heads, q.shape[2]
+        if groups > 1:
+            # Each key/value head's query heads as one longer query: [B, kv_heads, groups * S, Dh],
+            # so the keys and values are read as they are, never repeated.
+            q = q.reshape(q.shape[0], kv_heads, -1, head_dim)
+            mask = mask.repeat(1, 1, groups, 1)  # [B, 1, groups * S, T+S]
         if past_k is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             y = _attend_past_and_new(q, past_k, past_v, k, v, mask, head_dim ** -0.5)
+        if groups > 1:
+            y = y.reshape(y.shape[0], heads, queries, head_dim)  # [B, heads, S, Dh]
         y = y.transpose(1, 2).flatten(2)
         return self.out(y), k, v
 
@@ -113,7 +152,8 @@ def _attend_past_and_new(q, past_k, past_v, k, v, mask, scale: float):
     """Attention over past and new keys without concatenating them: a step reads the past once
     and copies none of it (only the [S, T+S] scores are joined).
 
-    q: [B, heads, S, Dh]; past_k/v: [B, heads, T, Dh]; k/v: [B, heads, S', Dh]; mask [B, 1, S, T+S'];
+    q: [B, kv_heads, S, Dh] (grouped queries); past_k/v: [B, kv_heads, T, Dh]; k/v: [B, kv_heads, S', Dh];
+    mask [B, 1, S, T+S'];
     scale: Dh ** -0.5, a Python float (a constant in the export)
     """
     scores = torch.cat([q @ past_k.transpose(-1, -2), q @ k.transpose(-1, -2)], dim=-1) * scale
@@ -137,7 +177,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn_norm, self.ffn_norm = RMSNorm(cfg.d_model), RMSNorm(cfg.d_model)
+        self.attn_norm, self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn, self.ffn = Attention(cfg), FeedForward(cfg)
 
     def forward(self, x, cos_sin, mask, past_k=None, past_v=None, last_only=False):
@@ -153,12 +193,12 @@ class Backbone(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def forward(self, x, positions, new_valid, past_k=None, past_v=None, past_valid=None,
                 last_only=False):
-        # x: [B, S, D]; past_k/v: [L, B, heads, T, Dh]; returns hidden [B, S or 1, D],
-        # present_k/v: [L, B, heads, S, Dh]
+        # x: [B, S, D]; past_k/v: [L, B, kv_heads, T, Dh]; returns hidden [B, S or 1, D],
+        # present_k/v: [L, B, kv_heads, S, Dh]
         mask, cos_sin = attention_mask(past_valid, new_valid), rotary(positions, self.cfg)
         present_k, present_v = [], []
         for index, layer in enumerate(self.layers):
@@ -204,14 +244,14 @@ class MTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.token_norm, self.hidden_norm = RMSNorm(cfg.d_model), RMSNorm(cfg.d_model)
+        self.token_norm, self.hidden_norm = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
         self.proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
-        self.layer = Block(cfg)
-        self.norm = RMSNorm(cfg.d_model)
+        self.layer = Block(cfg)  # the backbone's layer shape: its KV is [B, kv_heads, T, Dh]
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def forward(self, t1_embedding, hidden, positions, new_valid, past_k=None, past_v=None,
                 past_valid=None):
-        # t1_embedding, hidden: [B, S, D]; past_k/v: [B, heads, T, Dh]
+        # t1_embedding, hidden: [B, S, D]; past_k/v: [B, kv_heads, T, Dh]
         x = self.proj(torch.cat([self.token_norm(t1_embedding), self.hidden_norm(hidden)], -1))
         mask = attention_mask(past_valid, new_valid)
         x, k, v = self.layer(x, rotary(positions, self.cfg), mask, past_k, past_v)
@@ -224,7 +264,7 @@ class ConfidenceHead(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.net = nn.Sequential(
-            RMSNorm(2 * cfg.d_model), nn.Linear(2 * cfg.d_model, cfg.d_model), nn.SiLU(),
+            RMSNorm(2 * cfg.d_model, cfg.norm_eps), nn.Linear(2 * cfg.d_model, cfg.d_model), nn.SiLU(),
             nn.Linear(cfg.d_model, 1),
         )
 
@@ -241,6 +281,8 @@ class LanguageModel(nn.Module):
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.backbone = Backbone(cfg)
+        if not cfg.tie_embeddings:
+            self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.is_dualend:
             self.compressor = Compressor(cfg)
             self.mtp = MTPHead(cfg)
@@ -259,6 +301,8 @@ class LanguageModel(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.cfg.tie_embeddings:
+            return self.output(hidden)
         return hidden @ self.embedding.weight.T
 
     def latents(self, tokens: torch.Tensor) -> torch.Tensor:

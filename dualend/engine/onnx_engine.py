@@ -24,8 +24,9 @@ MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 
 # 2: the past as one [B, heads, T, Dh] input per layer; 3: the same inputs and outputs, RoPE angles
-# computed once per call and splits by constants (the backbone graph a third smaller; older exports are redone)
-EXPORT_FORMAT = 3
+# computed once per call and splits by constants (the backbone graph a third smaller; older exports are redone);
+# 4: the past as [B, kv_heads, T, head_dim] (grouped-query attention), the settings name n_kv_heads and head_dim
+EXPORT_FORMAT = 4
 DEFAULT_MAX_SEQUENCES = 64  # KV cache rows of an in-process engine
 BACKBONE_OUTPUTS = ("logits", "hidden", "present_keys", "present_values")
 MTP_INPUTS = ("t1", "hidden", "positions", "past_valid", "past_keys", "past_values")
@@ -256,8 +257,7 @@ class MTPRunner:
 
 
 def kv_cache(settings: dict, layers: int, max_sequences: int, **options) -> KVCache:
-    heads = settings["n_heads"]
-    return KVCache(layers, heads, settings["d_model"] // heads, max_sequences, **options)
+    return KVCache(layers, settings["n_kv_heads"], settings["head_dim"], max_sequences, **options)
 
 
 class _BackboneSession:
@@ -292,7 +292,7 @@ class MTPComponent:
     Both graphs are tiny (one pair, one layer), so they run on one thread.
     """
 
-    def __init__(self, exported: ExportedModel, max_sequences: int = DEFAULT_MAX_SEQUENCES, preallocate_slots: int = 0):
+    def __init__(self, exported: ExportedModel, max_sequences: int = DEFAULT_MAX_SEQUENCES, **cache_options):
         settings = exported.settings
         self.pair_size, self.pad_id = settings["pair_size"], settings["pad_id"]
         self.eos_id, self.bos_id = settings["eos_id"], settings["bos_id"]
@@ -300,7 +300,7 @@ class MTPComponent:
         self.mtp = None
         if "mtp" in exported.manifests:
             self.mtp = MTPRunner(ort_session(exported.path("mtp"), threads=1),
-                                 kv_cache(settings, 1, max_sequences, preallocate_slots=preallocate_slots))
+                                 kv_cache(settings, 1, max_sequences, **cache_options))
         self._ids = itertools.count(1)
 
     def compress(self, tokens: np.ndarray) -> np.ndarray:

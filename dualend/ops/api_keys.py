@@ -1,0 +1,76 @@
+"""The clients' API keys: a file of `name key [max_requests=N]` lines, read by the gateway and the
+OpenAI-compatible service.
+
+Only sha256 hashes of the keys leave this module (the gateway's rendered config holds hashes, and a
+presented key is hashed and compared exactly). `max_requests` caps what one key may have running and
+waiting at once (default `DEFAULT_MAX_REQUESTS`), so one client cannot take every decode slot.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from .host import write_private_file
+
+DEFAULT_MAX_REQUESTS = 16  # of the 32 decode slots a deployment has by default
+BEARER = "Bearer "
+
+
+class KeysFileError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    key_sha256: str     # hex
+    max_requests: int   # running + waiting, per key
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def read_keys(path: Path, default_max_requests: int = DEFAULT_MAX_REQUESTS) -> dict[str, ApiKey]:
+    """{sha256 of the key: ApiKey} from lines `name key [max_requests=N]`; blank lines and # comments
+    ignored."""
+    keys = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        where = f"{path}:{number}"
+        if len(parts) not in (2, 3) or len(parts[1]) < 16 or not parts[1].isalnum() or not parts[0].isidentifier():
+            raise KeysFileError(f"{where}: expected `name key [max_requests=N]` with a name of letters, digits and _ "
+                                "and an alphanumeric key of 16+ characters")
+        max_requests = default_max_requests
+        if len(parts) == 3:
+            setting, _, value = parts[2].partition("=")
+            if setting != "max_requests" or not value.isdigit() or int(value) < 1:
+                raise KeysFileError(f"{where}: the third field must be max_requests=N with N >= 1, not {parts[2]!r}")
+            max_requests = int(value)
+        digest = key_hash(parts[1])
+        keys[digest] = ApiKey(parts[0], digest, max_requests)
+    if not keys:
+        raise KeysFileError(f"{path} holds no API key")
+    return keys
+
+
+def client_of(authorization: str | None, keys: dict[str, ApiKey]) -> ApiKey | None:
+    """The key an `Authorization: Bearer <key>` header presents, compared exactly (the scheme's case
+    too); None when missing or unknown."""
+    if not authorization or not authorization.startswith(BEARER):
+        return None
+    digest = key_hash(authorization[len(BEARER):])
+    found = keys.get(digest)
+    return found if found is not None and hmac.compare_digest(found.key_sha256, digest) else None
+
+
+def write_new_keys(path: Path, name: str = "default") -> str:
+    key = secrets.token_hex(24)
+    write_private_file(path, f"{name} {key}\n")
+    return key

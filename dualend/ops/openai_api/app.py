@@ -1,0 +1,405 @@
+"""The OpenAI-compatible service: an ASGI app (Starlette, served by uvicorn) in front of tritonserver's
+gRPC streaming endpoint, behind the gateway (nginx routes /v1/ here).
+
+    GET  /v1/models                         the public deployments and the canary `llm`
+    POST /v1/completions                    prompt -> text; `stream` for SSE chunks ending `data: [DONE]`
+    POST /v1/chat/completions               messages -> the checkpoint's chat template -> text
+    GET  /metrics                           tokens by API key name (Prometheus), on the service's own port
+    GET  /health                            200 while the service runs (the launcher's check)
+
+Every request is one gRPC stream to the deployment's ensemble (streamed internally either way, so the
+front sees progress): a client that disconnects cancels it, which frees its KV; a request whose
+deployment is marked down by the watchdog and makes no progress ends with 503 / an error event "retry".
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import grpc
+import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from dualend.engine.tokenizer import TextTokenizer
+from dualend.serving.repository import pipeline_name, served_generation
+
+from ..api_keys import DEFAULT_MAX_REQUESTS, ApiKey, client_of, read_keys
+from .front import DownMarks, KeyCaps, Progress
+from .translation import (ApiError, Generation, chunk_body, finish_reason, parse_chat, parse_completion,
+                          response_body, triton_error, triton_inputs, usage, usage_chunk)
+
+PUBLIC_DEPLOYMENTS = ("dualend", "baseline")
+CANARY_MODEL = "llm"
+COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps", "num_prompt_tokens",
+            "num_prompt_latents")
+TICK_S = 0.1  # how often a waiting request checks its deployment's marks
+
+
+@dataclass
+class ServiceSettings:
+    triton_grpc: str                       # host:port of tritonserver's own gRPC endpoint
+    model_repository: Path
+    host: str = "127.0.0.1"
+    port: int = 18080
+    keys_file: Path | None = None          # `name key [max_requests=N]`; None: anyone, as `anonymous`
+    gateway_prefix: Path | None = None     # the watchdog's down marks and the canary weight live there
+    baseline_percent: float = 10.0         # the canary's share, unless the gateway's settings say otherwise
+    stall_s: float = 1.0                   # no response this long while the deployment is (was) down: 503
+    max_body_bytes: int = 1 << 20
+
+
+@dataclass
+class Deployment:
+    name: str
+    dual_end: bool
+    tokenizer: TextTokenizer | None       # None without a chat template
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if self.tokenizer is None:
+            raise ApiError(400, f"model `{self.name}` has no chat template (its checkpoint's tokenizer config holds "
+                                "none); send a prompt to /v1/completions instead", "messages", "no_chat_template")
+        try:
+            return self.tokenizer.render_chat(messages)
+        except ValueError as error:
+            raise ApiError(400, str(error), "messages") from None
+
+
+def load_deployment(repository: Path, name: str) -> Deployment | None:
+    """What the served generation's exported tokenizer says: pair size, chat template."""
+    generation = served_generation(repository, name)
+    if generation is None:
+        return None
+    folder = repository / f"{pipeline_name(name, generation)}_preprocessing" / "1" / "tokenizer"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    config = folder / "tokenizer_config.json"
+    tokenizer = None
+    if config.exists() and json.loads(config.read_text()).get("chat_template"):
+        tokenizer = TextTokenizer.from_json((folder / "tokenizer.json").read_text(), config.read_text())
+    return Deployment(name, manifest["settings"].get("pair_size", 1) > 1, tokenizer)
+
+
+class Service:
+    def __init__(self, settings: ServiceSettings):
+        self.settings = settings
+        self.keys = read_keys(settings.keys_file) if settings.keys_file else None
+        self.caps = KeyCaps()
+        down_dir = settings.gateway_prefix / "down" if settings.gateway_prefix else None
+        self.marks = DownMarks(down_dir, PUBLIC_DEPLOYMENTS)
+        self.deployments: dict[str, tuple[object, Deployment | None]] = {}
+        self.registry = CollectorRegistry()
+        labels = ("client", "model")
+        self.prompt_tokens = Counter("dualend_api_prompt_tokens", "prompt tokens served, by API key name",
+                                     labels, registry=self.registry)
+        self.completion_tokens = Counter("dualend_api_completion_tokens", "completion tokens served, by API key name",
+                                         labels, registry=self.registry)
+        self.requests = Counter("dualend_api_requests", "requests answered, by API key name and status",
+                                (*labels, "status"), registry=self.registry)
+        self.client = None
+        self._canary = (None, settings.baseline_percent)
+
+    # the pieces a request needs
+
+    def deployment(self, name: str) -> Deployment:
+        """The deployment's details, reread when its ensemble names another generation."""
+        config = self.settings.model_repository / name / "config.pbtxt"
+        stamp = config.stat().st_mtime_ns if config.exists() else None
+        cached = self.deployments.get(name)
+        if cached is None or cached[0] != stamp:
+            cached = self.deployments[name] = (stamp, load_deployment(self.settings.model_repository, name))
+        if cached[1] is None:
+            raise ApiError(404, f"model `{name}` is not served here", "model", "model_not_found")
+        return cached[1]
+
+    def served_models(self) -> list[str]:
+        found = [d for d in PUBLIC_DEPLOYMENTS if (self.settings.model_repository / d / "config.pbtxt").exists()]
+        return found + ([CANARY_MODEL] if set(PUBLIC_DEPLOYMENTS) <= set(found) else [])
+
+    def baseline_percent(self) -> float:
+        """The canary weight: the gateway's (`python -m dualend.ops.gateway weight` rewrites it), else ours."""
+        path = self.settings.gateway_prefix / "settings.json" if self.settings.gateway_prefix else None
+        if path is None or not path.exists():
+            return self.settings.baseline_percent
+        stamp = path.stat().st_mtime_ns
+        if self._canary[0] != stamp:
+            self._canary = (stamp, float(json.loads(path.read_text()).get("baseline_percent", 10.0)))
+        return self._canary[1]
+
+    def resolve(self, model: str) -> str:
+        if model == CANARY_MODEL and CANARY_MODEL in self.served_models():
+            return "baseline" if random.uniform(0, 100) < self.baseline_percent() else "dualend"
+        if model not in PUBLIC_DEPLOYMENTS:
+            raise ApiError(404, f"model `{model}` does not exist; GET /v1/models lists them", "model",
+                           "model_not_found")
+        return model
+
+    def authorize(self, request: Request) -> ApiKey:
+        if self.keys is None:
+            return ApiKey("anonymous", "", DEFAULT_MAX_REQUESTS)
+        client = client_of(request.headers.get("authorization"), self.keys)
+        if client is None:
+            raise ApiError(401, "missing or unknown API key: send Authorization: Bearer <key>", code="invalid_api_key")
+        return client
+
+    # the Triton side
+
+    async def triton_stream(self, request: Generation, deployment: str, progress: Progress):
+        """Yields (text, counters, triton finish reason) per response of one streamed request; the
+        gRPC call is cancelled (the request and its KV freed) however the caller stops."""
+        import tritonclient.grpc as grpcclient
+
+        inputs = []
+        for name, array in triton_inputs(request).items():
+            tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object else
+                                           {np.int32: "INT32", np.float32: "FP32", np.uint64: "UINT64",
+                                            np.bool_: "BOOL"}[array.dtype.type])
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+
+        async def one_request():
+            yield {"model_name": deployment, "inputs": inputs,
+                   "parameters": {"triton_enable_empty_final_response": True}}
+
+        responses: asyncio.Queue = asyncio.Queue()
+        call = self.client.stream_infer(one_request())
+
+        async def read():
+            try:
+                async for item in call:
+                    await responses.put(item)
+            except grpc.RpcError as error:
+                await responses.put((None, error))
+            except Exception as error:  # noqa: BLE001 - tritonclient wraps some as its own exception
+                await responses.put((None, error))
+
+        reader = asyncio.create_task(read())
+        finished = False
+        try:
+            while True:
+                try:
+                    result, error = await asyncio.wait_for(responses.get(), TICK_S)
+                except TimeoutError:
+                    progress.check()
+                    continue
+                if error is not None:
+                    finished = True
+                    message = error.details() if isinstance(error, grpc.RpcError) else (
+                        error.message() if hasattr(error, "message") else str(error))
+                    if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAVAILABLE:
+                        raise ApiError(503, f"the inference server is not answering ({message}); retry", code="retry")
+                    raise triton_error(message or "the inference server failed the request", request)
+                progress.advanced()
+                text = result.as_numpy("text_output")
+                if text is not None:
+                    yield (text[0].decode(), {n: int(result.as_numpy(n)[0]) for n in COUNTERS},
+                           result.as_numpy("finish_reason")[0].decode())
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                call.cancel()
+            reader.cancel()
+
+    # the routes
+
+    def count(self, client: ApiKey, model: str, counters: dict, status: int) -> None:
+        self.prompt_tokens.labels(client.name, model).inc(counters.get("num_prompt_tokens", 0))
+        self.completion_tokens.labels(client.name, model).inc(counters.get("num_output_tokens", 0))
+        self.requests.labels(client.name, model, str(status)).inc()
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+        except ApiError as error:
+            return error_response(error)
+        created = int(time.time())
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                                         "owned_by": "dualend"} for name in self.served_models()]})
+
+    async def generate(self, request: Request) -> Response:
+        kind = "chat" if request.url.path.endswith("/chat/completions") else "completions"
+        try:
+            client = self.authorize(request)
+            body = await request.body()
+            if len(body) > self.settings.max_body_bytes:
+                raise ApiError(413, f"request body over {self.settings.max_body_bytes} bytes", code="too_large")
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                raise ApiError(400, "the request body is not JSON") from None
+            model = parsed.get("model") if isinstance(parsed, dict) else None
+            deployment = self.resolve(model) if isinstance(model, str) else None
+            if kind == "chat":
+                generation = parse_chat(parsed, lambda messages: self.deployment(deployment).render_chat(messages))
+            else:
+                generation = parse_completion(parsed)
+            self.deployment(deployment)
+            self.marks.check_up(deployment)
+            admission = self.caps.admit(client)
+            admission.__enter__()
+        except ApiError as error:
+            return error_response(error)
+        headers = {"X-Dualend-Deployment": deployment}
+        try:
+            if generation.stream:
+                return await self.stream(request, generation, deployment, client, admission, headers)
+            return await self.complete(request, generation, deployment, client, headers)
+        finally:
+            if not generation.stream:
+                admission.__exit__(None, None, None)
+
+    async def complete(self, request: Request, generation: Generation, deployment: str, client: ApiKey,
+                       headers: dict) -> Response:
+        text, reason, counters = "", "", dict.fromkeys(COUNTERS, 0)
+        progress = Progress(self.marks, deployment, self.settings.stall_s)
+        gone = False
+
+        async def watch_disconnect(scope):
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            scope.cancel()
+
+        failure = None
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch_disconnect, group.cancel_scope)
+            try:
+                async for piece, piece_counters, piece_reason in self.triton_stream(generation, deployment, progress):
+                    text += piece
+                    merge(counters, piece_counters)
+                    reason = piece_reason or reason
+            except ApiError as error:
+                failure = error
+            group.cancel_scope.cancel()
+        if failure is not None:
+            self.count(client, generation.model, counters, failure.status)
+            return error_response(failure, headers)
+        self.count(client, generation.model, counters, 499 if gone else 200)
+        dual_end = self.deployment(deployment).dual_end
+        return JSONResponse(response_body(generation, generation.model, text, finish_reason(reason),
+                                          usage(counters, dual_end)), headers=headers)
+
+    async def stream(self, request: Request, generation: Generation, deployment: str, client: ApiKey, admission,
+                     headers: dict) -> Response:
+        """SSE chunks; an error before the first token is an HTTP status, after it an error event."""
+        counters = dict.fromkeys(COUNTERS, 0)
+        progress = Progress(self.marks, deployment, self.settings.stall_s)
+        pieces = self.triton_stream(generation, deployment, progress)
+        try:
+            first = await anext(pieces, None)
+        except ApiError as error:
+            admission.__exit__(None, None, None)
+            self.count(client, generation.model, counters, error.status)
+            return error_response(error, headers)
+        except BaseException:
+            admission.__exit__(None, None, None)
+            raise
+        dual_end = self.deployment(deployment).dual_end
+
+        async def events():
+            status = 499  # unless it ends
+            try:
+                piece = first
+                is_first = True
+                while piece is not None:
+                    text, piece_counters, reason = piece
+                    merge(counters, piece_counters)
+                    if text or reason or is_first:
+                        yield sse(chunk_body(generation, generation.model, text, finish_reason(reason), is_first))
+                        is_first = False
+                    piece = await anext(pieces, None)
+                if generation.include_usage:
+                    yield sse(usage_chunk(generation, generation.model, usage(counters, dual_end)))
+                status = 200
+                yield b"data: [DONE]\n\n"
+            except ApiError as error:
+                status = error.status
+                yield sse(error.body())
+                yield b"data: [DONE]\n\n"
+            finally:
+                admission.__exit__(None, None, None)
+                self.count(client, generation.model, counters, status)
+                await pieces.aclose()
+
+        return DisconnectAwareStream(events(), media_type="text/event-stream",
+                                     headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    def app(self) -> Starlette:
+        @asynccontextmanager
+        async def lifespan(app):
+            import tritonclient.grpc.aio as grpcaio
+
+            self.client = grpcaio.InferenceServerClient(self.settings.triton_grpc)
+            poller = asyncio.create_task(self.marks.run())
+            try:
+                yield
+            finally:
+                poller.cancel()
+                await self.client.close()
+
+        routes = [Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/completions", self.generate, methods=["POST"]),
+                  Route("/v1/chat/completions", self.generate, methods=["POST"]),
+                  Route("/metrics", self.metrics, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"])]
+        return Starlette(routes=routes, lifespan=lifespan,
+                         exception_handlers={404: not_found, 405: not_allowed})
+
+
+class DisconnectAwareStream(StreamingResponse):
+    """A streaming response that always listens for the client's disconnect, so a client gone while
+    no token comes still cancels its request (Starlette on ASGI 2.4 learns it only from a failed send)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as group:
+            async def respond():
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass  # the client went away mid-send
+                group.cancel_scope.cancel()
+
+            group.start_soon(respond)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+def merge(total: dict, piece: dict) -> None:
+    for name in ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps"):
+        total[name] += piece.get(name, 0)
+    for name in ("num_prompt_tokens", "num_prompt_latents"):
+        total[name] = piece.get(name, total[name])
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def not_found(request: Request, exc) -> Response:
+    return error_response(ApiError(404, f"{request.url.path} is not a route of this service", code="not_found"))
+
+
+async def not_allowed(request: Request, exc) -> Response:
+    return error_response(ApiError(405, f"{request.method} is not served on {request.url.path}",
+                                   code="method_not_allowed"))

@@ -1,0 +1,241 @@
+"""OpenAI's request and response shapes <-> the deployments' Triton request contract (README.md).
+
+Pure functions, no I/O: a `/v1/completions` or `/v1/chat/completions` body becomes a `Generation`
+(checked field by field, a wrong one refused naming it), a Generation becomes the ensemble's inputs,
+and Triton's counters and finish reasons become OpenAI's bodies, chunks and usage. Every refusal is an
+`ApiError` in OpenAI's error shape; `triton_error` maps the deployment's own messages to the status a
+client retries on.
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}  # OpenAI's default for completions; chat has none here
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+TRITON_FIELDS = {"text_input": "prompt", "random_seed": "seed", "stop_words": "stop", "max_tokens": "max_tokens",
+                 "temperature": "temperature", "top_p": "top_p"}  # Triton input -> OpenAI field
+IGNORED = {"user", "logit_bias", "presence_penalty", "frequency_penalty", "suffix", "service_tier", "store",
+           "metadata", "parallel_tool_calls"}  # accepted and without effect, as other servers do
+
+
+class ApiError(Exception):
+    """A refusal in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Generation:
+    """One request, as the ensemble takes it."""
+    kind: str                     # "completions" or "chat"
+    model: str
+    prompt: str
+    max_tokens: int
+    stream: bool = False
+    include_usage: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False      # our extension, for benchmarks (as vLLM's)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _number(body: dict, name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ApiError(400, f"`{name}` must be a number between {low:g} and {high:g}, got {value!r}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ApiError(400, f"`{name}` must be an integer between {low} and {high}, got {value!r}", name)
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"`{name}` must be true or false, got {value!r}", name)
+    return value
+
+
+def _common(body: object, kind: str) -> dict:
+    """The fields both routes share, checked."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "`model` is required: the name of a deployment (GET /v1/models lists them)", "model")
+    if body.get("n", 1) != 1:
+        raise ApiError(400, f"`n` must be 1 (one choice per request), got {body['n']!r}", "n")
+    if body.get("best_of", 1) not in (1, None):
+        raise ApiError(400, "`best_of` must be 1", "best_of")
+    for name in ("logprobs", "top_logprobs", "tools", "functions", "response_format", "echo"):
+        if body.get(name) not in (None, False, 0, [], {"type": "text"}):
+            raise ApiError(400, f"`{name}` is not supported by this server", name)
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise ApiError(400, "`stream_options` must be an object, and only with `stream`: true", "stream_options")
+    include_usage = options is not None and _flag(options, "include_usage")
+    max_tokens = _integer(body, "max_completion_tokens", 1, 2**31 - 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1, 2**31 - 1)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(word, str) and word for word in stop):
+        raise ApiError(400, "`stop` must be a non-empty string or a list of them", "stop")
+    return dict(kind=kind, model=model, stream=stream, include_usage=include_usage,
+                max_tokens=max_tokens or DEFAULT_MAX_TOKENS[kind], temperature=_number(body, "temperature", 0, 2),
+                top_p=_number(body, "top_p", 0, 1), seed=_integer(body, "seed", 0, 2**64 - 1), stop=stop,
+                ignore_eos=_flag(body, "ignore_eos"))
+
+
+def parse_completion(body: object) -> Generation:
+    fields = _common(body, "completions")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "`prompt` must be one non-empty string (token ids and batches of prompts are not "
+                            "served)", "prompt")
+    return Generation(prompt=prompt, **fields)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """`messages` checked and their content flattened to text: [{"role", "content"}]."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "`messages` must be a non-empty list of {role, content}", "messages")
+    flat = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant"):
+            raise ApiError(400, f"`{where}.role` must be system, developer, user or assistant", f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"`{where}.content` parts must all be {{type: text, text}}", f"{where}.content")
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"`{where}.content` must be a string or a list of text parts", f"{where}.content")
+        flat.append({"role": "system" if message["role"] == "developer" else message["role"], "content": content})
+    return flat
+
+
+def parse_chat(body: object, render) -> Generation:
+    """`render(messages) -> prompt text`: the model's chat template (raises ApiError without one)."""
+    fields = _common(body, "chat")
+    return Generation(prompt=render(chat_messages(body)), **fields)
+
+
+def triton_inputs(request: Generation) -> dict[str, np.ndarray]:
+    """The ensemble's inputs (README's contract), streamed: the front keeps the connection's end."""
+    inputs = {"text_input": np.array([request.prompt.encode()], dtype=object),
+              "max_tokens": np.array([request.max_tokens], dtype=np.int32),
+              "stream": np.array([True]), "exclude_input_in_output": np.array([True])}
+    if request.temperature is not None:
+        inputs["temperature"] = np.array([request.temperature], dtype=np.float32)
+    if request.top_p is not None:
+        inputs["top_p"] = np.array([request.top_p], dtype=np.float32)
+    if request.seed is not None:
+        inputs["random_seed"] = np.array([request.seed], dtype=np.uint64)
+    if request.ignore_eos:
+        inputs["ignore_eos"] = np.array([True])
+    if request.stop:
+        inputs["stop_words"] = np.array([w.encode() for w in request.stop], dtype=object)
+    return inputs
+
+
+def triton_error(message: str, request: Generation | None = None) -> ApiError:
+    """The deployment's message as an ApiError: busy 429, shutting down or unreachable 503, else 400
+    naming the OpenAI field the message names."""
+    lowered = message.lower()
+    if "server busy" in lowered or "retry later" in lowered:
+        return ApiError(429, message, code="server_busy")
+    if any(s in lowered for s in ("shutting down", "drain", "unavailable", "not ready", "failed to connect",
+                                  "connection refused", "socket closed", "the stream ends here")):
+        return ApiError(503, message, code="retry")
+    if "is not found" in lowered or "unknown model" in lowered:
+        return ApiError(404, message, "model", "model_not_found")
+    prompt_field = "messages" if request is not None and request.kind == "chat" else "prompt"
+    too_long = "context_length_exceeded" if "raw_context_limit" in message else None
+    if re.match(r"(prompt|text_input)\b", message.rpartition("invalid request: ")[2]):  # the prompt's length or text
+        return ApiError(400, message, prompt_field, too_long)
+    named = next((field for triton, field in TRITON_FIELDS.items() if re.search(rf"\b{triton}\b", message)), None)
+    return ApiError(400, message, prompt_field if named == "prompt" else named, too_long)
+
+
+def usage(counters: dict[str, int], dual_end: bool) -> dict:
+    """OpenAI's usage, plus the prompt latents and drafts for a dual-end deployment."""
+    body = {"prompt_tokens": counters["num_prompt_tokens"], "completion_tokens": counters["num_output_tokens"],
+            "total_tokens": counters["num_prompt_tokens"] + counters["num_output_tokens"]}
+    if dual_end:
+        body |= {"prompt_latents": counters["num_prompt_latents"], "drafts": counters["num_drafts"],
+                 "drafts_accepted": counters["num_accepted_drafts"]}
+    return body
+
+
+def finish_reason(triton_reason: str) -> str | None:
+    return FINISH_REASONS.get(triton_reason, triton_reason or None)
+
+
+def _choice(request: Generation, text: str, reason: str | None, delta: bool) -> dict:
+    if request.kind == "completions":
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    if delta:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": reason}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+
+
+def _envelope(request: Generation, served_model: str, chunk: bool) -> dict:
+    kind = "text_completion" if request.kind == "completions" else "chat.completion" + (".chunk" if chunk else "")
+    prefix = "cmpl" if request.kind == "completions" else "chatcmpl"
+    return {"id": f"{prefix}-{request.id}", "object": kind, "created": request.created, "model": served_model}
+
+
+def response_body(request: Generation, served_model: str, text: str, reason: str | None, usage_body: dict) -> dict:
+    return _envelope(request, served_model, False) | {"choices": [_choice(request, text, reason, False)],
+                                                     "usage": usage_body}
+
+
+def chunk_body(request: Generation, served_model: str, text: str, reason: str | None, first: bool = False) -> dict:
+    choice = _choice(request, text, reason, True)
+    if first and request.kind == "chat":
+        choice["delta"] = {"role": "assistant", "content": text}
+    body = _envelope(request, served_model, True) | {"choices": [choice]}
+    if request.include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(request: Generation, served_model: str, usage_body: dict) -> dict:
+    return _envelope(request, served_model, True) | {"choices": [], "usage": usage_body}

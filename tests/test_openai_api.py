@@ -1,0 +1,204 @@
+"""The OpenAI-compatible service (`python -m dualend.ops.openai_api`) against a real tritonserver serving
+the shipped checkpoints, driven by the official `openai` client: texts equal the Triton gRPC path's,
+streaming and not; chat refused without a template; each error in OpenAI's shape; a disconnect frees
+the sequence; the cap per key; tokens counted per key; a deployment marked down ends its requests."""
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from conftest import wait_for
+
+from builder.assemble import DEFAULTS
+from builder.assemble import main as assemble_main
+from client.api import metric_in, metric_value, metrics_page, stream_grpc
+from dualend.ops.host import free_ports
+from dualend.ops.launch import TritonServer
+
+pytestmark = pytest.mark.server
+PROMPTS = ["Q: 3+4-2\nA:", " ab:12 cd:34 ef:56\nget cd:"]
+ALICE, BOB = "a1" * 16, "b2" * 16
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    root = tmp_path_factory.mktemp("openai")
+    repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(root / "repository"),
+                                "--export-dir", str(root / "export"), "--raw-context-limit", "512",
+                                "--max-new-tokens", "256", "--max-concurrent-requests", "16"])
+    (root / "keys").write_text(f"alice {ALICE} max_requests=2\nbob {BOB}\n")
+    (root / "gateway").mkdir()
+    with TritonServer(repository, log_file=root / "server.log") as triton:
+        port = free_ports("127.0.0.1", 1)[0]
+        service = subprocess.Popen(
+            [sys.executable, "-m", "dualend.ops.openai_api", "--triton-grpc", triton.grpc_url, "--model-repository",
+             str(repository), "--port", str(port), "--api-keys", str(root / "keys"), "--gateway-prefix",
+             str(root / "gateway")])
+        triton.url, triton.root = f"http://127.0.0.1:{port}", root
+        assert wait_for(lambda: answers(f"{triton.url}/health"), 30)
+        yield triton
+        service.terminate()
+        service.wait(10)
+
+
+def answers(url):
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def client(api, key=BOB, **options):
+    return openai.OpenAI(base_url=f"{api.url}/v1", api_key=key, max_retries=0, **options)
+
+
+def post(api, path, body, key=BOB):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(f"{api.url}{path}", data=data, method="POST",
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def live_sequences(api, deployment="dualend"):
+    return metric_value(api.metrics_url, "dualend_kv_live_sequences", f"{deployment}_v1_backbone")
+
+
+@pytest.mark.parametrize("deployment", ["dualend", "baseline"])
+def test_completions_equal_the_grpc_paths_text_streaming_and_not(api, deployment):
+    openai_client = client(api)
+    for prompt in PROMPTS:
+        expected = stream_grpc(api.grpc_url, deployment, prompt, 24, exclude_input_in_output=True)
+        whole = openai_client.completions.create(model=deployment, prompt=prompt, max_tokens=24, temperature=0)
+        assert whole.choices[0].text == expected.text
+        assert whole.choices[0].finish_reason == {"eos": "stop", "stop": "stop", "length": "length"}[
+            expected.finish_reason]
+        assert whole.usage.prompt_tokens == expected.counters["num_prompt_tokens"]
+        assert whole.usage.completion_tokens == expected.output_tokens
+        assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+        if deployment == "dualend":
+            assert whole.usage.prompt_latents == expected.counters["num_prompt_latents"]
+            assert whole.usage.drafts_accepted == expected.counters["num_accepted_drafts"]
+        chunks = list(openai_client.completions.create(model=deployment, prompt=prompt, max_tokens=24, stream=True,
+                                                       stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+        assert chunks[-1].usage.completion_tokens == expected.output_tokens and not chunks[-1].choices
+        assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_stop_seed_and_max_completion_tokens_pass_through(api):
+    openai_client = client(api)
+    short = openai_client.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=3)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens <= 3
+    full = openai_client.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=24).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 1]
+    cut = openai_client.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=24, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    sampled = [openai_client.completions.create(model="baseline", prompt=PROMPTS[0], max_tokens=16, temperature=1.0,
+                                                seed=7).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_models_lists_the_deployments_and_the_canary(api):
+    assert [m.id for m in client(api).models.list().data] == ["dualend", "baseline", "llm"]
+    answer = client(api).completions.with_raw_response.create(model="llm", prompt=PROMPTS[0], max_tokens=4)
+    assert answer.headers["X-Dualend-Deployment"] in ("dualend", "baseline")
+
+
+def test_chat_is_refused_clearly_on_a_deployment_without_a_template(api):
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(api).chat.completions.create(model="dualend", messages=[{"role": "user", "content": "hi"}],
+                                                stream=stream)
+        assert refused.value.code == "no_chat_template" and "has no chat template" in refused.value.message
+        assert refused.value.param == "messages"
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    ({"model": "dualend", "prompt": "x", "n": 2}, 400, "n", None),
+    ({"model": "dualend", "prompt": "x", "max_tokens": "four"}, 400, "max_tokens", None),
+    ({"model": "dualend", "prompt": "x", "max_tokens": 900}, 400, "max_tokens", None),
+    ({"model": "dualend", "prompt": "x " * 600, "max_tokens": 8}, 400, "prompt", None),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
+    (b"{not json", 400, None, None),
+    ({"model": "dualend", "prompt": "x" * (1 << 20)}, 413, None, "too_large"),
+])
+def test_each_error_has_openais_shape_and_status(api, body, status, param, code):
+    answer, error = post(api, "/v1/completions", body)
+    assert answer == status and set(error["error"]) == {"message", "type", "param", "code"}
+    assert error["error"]["param"] == param and error["error"]["message"]
+    if code:
+        assert error["error"]["code"] == code
+
+
+def test_a_missing_or_wrong_key_is_a_401_and_keys_match_exactly(api):
+    for key in ("x" * 32, ALICE.upper()):
+        with pytest.raises(openai.AuthenticationError):
+            client(api, key=key).completions.create(model="dualend", prompt="x", max_tokens=2)
+    request = urllib.request.Request(f"{api.url}/v1/models", headers={"Authorization": f"BEARER {BOB}"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 401
+
+
+def test_a_disconnect_mid_stream_cancels_the_request_and_frees_its_kv(api):
+    http_client = client(api)
+    stream = http_client.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=250, stream=True,
+                                            extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert live_sequences(api) == 1
+    stream.close()
+    assert wait_for(lambda: live_sequences(api) == 0, 5)
+
+
+def test_a_key_over_its_cap_gets_429_while_another_keys_request_passes(api):
+    streams = [client(api, key=ALICE).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=250,
+                                                         stream=True, extra_body={"ignore_eos": True})
+               for _ in range(2)]
+    for stream in streams:
+        next(iter(stream))
+    with pytest.raises(openai.RateLimitError, match="max_requests 2"):
+        client(api, key=ALICE).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2)
+    assert client(api, key=BOB).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2).choices
+    for stream in streams:
+        stream.close()
+    assert wait_for(lambda: live_sequences(api) == 0, 5)
+    assert client(api, key=ALICE).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2).choices
+
+
+def test_tokens_are_counted_per_api_key_name(api):
+    def counts():
+        page = metrics_page(f"{api.url}/metrics")
+        return [metric_in(page, f"dualend_api_{kind}_tokens_total", "baseline", client="alice") or 0
+                for kind in ("prompt", "completion")]
+
+    before = counts()
+    answers_ = [client(api, key=ALICE).completions.create(model="baseline", prompt=p, max_tokens=5) for p in PROMPTS]
+    after = counts()
+    assert after[0] - before[0] == sum(a.usage.prompt_tokens for a in answers_)
+    assert after[1] - before[1] == sum(a.usage.completion_tokens for a in answers_)
+
+
+def test_a_deployment_marked_down_refuses_new_requests_and_ends_stalled_ones_within_5_s(api):
+    mark = api.root / "gateway" / "down" / "baseline"
+    mark.parent.mkdir(exist_ok=True)
+    try:
+        mark.touch()
+        time.sleep(0.3)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client(api).completions.create(model="baseline", prompt="x", max_tokens=2)
+        assert refused.value.status_code == 503 and "restoring" in refused.value.message
+        assert client(api).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2).choices
+    finally:
+        mark.unlink()
+    time.sleep(0.3)
+    assert client(api).completions.create(model="baseline", prompt=PROMPTS[0], max_tokens=2).choices

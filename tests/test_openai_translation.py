@@ -1,0 +1,148 @@
+"""The OpenAI-compatible front without a server: request translation, error mapping, usage, API keys,
+the cap per key and the down marks."""
+import numpy as np
+import pytest
+
+from dualend.ops.api_keys import ApiKey, KeysFileError, client_of, key_hash, read_keys
+from dualend.ops.openai_api.front import DownMarks, KeyCaps, Progress
+from dualend.ops.openai_api.translation import (ApiError, chunk_body, parse_chat, parse_completion, response_body,
+                                                triton_error, triton_inputs, usage)
+
+COUNTERS = {"num_output_tokens": 5, "num_drafts": 3, "num_accepted_drafts": 2, "num_steps": 3,
+            "num_prompt_tokens": 7, "num_prompt_latents": 4}
+
+
+def test_a_completion_becomes_the_ensembles_streamed_inputs():
+    request = parse_completion({"model": "dualend", "prompt": "Q: 1+1\nA:", "max_tokens": 9, "temperature": 0,
+                                "top_p": 0.5, "seed": 3, "stop": "\n"})
+    inputs = triton_inputs(request)
+    assert inputs["text_input"][0] == b"Q: 1+1\nA:" and inputs["max_tokens"].dtype == np.int32
+    assert inputs["max_tokens"][0] == 9 and inputs["stream"][0] and inputs["exclude_input_in_output"][0]
+    assert inputs["temperature"][0] == 0 and inputs["top_p"][0] == np.float32(0.5)
+    assert inputs["random_seed"].dtype == np.uint64 and list(inputs["stop_words"]) == [b"\n"]
+
+
+def test_max_completion_tokens_wins_and_defaults_apply():
+    assert parse_completion({"model": "m", "prompt": "x", "max_tokens": 3, "max_completion_tokens": 5}).max_tokens == 5
+    assert parse_completion({"model": "m", "prompt": "x"}).max_tokens == 16
+    request = parse_completion({"model": "m", "prompt": ["x"], "stop": ["a", "b"]})
+    assert request.prompt == "x" and request.stop == ["a", "b"] and "temperature" not in triton_inputs(request)
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"model": None}, "model"), ({"n": 2}, "n"), ({"prompt": ""}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "9"}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 2}, "top_p"), ({"seed": -1}, "seed"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"),
+    ({"stream": "yes"}, "stream"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"),
+])
+def test_a_malformed_field_is_a_400_that_names_it(change, param):
+    body = {"model": "dualend", "prompt": "x"} | change
+    with pytest.raises(ApiError) as refused:
+        parse_completion(body)
+    assert refused.value.status == 400 and refused.value.param == param
+    assert refused.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([], "messages"), ([{"role": "robot", "content": "x"}], "messages[0].role"),
+    ([{"role": "user", "content": 3}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
+])
+def test_malformed_messages_are_named(messages, param):
+    with pytest.raises(ApiError) as refused:
+        parse_chat({"model": "m", "messages": messages}, lambda m: "")
+    assert refused.value.param == param
+
+
+def test_chat_renders_the_flattened_history():
+    seen = []
+    request = parse_chat({"model": "m", "messages": [
+        {"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]},
+        lambda messages: seen.append(messages) or "RENDERED")
+    assert request.prompt == "RENDERED" and request.kind == "chat" and request.max_tokens == 128
+    assert seen[0] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+
+
+@pytest.mark.parametrize("message, status, param, code", [
+    ("server busy: 1 requests running and 1 waiting, the queue (max_queue_size 1) is full; retry later", 429, None,
+     "server_busy"),
+    ("the server is shutting down; the stream ends here, retry", 503, None, "retry"),
+    ("prompt (600 tokens) + max_tokens (9) exceeds raw_context_limit 512; lower max_tokens to at most 2", 400,
+     "prompt", "context_length_exceeded"),
+    ("max_tokens must be between 1 and 256, got 900", 400, "max_tokens", None),
+    ("top_p must be in (0, 1], got 0.0", 400, "top_p", None),
+    ("stop_words holds 40 words, at most 32", 400, "stop", None),
+    ("text_input is empty", 400, "prompt", None),
+    ("in ensemble 'dualend', invalid request: prompt is 601 tokens, leaving no room for a new token within "
+     "raw_context_limit 512 (256 latents)", 400, "prompt", "context_length_exceeded"),
+])
+def test_the_deployments_messages_map_to_the_status_a_client_retries_on(message, status, param, code):
+    error = triton_error(message, parse_completion({"model": "m", "prompt": "x"}))
+    assert (error.status, error.param, error.code, error.message) == (status, param, code, message)
+
+
+def test_usage_carries_latents_and_drafts_for_a_dual_end_deployment():
+    assert usage(COUNTERS, False) == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    assert usage(COUNTERS, True) | {} == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+                                         "prompt_latents": 4, "drafts": 3, "drafts_accepted": 2}
+
+
+def test_bodies_and_chunks_have_openais_shape():
+    chat = parse_chat({"model": "llm", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                       "stream_options": {"include_usage": True}}, lambda m: "x")
+    first = chunk_body(chat, "llm", "He", None, first=True)
+    assert first["object"] == "chat.completion.chunk" and first["usage"] is None
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"}
+    assert chunk_body(chat, "llm", "", "stop")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                                                 "finish_reason": "stop"}
+    completion = parse_completion({"model": "dualend", "prompt": "x"})
+    body = response_body(completion, "dualend", "abc", "length", usage(COUNTERS, False))
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "abc"
+    assert body["id"].startswith("cmpl-")
+
+
+def test_keys_are_hashed_compared_exactly_and_carry_a_cap(tmp_path):
+    key = "a1" * 12
+    (tmp_path / "keys").write_text(f"# clients\nalice {key} max_requests=2\nbob {'b2' * 12}\n")
+    keys = read_keys(tmp_path / "keys")
+    assert key not in repr(keys) and keys[key_hash(key)] == ApiKey("alice", key_hash(key), 2)
+    assert client_of(f"Bearer {'b2' * 12}", keys).max_requests == 16
+    for wrong in (f"Bearer {key.upper()}", f"BEARER {key}", f"bearer {key}", key, f"Bearer {key} ", None, "Bearer "):
+        assert client_of(wrong, keys) is None, wrong
+    (tmp_path / "bad").write_text(f"carol {key} max_requests=0\n")
+    with pytest.raises(KeysFileError, match="max_requests=N"):
+        read_keys(tmp_path / "bad")
+
+
+def test_one_key_over_its_cap_is_refused_and_others_pass():
+    caps, alice, bob = KeyCaps(), ApiKey("alice", "", 2), ApiKey("bob", "", 2)
+    with caps.admit(alice), caps.admit(alice):
+        with pytest.raises(ApiError) as refused:
+            with caps.admit(alice):
+                pass
+        assert refused.value.status == 429 and "max_requests 2" in refused.value.message
+        with caps.admit(bob):
+            pass
+    with caps.admit(alice):
+        assert caps.in_flight["alice"] == 1
+
+
+def test_a_request_whose_deployment_went_down_and_stalls_ends_even_after_the_mark_is_gone(tmp_path):
+    marks = DownMarks(tmp_path, ("dualend", "baseline"))
+    progress = Progress(marks, "dualend", stall_s=0.0)
+    progress.check()  # up: waits as long as it takes
+    (tmp_path / "dualend").touch()
+    marks.poll()
+    with pytest.raises(ApiError) as refused:
+        marks.check_up("dualend")
+    assert refused.value.status == 503
+    (tmp_path / "dualend").unlink()
+    marks.poll()
+    marks.check_up("dualend")
+    with pytest.raises(ApiError, match="retry") as ended:
+        progress.check()
+    assert ended.value.status == 503
+    Progress(marks, "baseline", stall_s=0.0).check()  # another deployment's requests go on

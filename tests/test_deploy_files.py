@@ -77,3 +77,21 @@ def test_images_build_on_the_triton_release_of_the_local_binary():
         assert '"dualend.ops.launch"' in recipe or "dualend-gpu-start" in recipe
     assert "tensorrt==" in gpu and "download.pytorch.org/whl/cpu" in cpu
     assert subprocess.run(["bash", "-n", str(DOCKER / "gpu-start.sh")]).returncode == 0
+
+
+def test_the_usage_counters_port_is_published_and_scraped():
+    """The OpenAI-compatible service's tokens per API key name (launcher --usage-metrics-port 8003)."""
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    assert "8003:8003" in compose["services"]["dualend"]["ports"]
+    scrape = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    assert ["dualend:8003"] in [c["static_configs"][0]["targets"] for c in scrape["scrape_configs"]]
+    container = yaml.safe_load((K8S / "deployment.yaml").read_text())["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "usage-metrics", "containerPort": 8003} in container["ports"]
+    for recipe in ("Dockerfile", "Dockerfile.gpu"):
+        assert "EXPOSE 8000 8001 8002 8003" in (DOCKER / recipe).read_text()
+
+
+def test_the_gateway_routes_v1_to_the_openai_service_behind_the_key():
+    config = render(GatewaySettings("127.0.0.1:18000", "127.0.0.1:18001", openai_api="127.0.0.1:18080"), Path("/tmp/x"))
+    assert "upstream openai_api { server 127.0.0.1:18080;" in config and "location /v1/ {" in config
+    assert "location /v1/" not in render(GatewaySettings("127.0.0.1:18000", "127.0.0.1:18001"), Path("/tmp/x"))

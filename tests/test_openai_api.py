@@ -202,3 +202,79 @@ def test_a_deployment_marked_down_refuses_new_requests_and_ends_stalled_ones_wit
         mark.unlink()
     time.sleep(0.3)
     assert client(api).completions.create(model="baseline", prompt=PROMPTS[0], max_tokens=2).choices
+
+
+def test_through_the_launchers_gateway_a_killed_step_ends_v1_streams_within_5_s(tmp_path):
+    """`python -m dualend.ops.launch` as users run it: /v1 behind nginx with the same keys; kill -9 of
+    the dual-end mtp_verify under 4 /v1 streams (tritonserver 2.51 never ends them): each ends with an
+    error event saying retry within 5 s, and the deployment serves again; the service, killed, is
+    started again by the watchdog."""
+    import os
+    import signal
+
+    from dualend.ops.processes import stub_processes
+
+    http_port, grpc_port, metrics_port, triton_http, triton_grpc, openai_port, usage_port = free_ports("127.0.0.1", 7)
+    repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(tmp_path / "repository"),
+                                "--export-dir", str(tmp_path / "export")])
+    (tmp_path / "keys").write_text(f"bob {BOB}\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dualend.ops.launch", "--model-repository", str(repository), "--no-source-check",
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+         "--triton-http-port", str(triton_http), "--triton-grpc-port", str(triton_grpc), "--openai-port",
+         str(openai_port), "--usage-metrics-port", str(usage_port), "--api-keys", str(tmp_path / "keys"),
+         "--log-file", str(tmp_path / "server.log")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in launcher.stdout:
+            if "Ctrl-C or SIGTERM stops it" in line:
+                break
+        threading.Thread(target=launcher.stdout.read, daemon=True).start()
+        gateway = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=BOB, max_retries=0)
+        assert [m.id for m in gateway.models.list().data] == ["dualend", "baseline", "llm"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=BOB.upper(),
+                          max_retries=0).models.list()
+        usage_url = f"http://127.0.0.1:{usage_port}/metrics"
+        assert gateway.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=4).usage.completion_tokens
+        assert metric_value(usage_url, "dualend_api_completion_tokens_total", "dualend", client="bob") > 0
+
+        ended = []
+
+        def stream():
+            chunks = gateway.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=1000, stream=True,
+                                                extra_body={"ignore_eos": True})
+            try:
+                for _ in chunks:
+                    pass
+                ended.append(("finished", time.monotonic()))
+            except openai.APIError as error:
+                ended.append((str(error), time.monotonic()))
+
+        threads = [threading.Thread(target=stream) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        live = lambda: metric_value(f"http://127.0.0.1:{metrics_port}/metrics",  # noqa: E731
+                                    "dualend_kv_live_sequences", "dualend_v1_backbone")
+        assert wait_for(lambda: live() == 4, 30)
+        server_pid = int(subprocess.check_output(["pgrep", "-P", str(launcher.pid), "tritonserver"]).split()[0])
+        killed = time.monotonic()
+        os.kill(stub_processes(server_pid)["dualend_v1_mtp_verify"][0], signal.SIGKILL)
+        for thread in threads:
+            thread.join(10)
+        assert len(ended) == 4 and all("retry" in message for message, _ in ended), ended
+        assert max(at for _, at in ended) - killed < 5
+
+        def serves():
+            try:
+                return gateway.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=4).choices[0].text
+            except openai.APIError:
+                return False
+
+        assert wait_for(serves, 20, poll_s=0.3)
+        service = int(subprocess.check_output(["pgrep", "-P", str(launcher.pid), "-f", "dualend.ops.openai_api"]).split()[0])
+        os.kill(service, signal.SIGKILL)
+        assert wait_for(serves, 15, poll_s=0.3)
+    finally:
+        launcher.terminate()
+        launcher.wait(60)
+    assert launcher.returncode == 0

@@ -10,6 +10,8 @@ the `X-Dualend-Deployment` header:
     POST /v2/models/{dualend,baseline,llm}/generate[_stream]   key required; `llm` = canary split
     GET  /v2/models/{dualend,baseline}                          key required (metadata)
     GET  /v2/models/{dualend,baseline}/ready, /v2/health/{live,ready}   open, for health probes
+    GET  /v1/models, POST /v1/completions, /v1/chat/completions   key required: the OpenAI-compatible
+                                                                service (dualend.ops.openai_api)
     gRPC inference.GRPCInferenceService/{ModelStreamInfer,ModelInfer,ModelMetadata,...}   key required
 
 Everything else (repository and model control, internal models over HTTP, statistics, traces)
@@ -73,6 +75,7 @@ class GatewaySettings:
     grpc_max_stream: str = "64m"
     rate_per_s: int = 50              # per client (API key), with a burst of `burst`
     burst: int = 100
+    openai_api: str | None = None     # host:port of the OpenAI-compatible service; None: no /v1 routes
 
 
 def read_keys(path: Path) -> dict[str, str]:
@@ -130,6 +133,21 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
     down_check = (f"if (-f {prefix}/down/$deployment) {{ return 503 '{{\"error\":\"$deployment is restoring a failed "
                   "component; retry in a few seconds\"}'; }")
     models = "|".join(PUBLIC_DEPLOYMENTS)
+    openai_error = ('{{"error":{{"message":"{message}","type":"{type}","param":null,"code":"{code}"}}}}')
+    v1_check = ("if ($client = \"\") { return 401 '" + openai_error.format(
+        message="missing or unknown API key: send Authorization: Bearer <key>", type="authentication_error",
+        code="invalid_api_key") + "'; }") if keys else ""
+    v1_location = f"""location /v1/ {{
+            {v1_check}
+            limit_req zone=per_client burst={settings.burst} nodelay;
+            proxy_pass http://openai_api;
+        }}""" if settings.openai_api else ""
+    v1_upstream = f"upstream openai_api {{ server {settings.openai_api}; keepalive 32; }}" if settings.openai_api else ""
+
+    def v1_error(status: int, message: str, type_: str, code: str) -> str:
+        """The same refusal in OpenAI's error shape on the /v1 routes."""
+        body = openai_error.format(message=message, type=type_, code=code)
+        return f"if ($uri ~ ^/v1/) {{ return {status} '{body}'; }}"
 
     def generate_location(model_pattern: str, deployment: str, triton_uri: str) -> str:
         """A generate route: key, method, down mark, rate, then the JSON check (which passes the
@@ -194,6 +212,7 @@ http {{
     limit_req_status 429;
     upstream triton_http {{ server {settings.triton_http}; keepalive 32; }}
     upstream triton_grpc {{ server {settings.triton_grpc}; keepalive 32; }}
+    {v1_upstream}
     error_page 413 = @too_large;
     error_page 429 = @too_many;
     error_page 502 504 = @unavailable;
@@ -208,6 +227,7 @@ http {{
         {generate_location(f"({models})", "$1", "$uri")}
         {generate_location(CANARY_MODEL, "$canary", "/v2/models/$canary/$1")}
         location @triton {{ proxy_pass http://triton_http$triton_uri; }}  # a checked generate request
+        {v1_location}
         {model_location("", keyed=True)}
         {model_location("/ready", keyed=False)}
         location = /v2/health/live {{
@@ -221,10 +241,18 @@ http {{
             proxy_pass http://triton_http/v2/models/{PUBLIC_DEPLOYMENTS[0]}/ready;
         }}
         location @too_large {{
+            {v1_error(413, f"request body over {settings.max_body}", "invalid_request_error", "too_large")}
             return 413 '{{"error":"request body over {settings.max_body}; a prompt inside raw_context_limit is far smaller"}}';
         }}
-        location @unavailable {{ return 503 '{{"error":"the inference server behind the gateway is not answering"}}'; }}
-        location @too_many {{ return 429 '{{"error":"rate limit: over {settings.rate_per_s} requests/s for this API key"}}'; }}
+        location @unavailable {{
+            {v1_error(503, "the service behind the gateway is not answering; retry", "service_unavailable", "retry")}
+            return 503 '{{"error":"the inference server behind the gateway is not answering"}}';
+        }}
+        location @too_many {{
+            {v1_error(429, f"rate limit: over {settings.rate_per_s} requests/s for this API key", "rate_limit_error",
+                      "rate_limit_exceeded")}
+            return 429 '{{"error":"rate limit: over {settings.rate_per_s} requests/s for this API key"}}';
+        }}
         location / {{ return 404 '{{"error":"not a public route of this service"}}'; }}
     }}
     server {{

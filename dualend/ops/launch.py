@@ -14,7 +14,10 @@ tritonserver listens on 127.0.0.1:18000 (HTTP) and :18001 (gRPC) behind it (--tr
 --triton-grpc-port), with its repository, shared-memory,
 trace and logging APIs closed unless the request carries the admin key (`$DUALEND_ADMIN_KEY`, or a
 new one written to build/gateway/admin_key; `client.reload` reads both). `--no-gateway` serves
-tritonserver itself on those ports. Metrics stay on --metrics-port. Ctrl-C or SIGTERM stops it.
+tritonserver itself on those ports. Metrics stay on --metrics-port. Behind the gateway, the
+OpenAI-compatible service (`dualend.ops.openai_api`: /v1/models, /v1/completions,
+/v1/chat/completions, same keys) runs on 127.0.0.1:--openai-port, and serves the tokens counted per API
+key name (Prometheus) on --usage-metrics-port (8003). Ctrl-C or SIGTERM stops it.
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 8001
 DEFAULT_METRICS_PORT = 8002
 INTERNAL_HTTP_PORT, INTERNAL_GRPC_PORT = 18000, 18001  # tritonserver's own, on 127.0.0.1 behind the gateway
+INTERNAL_OPENAI_PORT = 18080  # the OpenAI-compatible service, on 127.0.0.1 behind the gateway
+DEFAULT_USAGE_METRICS_PORT = 8003  # its counters of tokens per API key name
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")
 DEFAULT_MODEL_CONTROL_MODE = "none"
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
@@ -504,6 +509,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--triton-http-port", type=int, default=INTERNAL_HTTP_PORT,
                         help="tritonserver's own HTTP port on 127.0.0.1, behind the gateway")
     parser.add_argument("--triton-grpc-port", type=int, default=INTERNAL_GRPC_PORT)
+    parser.add_argument("--openai-port", type=int, default=INTERNAL_OPENAI_PORT,
+                        help="the OpenAI-compatible service's port on 127.0.0.1, behind the gateway's /v1/")
+    parser.add_argument("--usage-metrics-port", type=int, default=DEFAULT_USAGE_METRICS_PORT,
+                        help="tokens per API key name (Prometheus), served by the OpenAI-compatible service")
+    parser.add_argument("--no-openai-api", action="store_true", help="no /v1/ routes")
     parser.add_argument("--api-keys", type=Path, default=None,
                         help="gateway API keys, `name key` per line (default build/gateway/api_keys, "
                              "created with one new key when missing)")
@@ -526,9 +536,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     from .gateway import DEFAULT_PREFIX, Gateway, GatewayError, GatewaySettings, write_new_keys
+    from .openai_api.app import ServiceSettings
+    from .openai_api.process import ApiService, ServiceStartError
     from .watchdog import Watchdog
 
-    gateway, watching = None, None
+    gateway, watching, api = None, None, None
     try:
         if not args.no_source_check:
             check_repository(args.model_repository)
@@ -570,6 +582,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"removed {pipeline}_*: assembled but never swapped in")
         server.start()
         print(f"tritonserver {TRITON_VERSION} ready (pid {server.pid})")
+        if gateway is not None and not args.no_openai_api:
+            api = ApiService(ServiceSettings(server.grpc_url, Path(args.model_repository).resolve(), DEFAULT_HOST,
+                                             args.openai_port, gateway.settings.keys_file, gateway.prefix,
+                                             args.baseline_percent),
+                             args.host, args.usage_metrics_port, server.log_file.with_suffix(".openai.log")).start()
+            gateway.settings.openai_api = api.url
         if gateway is not None:
             gateway.settings.triton_http, gateway.settings.triton_grpc = server.http_url, server.grpc_url
             gateway.start()
@@ -579,9 +597,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  HTTP     {server.http_url}")
             print(f"  gRPC     {server.grpc_url}")
         print(f"  metrics  {server.metrics_url}")
+        if api is not None:
+            print(f"  /v1      OpenAI-compatible, through the gateway (service on {api.url}, log "
+                  f"{api.log_file}); tokens per API key: http://{client_host(args.host)}:{args.usage_metrics_port}/metrics")
         print(f"  log      {server.log_file}")
         if args.model_control_mode == "explicit" and not args.no_watchdog:
-            watching = Watchdog(server, gateway.prefix / "down" if gateway else None).start()
+            watching = Watchdog(server, gateway.prefix / "down" if gateway else None,
+                                services=(api,) if api else ()).start()
         print("Ctrl-C or SIGTERM stops it.", flush=True)
         while server.poll() is None:
             time.sleep(0.5)
@@ -596,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RepositoryMissingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except (ServerStartError, GatewayError) as err:
+    except (ServerStartError, GatewayError, ServiceStartError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
@@ -608,6 +630,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.drain()  # every stream ends now, with an error that says why
         if gateway is not None:
             gateway.stop()  # before the server: its idle upstream connections would hold tritonserver
+        if api is not None:
+            api.stop()
         server.stop(keep_log=True, drain=False)  # drained above, before the gateway went
     return 0
 

@@ -9,7 +9,9 @@ so its ensemble keeps serving), and the mark is removed once its stub is back. O
 a redeploy's old generation, draining or unloaded, is left alone. A model whose restores keep failing
 (`STUCK_AFTER` in a row) makes the gateway's liveness answer 503, so an orchestrator restarts the server. Streams that were using a dead
 backbone end with the decode loop's error; streams inside a dead mtp_verify get no end (tritonserver
-2.51's Python backend never sends it): their clients time out.
+2.51's Python backend never sends it): their clients time out, except those of the OpenAI-compatible
+service, which ends them when it sees the mark. That service, a process of its own, is started again
+if it exits (`services`).
 """
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ STUCK_AFTER = 3  # failed restores of one model in a row (a load can hang in tri
 
 class Watchdog:
     def __init__(self, server, down_dir: Path | None, deployments: tuple[str, ...] = ("dualend", "baseline"),
-                 interval_s: float = 1.0):
+                 interval_s: float = 1.0, services: tuple = ()):
         self.server, self.down_dir, self.deployments, self.interval_s = server, down_dir, deployments, interval_s
+        self.services = services  # each with ensure_running(): started again if it exited
         self.stopping = threading.Event()
         self.repository = RepositoryAPI(server.grpc_url, server.admin_key, timeout_s=60.0)
         self.failures: dict[str, int] = {}  # model -> restores failed in a row; retried each round
@@ -76,6 +79,11 @@ class Watchdog:
 
     def run(self) -> None:
         while not self.stopping.wait(self.interval_s):
+            for service in self.services:
+                try:
+                    service.ensure_running()
+                except Exception as error:  # noqa: BLE001 - retried next round
+                    log.warning("watchdog: restarting a service failed (retried next round): %s", error)
             try:
                 ready = self.repository.ready_models()
                 failed = set(self.failed_models(ready))

@@ -1,0 +1,81 @@
+"""The OpenAI-compatible service as a child process of the launcher: started after tritonserver,
+restarted by the watchdog if it dies, stopped before the server."""
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .app import ServiceSettings
+
+log = logging.getLogger(__name__)
+
+
+class ServiceStartError(RuntimeError):
+    pass
+
+
+class ApiService:
+    def __init__(self, settings: ServiceSettings, metrics_host: str, metrics_port: int | None,
+                 log_file: Path | None = None, startup_timeout_s: float = 30.0):
+        self.settings, self.metrics_host, self.metrics_port = settings, metrics_host, metrics_port
+        self.log_file, self.startup_timeout_s = log_file, startup_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{self.settings.host}:{self.settings.port}"
+
+    def command(self) -> list[str]:
+        s = self.settings
+        args = [sys.executable, "-m", "dualend.ops.openai_api", "--triton-grpc", s.triton_grpc,
+                "--model-repository", str(s.model_repository), "--host", s.host, "--port", str(s.port),
+                "--baseline-percent", str(s.baseline_percent), "--stall-s", str(s.stall_s)]
+        if s.keys_file:
+            args += ["--api-keys", str(s.keys_file)]
+        if s.gateway_prefix:
+            args += ["--gateway-prefix", str(s.gateway_prefix)]
+        if self.metrics_port:
+            args += ["--metrics-host", self.metrics_host, "--metrics-port", str(self.metrics_port)]
+        return args
+
+    def start(self) -> "ApiService":
+        output = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=output,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServiceStartError(f"the OpenAI-compatible service exited with code {self.process.returncode} "
+                                        f"at start; see {self.log_file}")
+            try:
+                urllib.request.urlopen(f"http://{self.url}/health", timeout=1).close()
+                return self
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.1)
+        self.stop()
+        raise ServiceStartError(f"the OpenAI-compatible service did not answer on {self.url} within "
+                                f"{self.startup_timeout_s:g} s")
+
+    def ensure_running(self) -> None:
+        """The watchdog's check: a service that died is started again."""
+        if self.process is not None and self.process.poll() is not None:
+            log.error("watchdog: the OpenAI-compatible service exited (code %s); starting it again",
+                      self.process.returncode)
+            self.start()
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

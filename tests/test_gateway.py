@@ -11,7 +11,8 @@ import pytest
 from builder.assemble import DEFAULTS
 from builder.assemble import main as assemble_main
 from client.api import RequestError, generate_http, stream_grpc, stream_http
-from dualend.ops.gateway import Gateway, GatewaySettings, write_new_keys
+from dualend.ops.api_keys import write_new_keys
+from dualend.ops.gateway import Gateway, GatewaySettings
 from dualend.ops.host import free_ports
 from dualend.ops.launch import ADMIN_HEADER, TritonServer
 
@@ -306,6 +307,47 @@ def test_a_client_over_its_rate_is_refused_with_429(stack):
     assert "rate limit" in next(body for s, body in statuses if s == 429)
     refused = [e for e in grpc_statuses if e is not None]
     assert len(refused) >= 3 and all("rate limit: over 2 requests/s" in e for e in refused), grpc_statuses
+
+
+
+def test_keys_match_exactly_and_no_file_of_the_gateway_holds_one(stack):
+    body = b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 1}'
+    for header in (f"BEARER {stack.key}", f"bearer {stack.key}", f"Bearer {stack.key.upper()}", f"Bearer  {stack.key}",
+                   f"Bearer {stack.key}x"):
+        assert http(stack, "/v2/models/dualend/generate", body, key=False, headers={"Authorization": header})[0] == 401
+    with pytest.raises(RequestError, match="missing or unknown API key"):
+        stream_grpc(stack.grpc_url, "dualend", PROMPT, 1, api_key=stack.key.upper())
+    assert http(stack, "/v2/models/dualend/generate", body)[0] == 200
+    written = [p for p in stack.prefix.rglob("*") if p.is_file()]
+    assert written and not [p for p in written if stack.key in p.read_text(errors="replace")]
+
+
+def test_a_key_over_its_cap_of_open_requests_is_refused_and_another_key_passes(stack, tmp_path):
+    """max_requests=1: while one key holds a gRPC stream open, its next request (HTTP, or another gRPC
+    stream) is refused with 429 / RESOURCE_EXHAUSTED; another key's passes; once it closes, it passes."""
+    import tritonclient.grpc as grpcclient
+
+    other = "c3" * 16
+    (tmp_path / "keys").write_text(f"capped {stack.key} max_requests=1\nother {other}\n")
+    ports = free_ports("127.0.0.1", 2)
+    capped = Gateway(GatewaySettings(stack.triton.http_url, stack.triton.grpc_url, stack.repository,
+                                     http_port=ports[0], grpc_port=ports[1], keys_file=tmp_path / "keys"),
+                     tmp_path / "nginx")
+    body = b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 1}'
+    with capped:
+        holder = grpcclient.InferenceServerClient(capped.grpc_url)
+        holder.start_stream(callback=lambda result, error: None, headers={"authorization": f"Bearer {stack.key}"})
+        try:
+            time.sleep(0.3)
+            status, answer = http(stack, "/v2/models/dualend/generate", body, url=capped.http_url)
+            assert status == 429 and "max_requests" in answer
+            with pytest.raises(RequestError, match="max_requests"):
+                stream_grpc(capped.grpc_url, "dualend", PROMPT, 1, api_key=stack.key)
+            assert generate_http(capped.http_url, "dualend", PROMPT, 1, api_key=other).output_tokens == 1
+        finally:
+            holder.stop_stream()
+            holder.close()
+        assert http(stack, "/v2/models/dualend/generate", body, url=capped.http_url)[0] == 200
 
 
 def test_tritonservers_repository_api_needs_the_admin_key(stack):

@@ -17,8 +17,11 @@ the `X-Dualend-Deployment` header:
 Everything else (repository and model control, internal models over HTTP, statistics, traces)
 answers 404. While the launcher's watchdog restores a failed component of a deployment (a file
 `<prefix>/down/<deployment>`), that deployment's HTTP routes and readiness answer 503 (gRPC carries
-no model name nginx can read). Keys come from a file of `name key` lines; clients send `Authorization: Bearer <key>`
-(over gRPC, the `authorization` metadata). Changing the canary weight rewrites the config and
+no model name nginx can read). Keys come from a file of `name key [max_requests=N]` lines
+(`dualend.ops.api_keys`); clients send `Authorization: Bearer <key>` (over gRPC, the `authorization`
+metadata), matched exactly against the keys' sha256 hashes (njs; no file the gateway writes holds a
+key). `max_requests` also caps the requests one key has open at once on the Triton routes (an HTTP
+request or a gRPC stream each counts one: nginx cannot see the requests inside a stream). Changing the canary weight rewrites the config and
 reloads nginx gracefully: requests in flight finish on the old workers, none is dropped.
 
     python -m dualend.ops.gateway weight --baseline-percent 0 --prefix build/gateway
@@ -41,7 +44,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .host import client_host, write_private_file
+from .api_keys import DEFAULT_MAX_REQUESTS, read_keys
+from .host import client_host
 from .watchdog import STUCK_MARK
 
 PUBLIC_DEPLOYMENTS = ("dualend", "baseline")
@@ -78,22 +82,6 @@ class GatewaySettings:
     openai_api: str | None = None     # host:port of the OpenAI-compatible service; None: no /v1 routes
 
 
-def read_keys(path: Path) -> dict[str, str]:
-    """{key: client name} from lines `name key`; blank lines and # comments ignored."""
-    keys = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.split()
-        if len(parts) != 2 or len(parts[1]) < 16 or not parts[1].isalnum():
-            raise GatewayError(f"{path}:{number}: expected `name key` with an alphanumeric key of 16+ characters")
-        keys[parts[1]] = parts[0]
-    if not keys:
-        raise GatewayError(f"{path} holds no API key")
-    return keys
-
-
 def public_inputs(model_repository: Path) -> dict[str, dict]:
     """The public ensembles' inputs: {name: {"type", "many" (a list of values), "required"}}."""
     configs = [model_repository / d / "config.pbtxt" for d in PUBLIC_DEPLOYMENTS]
@@ -110,16 +98,15 @@ def public_inputs(model_repository: Path) -> dict[str, dict]:
     return found
 
 
-def write_new_keys(path: Path, name: str = "default") -> str:
-    key = secrets.token_hex(24)
-    write_private_file(path, f"{name} {key}\n")
-    return key
-
-
 def render(settings: GatewaySettings, prefix: Path) -> str:
-    keys = read_keys(settings.keys_file) if settings.keys_file else {}
-    key_map = "\n".join(f'        "Bearer {key}" "{name}";' for key, name in keys.items())
-    default_client = '""' if keys else '"anonymous"'
+    keys = read_keys(settings.keys_file).values() if settings.keys_file else []
+    caps = sorted({key.max_requests for key in keys} or {DEFAULT_MAX_REQUESTS})
+    cap_maps = "\n".join(  # one zone per cap: a key counts in its own cap's zone only
+        f'    map $client $cap_{cap} {{\n        default "";\n'
+        + "".join(f'        "{key.name}" "{key.name}";\n' for key in keys if key.max_requests == cap)
+        + (f'        "anonymous" "anonymous";\n' if not keys else "")
+        + f"    }}\n    limit_conn_zone $cap_{cap} zone=cap_{cap}:1m;" for cap in caps)
+    cap_limits = " ".join(f"limit_conn cap_{cap} {cap};" for cap in caps)
     if settings.baseline_percent <= 0:
         split = "* dualend;"
     elif settings.baseline_percent >= 100:
@@ -155,6 +142,7 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
         return f"""location ~ ^/v2/models/{model_pattern}/(generate|generate_stream)$ {{
             {check}
             limit_req zone=per_client burst={settings.burst} nodelay;
+            {cap_limits}
             set $deployment {deployment};
             if ($request_method != POST) {{
                 add_header Allow POST always;
@@ -201,10 +189,9 @@ http {{
     client_body_buffer_size {settings.max_body};
     client_body_in_single_buffer on;
     js_import request from {prefix}/request_check.js;
-    map $http_authorization $client {{
-        default {default_client};
-{key_map}
-    }}
+    js_set $client request.client;
+{cap_maps}
+    limit_conn_status 429;
     split_clients "${{request_id}}" $canary {{
         {split}
     }}
@@ -251,7 +238,7 @@ http {{
         location @too_many {{
             {v1_error(429, f"rate limit: over {settings.rate_per_s} requests/s for this API key", "rate_limit_error",
                       "rate_limit_exceeded")}
-            return 429 '{{"error":"rate limit: over {settings.rate_per_s} requests/s for this API key"}}';
+            return 429 '{{"error":"rate limit: over {settings.rate_per_s} requests/s, or over its cap of open requests (max_requests), for this API key"}}';
         }}
         location / {{ return 404 '{{"error":"not a public route of this service"}}'; }}
     }}
@@ -267,6 +254,7 @@ http {{
         location ~ ^/inference\\.GRPCInferenceService/({grpc_methods})$ {{
             {grpc_check}
             limit_req zone=per_client burst={settings.burst} nodelay;
+            {cap_limits}
             grpc_read_timeout 300s;
             grpc_pass grpc://triton_grpc;
         }}
@@ -277,7 +265,7 @@ http {{
         }}
         location @grpc_too_many {{
             add_header grpc-status 8;
-            add_header grpc-message "rate limit: over {settings.rate_per_s} requests/s for this API key (a stream counts once)";
+            add_header grpc-message "rate limit: over {settings.rate_per_s} requests/s, or over its cap of open streams (max_requests), for this API key (a stream counts once)";
             return 204;
         }}
         location @grpc_unavailable {{
@@ -348,7 +336,10 @@ class Gateway:
         if self.settings.model_repository is None:
             raise GatewayError("the gateway needs the model repository whose public inputs it checks")
         inputs = json.dumps(public_inputs(self.settings.model_repository))
-        (self.prefix / "request_check.js").write_text(f"const INPUTS = {inputs};\n\n{REQUEST_CHECK.read_text('utf-8')}")
+        clients = json.dumps({digest: key.name for digest, key in read_keys(self.settings.keys_file).items()}
+                             if self.settings.keys_file else None)
+        (self.prefix / "request_check.js").write_text(
+            f"const INPUTS = {inputs};\nconst CLIENTS = {clients};\n\n{REQUEST_CHECK.read_text('utf-8')}")
         staged = self.config_path.with_suffix(".new")
         staged.write_text(render(self.settings, self.prefix))
         check = subprocess.run([nginx_binary(), "-t", "-q", "-p", str(self.prefix), "-c", str(staged)],

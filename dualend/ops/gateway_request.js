@@ -160,4 +160,21 @@ function check(r) {
     r.internalRedirect('@triton');
 }
 
-export default {check};
+// The client an `Authorization: Bearer <key>` header names: CLIENTS (sha256 of the key, hex -> name)
+// is written above this file by dualend.ops.gateway, so no file of the gateway holds a key; the
+// header is matched exactly (nginx's map would ignore case). Without keys, everyone is `anonymous`.
+const crypto = require('crypto');
+
+function client(r) {
+    if (CLIENTS === null) {
+        return 'anonymous';
+    }
+    const header = r.headersIn.Authorization || '';
+    if (!header.startsWith('Bearer ')) {
+        return '';
+    }
+    const digest = crypto.createHash('sha256').update(header.slice(7)).digest('hex');
+    return has(CLIENTS, digest) ? CLIENTS[digest] : '';
+}
+
+export default {check, client};

@@ -515,7 +515,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="tokens per API key name (Prometheus), served by the OpenAI-compatible service")
     parser.add_argument("--no-openai-api", action="store_true", help="no /v1/ routes")
     parser.add_argument("--api-keys", type=Path, default=None,
-                        help="gateway API keys, `name key` per line (default build/gateway/api_keys, "
+                        help="gateway API keys, `name key [max_requests=N]` per line (default build/gateway/api_keys, "
                              "created with one new key when missing)")
     parser.add_argument("--baseline-percent", type=float, default=10.0,
                         help="share of the gateway's `llm` requests sent to the baseline (canary)")
@@ -535,7 +535,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    from .gateway import DEFAULT_PREFIX, Gateway, GatewayError, GatewaySettings, write_new_keys
+    from .api_keys import KeysFileError, write_new_keys
+    from .gateway import DEFAULT_PREFIX, Gateway, GatewayError, GatewaySettings
     from .openai_api.app import ServiceSettings
     from .openai_api.process import ApiService, ServiceStartError
     from .watchdog import Watchdog
@@ -618,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RepositoryMissingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except (ServerStartError, GatewayError, ServiceStartError) as err:
+    except (ServerStartError, GatewayError, ServiceStartError, KeysFileError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:

@@ -146,3 +146,68 @@ def test_a_request_whose_deployment_went_down_and_stalls_ends_even_after_the_mar
         progress.check()
     assert ended.value.status == 503
     Progress(marks, "baseline", stall_s=0.0).check()  # another deployment's requests go on
+
+
+SMOLLM2_TEMPLATE = (  # the chat template in SmolLM2's tokenizer_config.json
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def served_repository(root, tiny_tokenizer, chat_template):
+    """A repository as the service reads it: the `dualend` ensemble naming generation 1, whose
+    preprocessing holds the exported tokenizer component (with a tokenizer config when `chat_template`)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    (root / "dualend").mkdir(parents=True)
+    (root / "dualend" / "config.pbtxt").write_text('step [ { model_name: "dualend_v1_preprocessing" } ]')
+    folder = root / "dualend_v1_preprocessing" / "1" / "tokenizer"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"settings": {"pair_size": 2}}))
+    tokenizer = Tokenizer.from_str(tiny_tokenizer.to_json())
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    (folder / "tokenizer.json").write_text(tokenizer.to_str())
+    if chat_template:
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<|im_end|>", "add_bos_token": False,
+             "chat_template": chat_template}))
+    return tokenizer
+
+
+def test_a_three_turn_chat_renders_and_tokenizes_as_transformers_does(tmp_path, tiny_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    from dualend.ops.openai_api.app import Service, ServiceSettings
+
+    tokenizer = served_repository(tmp_path, tiny_tokenizer, SMOLLM2_TEMPLATE)
+    service = Service(ServiceSettings("127.0.0.1:1", tmp_path))
+    deployment = service.deployment("dualend")
+    reference = PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=SMOLLM2_TEMPLATE)
+    history = []
+    previous_ids = []
+    for turn, (question, answer) in enumerate([("Q: 3+4", "7"), ("and minus 2?", "5"), ("twice that?", "10")]):
+        history.append({"role": "user", "content": question})
+        request = parse_chat({"model": "dualend", "messages": history}, deployment.render_chat)
+        expected = reference.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        assert request.prompt == expected, turn
+        ids = deployment.tokenizer.encode_prompt(request.prompt)
+        assert ids == reference.apply_chat_template(history, tokenize=True, add_generation_prompt=True,
+                                                    return_dict=False)
+        # the history is re-sent whole: the previous turn's prompt and answer are this prompt's start
+        assert ids[:len(previous_ids)] == previous_ids
+        history.append({"role": "assistant", "content": answer})
+        previous_ids = deployment.tokenizer.encode(reference.apply_chat_template(history, tokenize=False))
+
+
+def test_chat_is_refused_naming_messages_without_a_template(tmp_path, tiny_tokenizer):
+    from dualend.ops.openai_api.app import Service, ServiceSettings
+
+    served_repository(tmp_path, tiny_tokenizer, None)
+    deployment = Service(ServiceSettings("127.0.0.1:1", tmp_path)).deployment("dualend")
+    with pytest.raises(ApiError) as refused:
+        parse_chat({"model": "dualend", "messages": [{"role": "user", "content": "hi"}]}, deployment.render_chat)
+    assert (refused.value.status, refused.value.param, refused.value.code) == (400, "messages", "no_chat_template")
+    assert deployment.dual_end

@@ -12,6 +12,7 @@ from dualend.train.data import FAMILIES, eval_set
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "server: starts a real tritonserver")
+    config.addinivalue_line("markers", "slow: loads a real model (SmolLM2, hundreds of MB) and its reference")
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU")
 
 

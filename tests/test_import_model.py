@@ -394,6 +394,7 @@ SMOLLM2_PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_matches_transformers(smollm2):
     checkpoint, _, hf_tok = smollm2
     ours = checkpoint.tokenizer
@@ -406,6 +407,7 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
     assert tokens > 5000
 
 
+@pytest.mark.slow
 def test_smollm2_logits_and_greedy_match_transformers(smollm2):
     checkpoint, hf_model, hf_tok = smollm2
     model, ours = checkpoint.model, checkpoint.tokenizer
@@ -420,6 +422,7 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2):
     assert all(matches), [p for p, same in zip(SMOLLM2_PROMPTS, matches) if not same]
 
 
+@pytest.mark.slow
 def test_smollm2_chat_answers_paris(smollm2):
     checkpoint, _, hf_tok = smollm2
     messages = [{"role": "user", "content": "What is the capital of France?"}]

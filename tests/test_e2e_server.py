@@ -42,7 +42,8 @@ def assemble_dualend(folder, *flags, checkpoints=CHECKPOINTS):
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
     repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(root / "repository"),
-                                "--export-dir", str(root / "export"), "--max-concurrent-requests", "16",
+                                "--export-dir", str(root / "export"), "--deployments", *DEPLOYMENTS,
+                                "--max-concurrent-requests", "16",
                                 "--raw-context-limit", "512", "--max-new-tokens", "256",
                                 "--prefill-chunk-tokens", "64"])
     with TritonServer(repository, log_file=root / "server.log") as triton:

@@ -93,6 +93,34 @@ def test_components_from_two_checkpoints_are_refused(exported, tmp_path):
     assert manifest["checkpoint_id"] != json.loads((copy / "mtp" / "manifest.json").read_text())["checkpoint_id"]
 
 
+def test_an_imported_tokenizer_config_travels_with_the_export_and_its_manifest(exported, tmp_path):
+    """PAD/BOS/EOS, add_bos and the chat template of an imported model reach the served tokenizer."""
+    from builder.assemble import up_to_date_export, write_hf_tokenizer
+    from dualend.engine.tokenizer import TextTokenizer
+
+    checkpoint = exported["baseline"][0]
+    config = {"pad_token": "<pad>", "bos_token": "<eos>", "eos_token": "<bos>", "add_bos_token": False,
+              "chat_template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"}
+    tokenizer = TextTokenizer(checkpoint.tokenizer.tokenizer, config)
+    Checkpoint(checkpoint.model, tokenizer).save(tmp_path / "checkpoint")
+    before = up_to_date_export(tmp_path / "checkpoint", tmp_path / "export")
+    assert "tokenizer_config.json" in before.manifests["tokenizer"].files
+    served = before.tokenizer()
+    assert (served.bos_id, served.eos_id, served.add_bos) == (tokenizer.bos_id, tokenizer.eos_id, False)
+    assert served.render_chat([{"role": "user", "content": "hi"}]) == "[hi]"
+    write_hf_tokenizer(before, tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert (hf["bos_token"], hf["eos_token"], hf["add_bos_token"]) == ("<eos>", "<bos>", False)
+    shipped = ExportedModel.open(exported["baseline"][1]).tokenizer()
+    assert shipped.config is None and shipped.bos_id == checkpoint.tokenizer.bos_id
+
+    # same weights, another tokenizer config: the export is redone (the checkpoint id covers weights only)
+    Checkpoint(checkpoint.model, checkpoint.tokenizer).save(tmp_path / "checkpoint")
+    again = up_to_date_export(tmp_path / "checkpoint", tmp_path / "export")
+    assert again.checkpoint_id == before.checkpoint_id and again.tokenizer().config is None
+    assert "tokenizer_config.json" not in again.manifests["tokenizer"].files
+
+
 def cache(**options):
     settings = dict(layers=1, heads=1, head_dim=2, max_sequences=3, bucket=4)
     settings.update(options)

@@ -25,7 +25,7 @@ def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway")
     repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(root / "repository"),
                                 "--export-dir", str(root / "export"), "--raw-context-limit", "512",
-                                "--max-new-tokens", "256"])
+                                "--max-new-tokens", "256", "--deployments", "dualend", "baseline"])
     admin = secrets.token_hex(16)
     key = write_new_keys(root / "keys", "tests")
     with TritonServer(repository, admin_key=admin, log_file=root / "server.log") as triton:

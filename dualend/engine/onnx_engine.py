@@ -22,6 +22,7 @@ COMPONENTS_DUALEND = ("tokenizer", "compressor", "backbone", "mtp")
 COMPONENTS_BASELINE = ("tokenizer", "compressor", "backbone")
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # an imported model's specials and chat template; shipped: none
 
 # 2: the past as one [B, heads, T, Dh] input per layer; 3: the same inputs and outputs, RoPE angles
 # computed once per call and splits by constants (the backbone graph a third smaller; older exports are redone);
@@ -80,7 +81,11 @@ class ExportedModel:
         return self.directory / component / (TOKENIZER_FILE if component == "tokenizer" else MODEL_FILE)
 
     def tokenizer(self) -> TextTokenizer:
-        return TextTokenizer.from_json(self.path("tokenizer").read_text(encoding="utf-8"))
+        """With its tokenizer_config.json when the manifest lists one (so it was verified with the rest)."""
+        config = self.directory / "tokenizer" / TOKENIZER_CONFIG_FILE
+        listed = TOKENIZER_CONFIG_FILE in self.manifests["tokenizer"].files
+        return TextTokenizer.from_json(self.path("tokenizer").read_text(encoding="utf-8"),
+                                       config.read_text(encoding="utf-8") if listed else None)
 
 
 @dataclass

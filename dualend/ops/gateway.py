@@ -44,11 +44,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from dualend.serving.repository import PUBLIC_DEPLOYMENTS
+
 from .api_keys import DEFAULT_MAX_REQUESTS, read_keys
 from .host import client_host
 from .watchdog import STUCK_MARK
 
-PUBLIC_DEPLOYMENTS = ("dualend", "baseline")
 CANARY_MODEL = "llm"
 DEFAULT_PREFIX = Path(__file__).resolve().parents[2] / "build" / "gateway"
 REQUEST_CHECK = Path(__file__).resolve().parent / "gateway_request.js"

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from dualend.serving.repository import generation_of, pipeline_name
+from dualend.serving.repository import PUBLIC_DEPLOYMENTS, generation_of, pipeline_name
 
 from .processes import stub_processes
 from .repository_api import RepositoryAPI
@@ -33,7 +33,7 @@ STUCK_AFTER = 3  # failed restores of one model in a row (a load can hang in tri
 
 
 class Watchdog:
-    def __init__(self, server, down_dir: Path | None, deployments: tuple[str, ...] = ("dualend", "baseline"),
+    def __init__(self, server, down_dir: Path | None, deployments: tuple[str, ...] = PUBLIC_DEPLOYMENTS,
                  interval_s: float = 1.0, services: tuple = ()):
         self.server, self.down_dir, self.deployments, self.interval_s = server, down_dir, deployments, interval_s
         self.services = services  # each with ensure_running(): started again if it exited

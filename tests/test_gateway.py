@@ -27,7 +27,7 @@ def stack(tmp_path_factory):
                                 "--export-dir", str(root / "export"), "--raw-context-limit", "512",
                                 "--max-new-tokens", "256", "--deployments", "dualend", "baseline"])
     admin = secrets.token_hex(16)
-    key = write_new_keys(root / "keys", "tests")
+    key = write_new_keys(root / "keys")  # named "default", as the launcher's first key: a keyword of nginx's map
     with TritonServer(repository, admin_key=admin, log_file=root / "server.log") as triton:
         http_port, grpc_port = free_ports("127.0.0.1", 2)  # after the server took its own
         gateway = Gateway(GatewaySettings(triton.http_url, triton.grpc_url, repository, http_port=http_port, grpc_port=grpc_port,

@@ -104,7 +104,8 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
     caps = sorted({key.max_requests for key in keys} or {DEFAULT_MAX_REQUESTS})
     cap_maps = "\n".join(  # one zone per cap: a key counts in its own cap's zone only
         f'    map $client $cap_{cap} {{\n        default "";\n'
-        + "".join(f'        "{key.name}" "{key.name}";\n' for key in keys if key.max_requests == cap)
+        # a leading backslash: a key named like a map keyword ("default", the launcher's first key) stays a name
+        + "".join(f'        "\\{key.name}" "{key.name}";\n' for key in keys if key.max_requests == cap)
         + (f'        "anonymous" "anonymous";\n' if not keys else "")
         + f"    }}\n    limit_conn_zone $cap_{cap} zone=cap_{cap}:1m;" for cap in caps)
     cap_limits = " ".join(f"limit_conn cap_{cap} {cap};" for cap in caps)

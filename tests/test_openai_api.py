@@ -22,7 +22,7 @@ from dualend.ops.launch import TritonServer
 
 pytestmark = pytest.mark.server
 PROMPTS = ["Q: 3+4-2\nA:", " ab:12 cd:34 ef:56\nget cd:"]
-ALICE, BOB = "a1" * 16, "b2" * 16
+ALICE, BOB, HOG = "a1" * 16, "b2" * 16, "c3" * 16
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,9 @@ def api(tmp_path_factory):
     root = tmp_path_factory.mktemp("openai")
     repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(root / "repository"),
                                 "--export-dir", str(root / "export"), "--raw-context-limit", "512",
-                                "--max-new-tokens", "256", "--max-concurrent-requests", "16"])
-    (root / "keys").write_text(f"alice {ALICE} max_requests=2\nbob {BOB}\n")
+                                "--max-new-tokens", "256", "--max-concurrent-requests", "16",
+                                "--deployments", "dualend", "baseline"])
+    (root / "keys").write_text(f"alice {ALICE} max_requests=2\nbob {BOB}\nhog {HOG} max_requests=8\n")
     (root / "gateway").mkdir()
     with TritonServer(repository, log_file=root / "server.log") as triton:
         port = free_ports("127.0.0.1", 1)[0]
@@ -175,6 +176,43 @@ def test_a_key_over_its_cap_gets_429_while_another_keys_request_passes(api):
     assert client(api, key=ALICE).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2).choices
 
 
+
+def ttft(api, key, max_tokens=8):
+    started = time.perf_counter()
+    for chunk in client(api, key=key).completions.create(model="dualend", prompt=PROMPTS[1], max_tokens=max_tokens,
+                                                         stream=True):
+        if chunk.choices and chunk.choices[0].text:
+            return time.perf_counter() - started
+    return float("nan")
+
+
+def test_one_key_sending_60_long_requests_holds_only_its_cap_and_another_keys_short_request_gets_through(api):
+    """hog (max_requests=8 of 16 decode slots) sends 60 long streams at once: 8 run, 52 are refused at
+    once with 429; bob's short request meanwhile starts without waiting for a place."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    idle = sorted(ttft(api, BOB) for _ in range(5))[2]
+
+    hog_clients = [client(api, key=HOG) for _ in range(60)]
+
+    def hog(index):
+        try:
+            chunks = hog_clients[index].completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=250,
+                                                             stream=True, extra_body={"ignore_eos": True})
+            return sum(1 for _ in chunks) > 0
+        except openai.RateLimitError:
+            return "refused"
+
+    with ThreadPoolExecutor(60) as pool:
+        hogs = [pool.submit(hog, i) for i in range(60)]
+        assert wait_for(lambda: sum(h.done() for h in hogs) == 52, 30)  # the refusals come at once
+        loaded = sorted(ttft(api, BOB) for _ in range(3))[1]
+        assert sum(h.done() for h in hogs) == 52, "hog's streams must still run for this test to mean anything"
+        outcomes = [h.result() for h in hogs]
+    assert outcomes.count("refused") == 52 and outcomes.count(True) == 8
+    print(f"bob's TTFT p50: idle {idle * 1e3:.1f} ms, beside 8 of hog's long streams {loaded * 1e3:.1f} ms")
+    assert loaded < 4 * idle + 0.05  # on 2 shared CPU cores a batch of 8 slows every step; no wait for a place
+
 def test_tokens_are_counted_per_api_key_name(api):
     def counts():
         page = metrics_page(f"{api.url}/metrics")
@@ -216,7 +254,7 @@ def test_through_the_launchers_gateway_a_killed_step_ends_v1_streams_within_5_s(
 
     http_port, grpc_port, metrics_port, triton_http, triton_grpc, openai_port, usage_port = free_ports("127.0.0.1", 7)
     repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(tmp_path / "repository"),
-                                "--export-dir", str(tmp_path / "export")])
+                                "--export-dir", str(tmp_path / "export"), "--deployments", "dualend", "baseline"])
     (tmp_path / "keys").write_text(f"bob {BOB}\n")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "dualend.ops.launch", "--model-repository", str(repository), "--no-source-check",

@@ -131,7 +131,7 @@ def test_one_key_over_its_cap_is_refused_and_others_pass():
 
 
 def test_a_request_whose_deployment_went_down_and_stalls_ends_even_after_the_mark_is_gone(tmp_path):
-    marks = DownMarks(tmp_path, ("dualend", "baseline"))
+    marks = DownMarks(tmp_path)
     progress = Progress(marks, "dualend", stall_s=0.0)
     progress.check()  # up: waits as long as it takes
     (tmp_path / "dualend").touch()
@@ -146,6 +146,10 @@ def test_a_request_whose_deployment_went_down_and_stalls_ends_even_after_the_mar
         progress.check()
     assert ended.value.status == 503
     Progress(marks, "baseline", stall_s=0.0).check()  # another deployment's requests go on
+    (tmp_path / "_server").touch()  # the watchdog's mark for all: a component cannot be restored
+    marks.poll()
+    with pytest.raises(ApiError):
+        marks.check_up("baseline")
 
 
 SMOLLM2_TEMPLATE = (  # the chat template in SmolLM2's tokenizer_config.json

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ class Service:
         self.keys = read_keys(settings.keys_file) if settings.keys_file else None
         self.caps = KeyCaps()
         down_dir = settings.gateway_prefix / "down" if settings.gateway_prefix else None
-        self.marks = DownMarks(down_dir, PUBLIC_DEPLOYMENTS)
+        self.marks = DownMarks(down_dir)
         self.deployments: dict[str, tuple[object, Deployment | None]] = {}
         self.registry = CollectorRegistry()
         labels = ("client", "model")
@@ -121,7 +122,11 @@ class Service:
         return cached[1]
 
     def served_models(self) -> list[str]:
-        found = [d for d in PUBLIC_DEPLOYMENTS if (self.settings.model_repository / d / "config.pbtxt").exists()]
+        """Every deployment whose ensemble the repository holds (the shipped pair first), and the canary."""
+        repository = self.settings.model_repository
+        found = sorted((d.name for d in repository.iterdir() if served_generation(repository, d.name) is not None),
+                       key=lambda name: (name not in PUBLIC_DEPLOYMENTS, PUBLIC_DEPLOYMENTS.index(name)
+                                         if name in PUBLIC_DEPLOYMENTS else 0, name))
         return found + ([CANARY_MODEL] if set(PUBLIC_DEPLOYMENTS) <= set(found) else [])
 
     def baseline_percent(self) -> float:
@@ -137,7 +142,8 @@ class Service:
     def resolve(self, model: str) -> str:
         if model == CANARY_MODEL and CANARY_MODEL in self.served_models():
             return "baseline" if random.uniform(0, 100) < self.baseline_percent() else "dualend"
-        if model not in PUBLIC_DEPLOYMENTS:
+        if (model == CANARY_MODEL or not re.fullmatch(r"\w+", model)
+                or served_generation(self.settings.model_repository, model) is None):
             raise ApiError(404, f"model `{model}` does not exist; GET /v1/models lists them", "model",
                            "model_not_found")
         return model

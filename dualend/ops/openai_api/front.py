@@ -40,19 +40,27 @@ class KeyCaps:
 class DownMarks:
     """The deployments the watchdog marks down, polled every `interval_s`."""
 
-    def __init__(self, down_dir: Path | None, deployments: tuple[str, ...], interval_s: float = 0.1):
-        self.down_dir, self.deployments, self.interval_s = down_dir, deployments, interval_s
-        self.down: set[str] = set()
-        self.epochs = dict.fromkeys(deployments, 0)
+    def __init__(self, down_dir: Path | None, interval_s: float = 0.1):
+        self.down_dir, self.interval_s = down_dir, interval_s
+        self.down: set[str] = set()      # deployment names; STUCK_MARK stands for all
+        self.epochs: dict[str, int] = {}
 
     def poll(self) -> None:
         if self.down_dir is None:
             return
-        everything = (self.down_dir / STUCK_MARK).exists()
-        now_down = {d for d in self.deployments if everything or (self.down_dir / d).exists()}
+        try:
+            now_down = {mark.name for mark in self.down_dir.iterdir()}
+        except FileNotFoundError:
+            now_down = set()
         for deployment in now_down - self.down:
-            self.epochs[deployment] += 1
+            self.epochs[deployment] = self.epochs.get(deployment, 0) + 1
         self.down = now_down
+
+    def is_down(self, deployment: str) -> bool:
+        return deployment in self.down or STUCK_MARK in self.down
+
+    def epoch(self, deployment: str) -> tuple[int, int]:
+        return self.epochs.get(deployment, 0), self.epochs.get(STUCK_MARK, 0)
 
     async def run(self) -> None:
         while True:
@@ -60,7 +68,7 @@ class DownMarks:
             await asyncio.sleep(self.interval_s)
 
     def check_up(self, deployment: str) -> None:
-        if deployment in self.down:
+        if self.is_down(deployment):
             raise ApiError(503, f"{deployment} is restoring a failed component; retry in a few seconds", code="retry")
 
 
@@ -70,14 +78,14 @@ class Progress:
 
     def __init__(self, marks: DownMarks, deployment: str, stall_s: float):
         self.marks, self.deployment, self.stall_s = marks, deployment, stall_s
-        self.epoch = marks.epochs.get(deployment, 0)
+        self.epoch = marks.epoch(deployment)
         self.last = time.monotonic()
 
     def advanced(self) -> None:
         self.last = time.monotonic()
 
     def check(self) -> None:
-        failed = self.deployment in self.marks.down or self.marks.epochs.get(self.deployment, 0) != self.epoch
+        failed = self.marks.is_down(self.deployment) or self.marks.epoch(self.deployment) != self.epoch
         if failed and time.monotonic() - self.last > self.stall_s:
             raise ApiError(503, f"a component of {self.deployment} failed while serving this request and it made "
                                 f"no progress for {self.stall_s:g} s; the request ends here, retry", code="retry")

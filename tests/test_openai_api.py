@@ -316,3 +316,24 @@ def test_through_the_launchers_gateway_a_killed_step_ends_v1_streams_within_5_s(
         launcher.terminate()
         launcher.wait(60)
     assert launcher.returncode == 0
+
+
+def test_a_client_gone_before_a_whole_answer_cancels_its_request(api):
+    """Not streaming: the client closes its connection while the answer is generated; the service
+    counts it as gone (499) and the sequence is freed, long before 250 tokens could be made."""
+    import http.client
+
+    def gone():
+        page = metrics_page(f"{api.url}/metrics")
+        return metric_in(page, "dualend_api_requests_total", "dualend", client="bob", status="499") or 0
+
+    before = gone()
+    connection = http.client.HTTPConnection(api.url.removeprefix("http://"))
+    connection.request("POST", "/v1/completions", body=json.dumps(
+        {"model": "dualend", "prompt": PROMPTS[0], "max_tokens": 250, "ignore_eos": True}),
+        headers={"Authorization": f"Bearer {BOB}", "Content-Type": "application/json"})
+    time.sleep(0.05)
+    connection.sock.shutdown(2)
+    connection.close()
+    assert wait_for(lambda: gone() == before + 1, 5)
+    assert wait_for(lambda: live_sequences(api) == 0, 5)

@@ -216,7 +216,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     repository = Path(ASSEMBLE["out"])
     if not repository.exists():
-        assemble_main([])
+        assemble_main(["--deployments", *DEPLOYMENTS])
     threshold = calibrated_threshold(Path(ASSEMBLE["quality_report"]))
     engines = {name: OnnxComponents(Path(ASSEMBLE["export_dir"]) / name, threads=args.threads)
                for name in DEPLOYMENTS}

@@ -192,7 +192,8 @@ class Service:
         try:
             while True:
                 try:
-                    result, error = await asyncio.wait_for(responses.get(), TICK_S)
+                    async with asyncio.timeout(TICK_S):  # no task per response, unlike wait_for
+                        result, error = await responses.get()
                 except TimeoutError:
                     progress.check()
                     continue
@@ -312,9 +313,21 @@ class Service:
             admission.__exit__(None, None, None)
             raise
         dual_end = self.deployment(deployment).dual_end
+        status = 499  # unless it ends
+        closed = False
+
+        async def close():
+            """Frees the key's place, counts the tokens and cancels the Triton request, once; also when
+            the client left before the first chunk was sent (the generator never started)."""
+            nonlocal closed
+            if not closed:
+                closed = True
+                admission.__exit__(None, None, None)
+                self.count(client, generation.model, counters, status)
+                await pieces.aclose()
 
         async def events():
-            status = 499  # unless it ends
+            nonlocal status
             try:
                 piece = first
                 is_first = True
@@ -334,11 +347,9 @@ class Service:
                 yield sse(error.body())
                 yield b"data: [DONE]\n\n"
             finally:
-                admission.__exit__(None, None, None)
-                self.count(client, generation.model, counters, status)
-                await pieces.aclose()
+                await close()
 
-        return DisconnectAwareStream(events(), media_type="text/event-stream",
+        return DisconnectAwareStream(events(), close, media_type="text/event-stream",
                                      headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def metrics(self, request: Request) -> Response:
@@ -371,20 +382,29 @@ class Service:
 
 class DisconnectAwareStream(StreamingResponse):
     """A streaming response that always listens for the client's disconnect, so a client gone while
-    no token comes still cancels its request (Starlette on ASGI 2.4 learns it only from a failed send)."""
+    no token comes still cancels its request (Starlette on ASGI 2.4 learns it only from a failed send);
+    `close` runs however the response ends."""
+
+    def __init__(self, content, close, **options):
+        super().__init__(content, **options)
+        self.close = close
 
     async def __call__(self, scope, receive, send) -> None:
-        async with anyio.create_task_group() as group:
-            async def respond():
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass  # the client went away mid-send
-                group.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as group:
+                async def respond():
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client went away mid-send
+                    group.cancel_scope.cancel()
 
-            group.start_soon(respond)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
+                group.start_soon(respond)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.close()
 
 
 def merge(total: dict, piece: dict) -> None:

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from dualend.serving.repository import PUBLIC_DEPLOYMENTS
 
-from .api_keys import DEFAULT_MAX_REQUESTS, read_keys
+from .api_keys import read_keys
 from .host import client_host
 from .watchdog import STUCK_MARK
 
@@ -101,12 +101,11 @@ def public_inputs(model_repository: Path) -> dict[str, dict]:
 
 def render(settings: GatewaySettings, prefix: Path) -> str:
     keys = read_keys(settings.keys_file).values() if settings.keys_file else []
-    caps = sorted({key.max_requests for key in keys} or {DEFAULT_MAX_REQUESTS})
+    caps = sorted({key.max_requests for key in keys})  # without keys, no one to be fair between: no cap
     cap_maps = "\n".join(  # one zone per cap: a key counts in its own cap's zone only
         f'    map $client $cap_{cap} {{\n        default "";\n'
         # a leading backslash: a key named like a map keyword ("default", the launcher's first key) stays a name
         + "".join(f'        "\\{key.name}" "{key.name}";\n' for key in keys if key.max_requests == cap)
-        + (f'        "anonymous" "anonymous";\n' if not keys else "")
         + f"    }}\n    limit_conn_zone $cap_{cap} zone=cap_{cap}:1m;" for cap in caps)
     cap_limits = " ".join(f"limit_conn cap_{cap} {cap};" for cap in caps)
     if settings.baseline_percent <= 0:

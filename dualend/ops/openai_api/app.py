@@ -17,6 +17,7 @@ import asyncio
 import json
 import random
 import re
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,15 +33,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dualend.engine.tokenizer import TextTokenizer
-from dualend.serving.repository import pipeline_name, served_generation
+from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served_generation
 
-from ..api_keys import DEFAULT_MAX_REQUESTS, ApiKey, client_of, read_keys
+from ..api_keys import ApiKey, client_of, read_keys
 from .front import DownMarks, KeyCaps, Progress
 from .translation import (ApiError, Generation, chunk_body, finish_reason, parse_chat, parse_completion,
                           response_body, triton_error, triton_inputs, usage, usage_chunk)
 
-PUBLIC_DEPLOYMENTS = ("dualend", "baseline")
 CANARY_MODEL = "llm"
+CANARY_PAIR = ("dualend", "baseline")  # `llm` goes to the baseline by the canary weight, else to dualend
 COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps", "num_prompt_tokens",
             "num_prompt_latents")
 TICK_S = 0.1  # how often a waiting request checks its deployment's marks
@@ -52,7 +53,7 @@ class ServiceSettings:
     model_repository: Path
     host: str = "127.0.0.1"
     port: int = 18080
-    keys_file: Path | None = None          # `name key [max_requests=N]`; None: anyone, as `anonymous`
+    keys_file: Path | None = None          # `name key [max_requests=N]`; None: anyone, as `anonymous`, no cap
     gateway_prefix: Path | None = None     # the watchdog's down marks and the canary weight live there
     baseline_percent: float = 10.0         # the canary's share, unless the gateway's settings say otherwise
     stall_s: float = 1.0                   # no response this long while the deployment is (was) down: 503
@@ -122,12 +123,12 @@ class Service:
         return cached[1]
 
     def served_models(self) -> list[str]:
-        """Every deployment whose ensemble the repository holds (the shipped pair first), and the canary."""
+        """Every deployment whose ensemble the repository holds (the public ones first), and the canary."""
         repository = self.settings.model_repository
         found = sorted((d.name for d in repository.iterdir() if served_generation(repository, d.name) is not None),
                        key=lambda name: (name not in PUBLIC_DEPLOYMENTS, PUBLIC_DEPLOYMENTS.index(name)
                                          if name in PUBLIC_DEPLOYMENTS else 0, name))
-        return found + ([CANARY_MODEL] if set(PUBLIC_DEPLOYMENTS) <= set(found) else [])
+        return found + ([CANARY_MODEL] if set(CANARY_PAIR) <= set(found) else [])
 
     def baseline_percent(self) -> float:
         """The canary weight: the gateway's (`python -m dualend.ops.gateway weight` rewrites it), else ours."""
@@ -149,8 +150,8 @@ class Service:
         return model
 
     def authorize(self, request: Request) -> ApiKey:
-        if self.keys is None:
-            return ApiKey("anonymous", "", DEFAULT_MAX_REQUESTS)
+        if self.keys is None:  # no keys, no one to be fair between: no cap
+            return ApiKey("anonymous", "", sys.maxsize)
         client = client_of(request.headers.get("authorization"), self.keys)
         if client is None:
             raise ApiError(401, "missing or unknown API key: send Authorization: Bearer <key>", code="invalid_api_key")

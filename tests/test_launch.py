@@ -157,3 +157,24 @@ def test_the_launcher_serves_where_the_builder_builds_and_keeps_its_files_under_
     assert ADAPTER_SOURCES == DEFAULTS["out"].parent.parent / "model_repository"
     assert (ADAPTER_SOURCES / "mtp_verify" / "model.py").is_file()
     assert DEFAULT_ADMIN_KEY_FILE.parent == DEFAULT_PREFIX == DEFAULTS["out"].parent / "gateway"
+
+
+def test_generations_no_ensemble_serves_are_pruned_before_the_source_check(tmp_path):
+    """A repository rebuilt over an older one: generation 1 (older adapters) is no longer served, so it
+    goes before the check, which then passes on generation 2 (this checkout's adapters)."""
+    import shutil
+
+    from dualend.ops.launch import ADAPTER_SOURCES, check_repository, prune_unserved_generations
+
+    for generation, source in ((1, "# an older adapter\n"), (2, None)):
+        folder = tmp_path / f"dualend_v{generation}_mtp_verify" / "1"
+        folder.mkdir(parents=True)
+        if source is None:
+            shutil.copy(ADAPTER_SOURCES / "mtp_verify" / "model.py", folder / "model.py")
+        else:
+            (folder / "model.py").write_text(source)
+    (tmp_path / "dualend").mkdir()
+    (tmp_path / "dualend" / "config.pbtxt").write_text('step [ { model_name: "dualend_v2_preprocessing" } ]')
+    assert prune_unserved_generations(tmp_path) == ["dualend_v1"]
+    assert not (tmp_path / "dualend_v1_mtp_verify").exists()
+    assert check_repository(tmp_path) == tmp_path

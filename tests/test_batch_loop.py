@@ -309,7 +309,8 @@ def test_metrics_accumulate_as_prometheus_histograms_and_hand_out_deltas():
     assert ttft.counts[bounds.index(0.25)] == 3 and ttft.counts[-1] == 4  # +Inf holds the 60 s one
     assert abs(ttft.total - 60.206) < 1e-9
     assert delta.histograms["dualend_inter_token_seconds"].counts[-1] == 3
-    assert delta.gauges == {"dualend_running_sequences": 5, "dualend_waiting_requests": 2}
+    assert delta.gauges == {"dualend_running_sequences": 5, "dualend_waiting_requests": 2,
+                            "dualend_synthetic_acceptance_rate": -1.0}  # off: the gate decides
     again = metrics.take()
     assert again.histograms["dualend_ttft_seconds"].counts[-1] == 0 and again.gauges == {}
 

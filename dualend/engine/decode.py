@@ -120,18 +120,40 @@ def drafting_enabled(threshold: float) -> bool:
     return threshold < 1
 
 
+class SyntheticAcceptance:
+    """Benchmark only (the deployment's `synthetic_acceptance`, never a request's): accepts a draft
+    by a draw at `rate` instead of the gate, as vLLM's synthetic rejection sampler does, so speed is
+    measured apart from the draft's quality. Seeded per request from its seed, on a stream of its
+    own, so the sampled tokens are those of the same request without it."""
+
+    def __init__(self, rate: float, seed: int):
+        if not 0 <= rate <= 1:
+            raise ValueError(f"synthetic acceptance rate must be in [0, 1], got {rate}")
+        self.rate = rate
+        self.rng = np.random.default_rng([seed, 0x5E7A])  # not the sampler's stream
+
+    def __call__(self) -> bool:
+        return bool(self.rng.random() < self.rate)
+
+
 class SequenceDecoder:
     """One sequence's decisions in the decode loop, engine-free, so a loop over one sequence and a
     loop over a batch of them decide identically: sample t1 from the backbone's logits, ask for a
     draft when one may follow, sample and gate it, count, finish, and name the next pair to feed.
+
+    With `synthetic_acceptance` (a rate; benchmark only) every step drafts, whatever the threshold,
+    and a draw replaces the gate's decision; the draft is still the MTP head's sample, and a
+    rejected one becomes PAD as a gate rejection does.
     """
 
     def __init__(self, pair_size: int, pad_id: int, eos_id: int, bos_id: int, params: SamplingParams,
-                 threshold: float, prompt_pairs: int, sampler=None):
+                 threshold: float, prompt_pairs: int, sampler=None, synthetic_acceptance: float | None = None):
         self.pair_size, self.pad_id, self.eos_id = pair_size, pad_id, eos_id
         self.params, self.threshold = params, threshold
         self.sampler = sampler or Sampler(params)
-        self.use_mtp = pair_size == 2 and drafting_enabled(threshold)
+        self.synthetic = (None if synthetic_acceptance is None
+                          else SyntheticAcceptance(synthetic_acceptance, params.seed))
+        self.use_mtp = pair_size == 2 and (self.synthetic is not None or drafting_enabled(threshold))
         self.banned = [pad_id, bos_id] + ([eos_id] if params.ignore_eos else [])
         self.position = prompt_pairs - 1  # pair index of the hidden state the next step reads
         self.produced = 0
@@ -151,7 +173,8 @@ class SequenceDecoder:
         step, draft = Step([t1]), self.pad_id
         if draft_logits is not None:
             draft = self.sampler(_masked(draft_logits, self.banned))
-            step.drafted, step.accepted = True, gate(confidence, self.threshold)
+            step.drafted = True
+            step.accepted = self.synthetic() if self.synthetic is not None else gate(confidence, self.threshold)
             if not step.accepted:
                 draft = self.pad_id
             elif draft == self.eos_id:

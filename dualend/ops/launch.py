@@ -45,7 +45,12 @@ from typing import Sequence
 from dualend.engine.manifest import verify_component
 from dualend.serving.control import drain_request
 from dualend.serving.keys import PIPELINE_SECRET_ENV, pipeline_key
-from dualend.serving.repository import pipeline_name, prune_generations, served_generation
+from dualend.serving.repository import (
+    pipeline_name,
+    prune_generations,
+    served_benchmark_notices,
+    served_generation,
+)
 
 from .host import client_host, free_ports, write_private_file
 from .repository_api import ADMIN_HEADER
@@ -194,6 +199,19 @@ def prune_unserved_generations(repository: Path) -> list[str]:
         if served is not None:
             removed += prune_generations(repository, name, {pipeline_name(name, served)})
     return removed
+
+
+def benchmark_notices(repository: Path) -> list[str]:
+    """One line per thing that makes a served deployment's figures a benchmark's only (synthetic
+    acceptance, dummy weights), so no one reads them as real; a config the loader will refuse (built
+    by another version) says nothing here, its load says why."""
+    lines = []
+    for name in sorted(p.name for p in repository.iterdir() if p.is_dir()) if repository.is_dir() else []:
+        try:
+            lines += [f"{name}: {notice}" for notice in served_benchmark_notices(repository, name)]
+        except (KeyError, ValueError):
+            continue
+    return lines
 
 
 def check_repository(model_repository: Path | str) -> Path:
@@ -558,6 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"removed {pipeline}_*: assembled but never swapped in, or replaced")
         if not args.no_source_check:
             check_repository(args.model_repository)
+        for line in benchmark_notices(Path(args.model_repository)):
+            print(line)
         behind = not args.no_gateway
         server = TritonServer(
             args.model_repository,

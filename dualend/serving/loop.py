@@ -210,9 +210,11 @@ class _Inbox:
 
 class DecodeLoop:
     def __init__(self, executor: Executor, tokenizer: TextTokenizer, scheduler: Scheduler, threshold: float,
-                 observer: Observer | None = None, cancel_check_s: float = 0.5, clock=time.monotonic):
+                 observer: Observer | None = None, cancel_check_s: float = 0.5, clock=time.monotonic,
+                 synthetic_acceptance: float | None = None):
         self.executor, self.tokenizer, self.scheduler = executor, tokenizer, scheduler
         self.threshold, self.observer = threshold, observer or PhaseMetrics()
+        self.synthetic_acceptance = synthetic_acceptance  # benchmark only: decode.SyntheticAcceptance
         self.cancel_check_s, self.clock = cancel_check_s, clock
         local = executor.local
         self.pair_size, self.pad_id, self.eos_id, self.bos_id = local.pair_size, local.pad_id, local.eos_id, local.bos_id
@@ -230,7 +232,7 @@ class DecodeLoop:
         sequence = LiveSequence(
             request_id, request, prompt_latents,
             SequenceDecoder(self.pair_size, self.pad_id, self.eos_id, self.bos_id, request.params, threshold,
-                            len(prompt_latents)),
+                            len(prompt_latents), synthetic_acceptance=self.synthetic_acceptance),
             TextStream(self.tokenizer, request.params.stop_words), ResponseStream(request, len(prompt_latents)),
             output)
         with self._wake:

@@ -33,7 +33,9 @@ HISTOGRAMS = {"dualend_queue_seconds": ("Wait from arrival to the first prefill 
               "dualend_tokens_per_step": ("Tokens one decode step emitted (0 at EOS, 2 with an accepted draft)",
                                           (0, 1, 2))}
 GAUGES = {"dualend_running_sequences": "Sequences in the decode loop (prefilling or decoding)",
-          "dualend_waiting_requests": "Requests waiting in the admission queue"}
+          "dualend_waiting_requests": "Requests waiting in the admission queue",
+          "dualend_synthetic_acceptance_rate": "Benchmark only: the rate at which a draw, not the confidence gate, "
+                                               "accepts drafts; -1 when the gate decides"}
 REFUSALS = ("dualend_requests_refused", "Requests refused or ended with an error, by reason")
 
 
@@ -66,6 +68,7 @@ class PhaseMetrics:
     def __init__(self):
         self._reset()
         self.gauges = dict.fromkeys(GAUGES, 0.0)
+        self.gauges["dualend_synthetic_acceptance_rate"] = -1.0
         self._reported = dict.fromkeys(GAUGES, None)
 
     def _reset(self) -> None:
@@ -113,6 +116,10 @@ class PhaseMetrics:
 
     def cancelled(self) -> None:
         self.counters["dualend_requests_cancelled"] += 1
+
+    def synthetic_acceptance(self, rate: float | None) -> None:
+        """The deployment's synthetic acceptance rate (None: off, the gate decides)."""
+        self.gauges["dualend_synthetic_acceptance_rate"] = -1.0 if rate is None else rate
 
     def flush(self, idle: bool, running: int, waiting: int) -> None:
         """Called after every loop iteration, busy or idle; an exporter pushes `take()` from here."""

@@ -53,19 +53,23 @@ class _Collected:
         return False
 
 
-def decode_loop(engine: OnnxComponents, tokenizer: TextTokenizer, threshold: float) -> DecodeLoop:
-    """A decode loop on the in-process engine, sized by its KV cache."""
+def decode_loop(engine: OnnxComponents, tokenizer: TextTokenizer, threshold: float,
+                synthetic_acceptance: float | None = None) -> DecodeLoop:
+    """A decode loop on the in-process engine, sized by its KV cache; `synthetic_acceptance` (benchmark
+    only) accepts drafts by a draw at that rate instead of the gate (`decode.SyntheticAcceptance`)."""
     cache = engine.backbone.cache
     scheduler = Scheduler(max_running=cache.max_sequences, max_queue=0, wait_s=0.0, prefill_chunk=PREFILL_CHUNK,
                           kv_blocks=sys.maxsize, kv_block_size=1)  # one request: the cache's rows are the limit
-    return DecodeLoop(Executor.in_process(engine), tokenizer, scheduler, threshold)
+    return DecodeLoop(Executor.in_process(engine), tokenizer, scheduler, threshold,
+                      synthetic_acceptance=synthetic_acceptance)
 
 
 def stream(engine: OnnxComponents, tokenizer: TextTokenizer, prompt_ids: Sequence[int], params: SamplingParams,
-           threshold: float) -> Iterator[Response]:
+           threshold: float, synthetic_acceptance: float | None = None) -> Iterator[Response]:
     """One request's streamed responses (prompt not echoed), as the loop sends them, the last with its
     finish_reason; closing the iterator early cancels the request. Every cache is free afterwards."""
-    loop, output, request_id = decode_loop(engine, tokenizer, threshold), _Collected(), next(_request_ids)
+    loop, output = decode_loop(engine, tokenizer, threshold, synthetic_acceptance), _Collected()
+    request_id = next(_request_ids)
     request = PreparedRequest(list(prompt_ids), params, stream=True, exclude_input_in_output=True)
     loop.submit(request_id, request, engine.compress(request.prompt_pairs(engine.pair_size, engine.pad_id)), output)
     try:
@@ -85,10 +89,11 @@ def stream(engine: OnnxComponents, tokenizer: TextTokenizer, prompt_ids: Sequenc
 
 
 def generate_text(engine: OnnxComponents, tokenizer: TextTokenizer, prompt: str, params: SamplingParams,
-                  threshold: float) -> Generation:
+                  threshold: float, synthetic_acceptance: float | None = None) -> Generation:
     """One whole generation as text, with its counters, as the server would answer it."""
     result = Generation()
-    for response in stream(engine, tokenizer, tokenizer.encode_prompt(prompt), params, threshold):
+    for response in stream(engine, tokenizer, tokenizer.encode_prompt(prompt), params, threshold,
+                           synthetic_acceptance):
         counters = response.counters
         result.add(response.output_ids, counters["num_steps"], counters["num_drafts"],
                    counters["num_accepted_drafts"], response.finish_reason)

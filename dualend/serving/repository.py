@@ -38,6 +38,33 @@ class DeploymentConfig:
     engine_threads: int
     compressor_engine: str
     compressor_threads: int
+    # Benchmark only, so that no figure taken with them passes for a real one (named in the startup
+    # log and the dualend_synthetic_acceptance_rate gauge): drafts accepted by a seeded draw at this
+    # rate instead of the confidence gate (-1: off, the gate decides; dual-end only) ...
+    synthetic_acceptance: float = -1.0
+    weights: str = "trained"      # ... and "dummy": random weights (builder.import_model --dummy)
+
+    def __post_init__(self):
+        if self.synthetic_acceptance != -1.0 and not (self.pair_size == 2 and 0 <= self.synthetic_acceptance <= 1):
+            raise ValueError(f"{self.deployment}: synthetic_acceptance {self.synthetic_acceptance:g}: a rate in "
+                             f"[0, 1] for a dual-end deployment, or -1 (off)")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"{self.deployment}: weights {self.weights!r}, not one of {', '.join(WEIGHTS)}")
+
+    @property
+    def synthetic_rate(self) -> float | None:
+        """The synthetic acceptance rate, None when the gate decides."""
+        return None if self.synthetic_acceptance == -1.0 else self.synthetic_acceptance
+
+    def benchmark_notices(self) -> list[str]:
+        """What makes this deployment's figures a benchmark's only, each said in full (empty: none)."""
+        notices = []
+        if self.synthetic_rate is not None:
+            notices.append(f"SYNTHETIC ACCEPTANCE {self.synthetic_rate:g}: benchmark only, drafts accepted by a "
+                           f"draw, not by the gate")
+        if self.weights == "dummy":
+            notices.append("DUMMY WEIGHTS: random, benchmark only, its output is noise")
+        return notices
 
     @classmethod
     def from_args(cls, args: dict) -> "DeploymentConfig":
@@ -71,6 +98,7 @@ class DeploymentConfig:
 
 
 _KINDS = {"str": str, "int": int, "float": float}
+WEIGHTS = ("trained", "dummy")
 
 
 def version_components(args: dict, names: tuple[str, ...]) -> ExportedModel:
@@ -104,6 +132,22 @@ def served_tokenizer(repository: Path, deployment: str) -> TextTokenizer:
         raise FileNotFoundError(f"{repository} serves no deployment {deployment!r}")
     folder = repository / f"{pipeline_name(deployment, generation)}_preprocessing" / "1"
     return ExportedModel.open(folder, ("tokenizer",)).tokenizer()
+
+
+def served_benchmark_notices(repository: Path, deployment: str) -> list[str]:
+    """`DeploymentConfig.benchmark_notices` of the generation the deployment's ensemble serves, read
+    from its mtp_verify's config.pbtxt (empty when it serves none)."""
+    generation = served_generation(repository, deployment)
+    if generation is None:
+        return []
+    model = f"{pipeline_name(deployment, generation)}_mtp_verify"
+    config = repository / model / "config.pbtxt"
+    if not config.exists():
+        return []
+    parameters = re.findall(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}', config.read_text())
+    model_config = {"parameters": {name: {"string_value": value} for name, value in parameters}}
+    return DeploymentConfig.from_args({"model_name": model, "model_config": json.dumps(model_config)}
+                                      ).benchmark_notices()
 
 
 def generations(repository: Path, deployment: str) -> list[int]:

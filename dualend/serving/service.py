@@ -37,7 +37,9 @@ class DecodeService:
             prefill_chunk=config.prefill_chunk_latents, kv_blocks=config.kv_capacity_blocks,
             kv_block_size=config.kv_block_size)
         executor = Executor(backbone, local, exported.settings["d_model"])
-        self.loop = DecodeLoop(executor, exported.tokenizer(), self.scheduler, config.acceptance_threshold, metrics)
+        metrics.synthetic_acceptance(config.synthetic_rate)
+        self.loop = DecodeLoop(executor, exported.tokenizer(), self.scheduler, config.acceptance_threshold, metrics,
+                               synthetic_acceptance=config.synthetic_rate)
         self.guard, self.sends = guard, SendThread(log_warning)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.loop.serve_forever, args=(self.stopping,), daemon=True)

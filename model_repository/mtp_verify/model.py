@@ -42,6 +42,8 @@ class TritonPythonModel:
             f"{args['model_name']}: checkpoint {checkpoint_id}; {mode}; one batched decode loop for up "
             f"to {config.max_concurrent_requests} sequences; components "
             + ", ".join(f"{m.component} ({m.format})" for m in manifests))
+        for notice in config.benchmark_notices():
+            pb_utils.Logger.log_warn(f"{args['model_name']}: {notice}")
 
     def execute(self, requests):
         for request in requests:

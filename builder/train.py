@@ -6,35 +6,50 @@
     python -m builder.train dualend --baseline checkpoints/baseline --init-from checkpoints/dualend \
         --run runs/dualend_more --steps 3000 --lr 5e-4 --seed 1
     python -m builder.train promote --source runs/dualend/best --to checkpoints/dualend
+    python -m builder.train convert --baseline checkpoints/smollm2 --run runs/smollm2_dualend \
+        --time-limit-minutes 30
+    python -m builder.train merge-adapters --base checkpoints/smollm2 \
+        --adapters runs/smollm2_dualend/adapters --out build/smollm2_dualend
     python -m builder.train baseline --init-from checkpoints/baseline --run runs/baseline_gpu --steps 30000 \
         --device cuda --data-workers 10 --batch-size 64 --time-limit-minutes 4
 
 A run folder holds `state.pt` (resumable: model, optimizer, step, RNG), `log.jsonl`, and `best/`,
 the checkpoint with the best held-out greedy accuracy so far. Re-running the same command resumes.
+
+`convert` turns a pretrained token-level checkpoint (builder.import_model's) into a dual-end model
+with LoRA adapters, distilled from the base's own outputs (dualend.train.conversion). Its run folder
+holds `state.pt`, `log.jsonl` (the held-out curve against the teacher), `chat.json` (the teacher's
+greedy answers, made once) and `adapters/`, what the conversion adds to the base; each invocation
+trains --time-limit-minutes more. `merge-adapters` folds adapters into their base (a checkpoint
+folder, or a GGUF file / Hugging Face folder imported on the spot) as an ordinary dual-end checkpoint.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import itertools
 import json
 import math
 import random
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from dualend.engine.checkpoint import Checkpoint, load_checkpoint
+from dualend.engine.checkpoint import CONFIG, Checkpoint, load_checkpoint
 from dualend.engine.model import LanguageModel, ModelConfig, count_parameters, default_ffn_hidden
 from dualend.engine.tokenizer import TextTokenizer, train_tokenizer
+from dualend.train import conversion
 from dualend.train.data import FAMILIES, examples, stdlib_chunks
 from dualend.train.evaluation import evaluate_pass1
 from dualend.train.training import (
     AUGMENTATIONS,
     TRAIN_MIX,
+    Sample,
     baseline_batch,
     baseline_loss,
     batch_stream,
@@ -48,6 +63,12 @@ DEFAULTS = dict(
     context=1024, long_fraction=0.5, mix=TRAIN_MIX,
     lr=2e-3, warmup=200, text_fraction=0.1, eval_every=500, eval_examples=40, patience=4,
     distill_weight=0.5, seed=0, threads=2, device="cpu", data_workers=0, time_limit_minutes=0.0,
+)
+# `convert`: per invocation, --time-limit-minutes of training (0: no limit) or up to --steps in all (0: none).
+CONVERT_DEFAULTS = dict(
+    lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
+    time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, chat_fraction=0.25, chat_tokens=96,
+    hidden_weight=1.0, confidence_weight=1.0, autocast="bf16", seed=0, threads=2,
 )
 
 
@@ -258,6 +279,153 @@ def cmd_merge(args) -> None:
     print(f"{args.dualend} + ({args.baseline_after} - {args.baseline_before}) -> {args.out} (checkpoint {ckpt_id})")
 
 
+def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
+              teacher_id: str) -> tuple[list, list]:
+    """Task prompts under the chat template with the teacher's greedy answers, (train, held-out),
+    made once per run folder (`chat.json`); none for a tokenizer without a chat template."""
+    if not tokenizer.chat_template or not args.chat_prompts:
+        return [], []
+    path = run / "chat.json"
+    cached = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if cached.get("teacher") != teacher_id or cached.get("prompts") != [args.chat_prompts, args.eval_rows]:
+        started = time.time()
+        made = {split: conversion.teacher_chat_samples(
+                    teacher, tokenizer, conversion.chat_prompts(split, count, args.seed), args.chat_tokens)
+                for split, count in (("train", args.chat_prompts), ("calibration", args.eval_rows))}
+        cached = {"teacher": teacher_id, "prompts": [args.chat_prompts, args.eval_rows],
+                  **{split: [[s.prompt, s.completion] for s in samples] for split, samples in made.items()}}
+        path.write_text(json.dumps(cached) + "\n", encoding="utf-8")
+        print(f"chat data: {args.chat_prompts} + {args.eval_rows} teacher answers in {time.time() - started:.0f} s")
+    return tuple([Sample(p, c) for p, c in cached[split]] for split in ("train", "calibration"))
+
+
+def cmd_convert(args) -> None:
+    """LoRA conversion of a pretrained token-level checkpoint, distilled from it (the frozen teacher)."""
+    if args.autocast not in ("bf16", "none"):
+        sys.exit(f"--autocast {args.autocast}: bf16 (measured on SmolLM2: losses within 0.5% of fp32) or none")
+    base = load_checkpoint(args.baseline)
+    teacher, tokenizer = base.model.eval().requires_grad_(False), base.tokenizer
+    if teacher.cfg.is_dualend:
+        sys.exit(f"{args.baseline} is a dual-end checkpoint; convert starts from a token-level one")
+    spec = conversion.ConversionSpec(args.lora_rank, args.lora_alpha, args.frozen_layers)
+    base_ref = {"checkpoint_id": base.id, "source": base.recipe.get("source")}
+    pad = teacher.cfg.pad_id
+    run = Path(args.run)
+    run.mkdir(parents=True, exist_ok=True)
+    state_path, log_path = run / "state.pt", run / "log.jsonl"
+    torch.manual_seed(args.seed)
+    student = conversion.build_student(teacher, spec)
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    step, tokens, elapsed = 0, 0, 0.0
+    data_rng = random.Random(args.seed)
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        if (state["base"], state["spec"]) != (base_ref["checkpoint_id"], asdict(spec)):
+            sys.exit(f"{run} converts base {state['base']} with {state['spec']}, not {base_ref['checkpoint_id']} "
+                     f"with {asdict(spec)}")
+        student.load_state_dict(state["trainable"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        step, tokens, elapsed = state["step"], state["tokens"], state["elapsed"]
+        data_rng.setstate(state["data_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
+    chat_train, chat_eval = chat_data(args, run, teacher, tokenizer, base_ref["checkpoint_id"])
+    references = {"": conversion.held_out(teacher, conversion.held_out_samples(tokenizer, args.eval_rows,
+                                                                                args.seq_tokens), pad)}
+    if chat_eval:
+        references["chat_"] = conversion.held_out(teacher, chat_eval, pad)
+    stream = conversion.sample_stream(tokenizer, args.seed + step, args.seq_tokens, chat_train, args.chat_fraction)
+    keys = ("batch_size", "seq_tokens", "lr", "warmup", "chat_prompts", "chat_fraction", "chat_tokens",
+            "hidden_weight", "confidence_weight", "autocast", "seed")
+    recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
+              **{k: getattr(args, k) for k in keys}}
+    autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16")
+    window = {"parts": {}, "steps": 0, "tokens": 0, "seconds": 0.0}
+
+    def record_and_save() -> None:
+        student.eval()
+        with torch.autocast(**autocast):
+            figures = {prefix + k: v for prefix, ref in references.items()
+                       for k, v in conversion.evaluate(student, ref).items()
+                       if not (prefix and k == "nll_t1_split")}
+        record = {"step": step, "tokens": tokens, "minutes": round(elapsed / 60, 2),
+                  "tokens_per_s": round(window["tokens"] / window["seconds"], 1) if window["seconds"] else None,
+                  **{k: round(v / window["steps"], 4) for k, v in window["parts"].items()}, **figures}
+        with log_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
+        window.update(parts={}, steps=0, tokens=0, seconds=0.0)
+        recipe.update(steps=step, tokens=tokens, minutes=record["minutes"], heldout=figures)
+        conversion.save_adapters(student, spec, base_ref, recipe, run / "adapters")
+        torch.save({"trainable": conversion.trainable_state(student), "optimizer": optimizer.state_dict(),
+                    "step": step, "tokens": tokens, "elapsed": elapsed, "base": base_ref["checkpoint_id"],
+                    "spec": asdict(spec), "data_rng": data_rng.getstate(), "torch_rng": torch.get_rng_state()},
+                   state_path)
+
+    if step == 0:
+        record_and_save()
+    deadline = time.time() + 60 * args.time_limit_minutes if args.time_limit_minutes else math.inf
+    bar = tqdm(desc="convert", initial=step, total=args.steps or None, file=sys.stdout, mininterval=30)
+    saved = True
+    while (not args.steps or step < args.steps) and time.time() < deadline:
+        started = time.time()
+        student.train()
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+        batch = dualend_batch([next(stream) for _ in range(args.batch_size)], pad, data_rng)
+        with torch.autocast(**autocast):
+            loss, parts = conversion.conversion_loss(student, teacher, batch, args.hidden_weight,
+                                                     args.confidence_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        seconds, batch_tokens = time.time() - started, conversion.real_tokens(batch, pad)
+        step, tokens, elapsed = step + 1, tokens + batch_tokens, elapsed + seconds
+        window["steps"] += 1
+        window["tokens"] += batch_tokens
+        window["seconds"] += seconds
+        for k, v in {"loss": loss.item(), **parts}.items():
+            window["parts"][k] = window["parts"].get(k, 0.0) + v
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{batch_tokens / seconds:.0f}")
+        saved = step % args.eval_every == 0
+        if saved:
+            record_and_save()
+    bar.close()
+    if not saved:
+        record_and_save()
+    print(f"stopped at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes of training); "
+          f"adapters -> {run / 'adapters'}")
+
+
+def load_base(source: str) -> Checkpoint:
+    """A checkpoint folder, or a GGUF file / Hugging Face folder imported on the spot."""
+    if (Path(source) / CONFIG).exists() and (Path(source) / "model.safetensors").exists():
+        return load_checkpoint(source)
+    from builder.import_model import import_model
+    return import_model(source)
+
+
+def cmd_merge_adapters(args) -> None:
+    """Base + adapters -> an ordinary dual-end checkpoint (its id covers both)."""
+    adapters, meta = conversion.load_adapters(args.adapters)
+    base = load_base(args.base)
+    if base.id != meta["base"]["checkpoint_id"]:
+        sys.exit(f"{args.adapters} adapt base {meta['base']['checkpoint_id']} ({meta['base'].get('source')}); "
+                 f"{args.base} is {base.id}")
+    model = conversion.merge_adapters(base.model, adapters, conversion.ConversionSpec(**meta["spec"]))
+    if model.cfg.to_dict() != meta["model"]:
+        sys.exit(f"{args.adapters}: model config {meta['model']} differs from the merged {model.cfg.to_dict()}")
+    adapters_sha256 = hashlib.sha256((Path(args.adapters) / conversion.ADAPTERS).read_bytes()).hexdigest()
+    recipe = {**{k: base.recipe[k] for k in ("importer", "source", "context", "pad_rule") if k in base.recipe},
+              "kind": "dualend", "converted_from": base.id, "conversion": meta["spec"],
+              "adapters": {"sha256": adapters_sha256, **meta["recipe"]}}
+    ckpt_id = Checkpoint(model, base.tokenizer, recipe).save(args.out)
+    print(f"{args.base} + {args.adapters} -> {args.out} (checkpoint {ckpt_id})")
+
+
 def cmd_promote(args) -> None:
     """Verify a run's checkpoint and write it, in the current format, where it ships from."""
     checkpoint = load_checkpoint(args.source)
@@ -274,6 +442,15 @@ def main(argv=None) -> None:
     promote = sub.add_parser("promote")
     promote.add_argument("--source", required=True)
     promote.add_argument("--to", required=True)
+    merge_adapters = sub.add_parser("merge-adapters")
+    merge_adapters.add_argument("--base", required=True, help="the base checkpoint folder, GGUF file or HF folder")
+    merge_adapters.add_argument("--adapters", required=True, help="a convert run's adapters/ folder")
+    merge_adapters.add_argument("--out", required=True)
+    convert = sub.add_parser("convert")
+    for key, value in CONVERT_DEFAULTS.items():
+        convert.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    convert.add_argument("--baseline", required=True, help="the token-level checkpoint to convert (the teacher)")
+    convert.add_argument("--run", required=True)
     for name in ("tokenizer", "baseline", "dualend"):
         p = sub.add_parser(name)
         for key, value in DEFAULTS.items():
@@ -294,7 +471,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(getattr(args, "threads", 2))
     commands = {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend, "merge": cmd_merge,
-                "promote": cmd_promote}
+                "promote": cmd_promote, "convert": cmd_convert, "merge-adapters": cmd_merge_adapters}
     with torch.device(getattr(args, "device", "cpu")):  # batches are built where the model is
         commands[args.command](args)
 

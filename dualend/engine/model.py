@@ -27,7 +27,7 @@ class ModelConfig:
     n_heads: int = 4
     ffn_hidden: int = 688
     rope_theta: float = 10000.0
-    compressor_init: str = "sum"  # "sum": emb(a) + emb(b); "second": emb(b); "random"
+    compressor_init: str = "sum"  # "sum": emb(a) + emb(b); "mean": half that; "second": emb(b); "random"
     # RoPE angle of pair i is that of token position stride*i + stride-1 (stride 1: the pair index;
     # stride 2: the raw position of the pair's second token, what a converted baseline knows).
     position_stride: int = 1
@@ -272,7 +272,7 @@ class ConfidenceHead(nn.Module):
         return torch.sigmoid(self.net(torch.cat([hidden, mtp_hidden], -1))).squeeze(-1)
 
 
-COMPRESSOR_INITS = {"sum": (1.0, 1.0), "second": (0.0, 1.0)}  # "random": the default initialisation
+COMPRESSOR_INITS = {"sum": (1.0, 1.0), "mean": (0.5, 0.5), "second": (0.0, 1.0)}  # "random": the default initialisation
 
 
 class LanguageModel(nn.Module):

@@ -1,0 +1,339 @@
+"""Converting a pretrained token-level model to pair-in/pair-out (PIPO's recipe) on a CPU budget.
+
+The student is the base model, frozen, plus what the conversion adds to it:
+- LoRA adapters on the linears of the backbone's blocks from `frozen_layers` up (fused q/k/v,
+  attention output, fused gate/up, down) and of the MTP head's decoder layer, which starts as a
+  copy of the base's last block (its final norm as the base's);
+- the compressor, started as the mean of the pair's embeddings; the MTP head's input projection
+  (started reading the normed hidden state only) and norms; the confidence head.
+Position stride 2: pair i's RoPE angle is the raw position of its second token, what the base knows.
+
+The teacher is the frozen base reading the same text token by token. Losses at pair i (the pair's
+last real token r, the teacher's state there predicting t1 = token r+1):
+KL(teacher at r || student's t1), KL(teacher at r+1 || MTP head's t2), the student's final hidden
+state against the teacher's at r (mean squared error relative to the teacher's mean square), and
+BCE of the confidence head against the student's own p(gold t2), detached. PAD augmentation is
+training.dualend_batch's: gated steps with a reject ratio drawn over the whole threshold range
+(never, always, and uniform between), so rows with every pair `(t, PAD)` are seen.
+
+What the conversion adds is saved on its own (`adapters.safetensors` + `adapters.json` naming the
+base's checkpoint id and source); `merge_adapters` folds it into the base and gives an ordinary
+pair_size-2 LanguageModel, whose checkpoint id then covers both.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dualend.engine.decode import SamplingParams
+from dualend.engine.model import Block, LanguageModel, ModelConfig
+from dualend.engine.reference import TorchBatch, generate_batch
+from dualend.engine.tokenizer import TextTokenizer
+
+from .data import FAMILIES, examples, stdlib_chunks
+from .training import Sample, baseline_forward, dualend_batch
+
+ADAPTERS, ADAPTERS_CONFIG = "adapters.safetensors", "adapters.json"
+LORA_TARGETS = (("attn", "qkv"), ("attn", "out"), ("ffn", "gate_up"), ("ffn", "down"))
+
+
+@dataclass
+class ConversionSpec:
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    frozen_layers: int = 0  # the lowest blocks keep the base's weights exactly (no adapters)
+
+
+class LoRALinear(nn.Module):
+    """base(x) + scale * B(A(x)), B [out, r] starting at zero: the layer starts as the base."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base, self.scale = base, alpha / rank
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features))   # [r, in]
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))  # [out, r]
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+
+    @torch.no_grad()
+    def merged(self) -> nn.Linear:
+        linear = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None)
+        linear.weight.copy_(self.base.weight + self.scale * (self.lora_b @ self.lora_a))
+        if self.base.bias is not None:
+            linear.bias.copy_(self.base.bias)
+        return linear
+
+
+def _add_lora(block: Block, spec: ConversionSpec) -> None:
+    for owner_name, name in LORA_TARGETS:
+        owner = getattr(block, owner_name)
+        setattr(owner, name, LoRALinear(getattr(owner, name), spec.lora_rank, spec.lora_alpha))
+
+
+def build_student(base: LanguageModel, spec: ConversionSpec) -> LanguageModel:
+    """The base's weights (frozen) with LoRA adapters and fresh pair-in/pair-out parts (trainable).
+    Every weight that is not trainable comes from the base, so the trainable ones and `spec`
+    rebuild the student exactly (`merge_adapters`)."""
+    if base.cfg.is_dualend:
+        raise ValueError("the base of a conversion is a token-level model (pair_size 1)")
+    if not 0 <= spec.frozen_layers <= base.cfg.n_layers:
+        raise ValueError(f"frozen_layers {spec.frozen_layers} outside 0..{base.cfg.n_layers}")
+    cfg = ModelConfig(**{**base.cfg.to_dict(), "pair_size": 2, "compressor_init": "mean", "position_stride": 2})
+    student = LanguageModel(cfg)
+    missing, unexpected = student.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected and all(n.split(".")[0] in ("compressor", "mtp", "confidence") for n in missing)
+    student.mtp.layer.load_state_dict(base.backbone.layers[-1].state_dict())
+    student.mtp.norm.load_state_dict(base.backbone.norm.state_dict())
+    with torch.no_grad():  # starts reading RMSNorm(h) only, at twice the scale the base's last block reads
+        scale = 2 * _last_block_input_rms(base)
+        student.mtp.proj.weight.copy_(torch.cat([torch.zeros(cfg.d_model, cfg.d_model),
+                                                 scale * torch.eye(cfg.d_model)], 1))
+    student.requires_grad_(False)
+    for module in (student.compressor, student.mtp, student.confidence):
+        module.requires_grad_(True)
+    student.mtp.layer.requires_grad_(False)  # its weights stay the base's; adapters and norms train
+    for norm in (student.mtp.layer.attn_norm, student.mtp.layer.ffn_norm):
+        norm.requires_grad_(True)
+    for block in list(student.backbone.layers[spec.frozen_layers:]) + [student.mtp.layer]:
+        _add_lora(block, spec)
+    return student
+
+
+@torch.no_grad()
+def _last_block_input_rms(base: LanguageModel, tokens: int = 64) -> float:
+    """RMS of the residual stream entering the base's last block, over a fixed token sequence.
+    (Measured on SmolLM2, an MTP head started this way scores held-out t2 at NLL ~10.8, near
+    uniform; reading the sum of both normed inputs at scale 1, as the MTP head's first layer
+    might, gave 31.)"""
+    seen = []
+    hook = base.backbone.layers[-1].register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    try:
+        teacher_hidden(base, (torch.arange(tokens) % base.cfg.vocab_size)[None])
+    finally:
+        hook.remove()
+    return seen[0].pow(2).mean(-1).sqrt().mean().item()
+
+
+def trainable_state(student: LanguageModel) -> dict[str, torch.Tensor]:
+    return {n: p.detach().contiguous() for n, p in student.named_parameters() if p.requires_grad}
+
+
+def fold_lora(model: nn.Module) -> None:
+    """Replaces every LoRALinear inside `model` by the plain Linear it amounts to."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, LoRALinear):
+                setattr(module, name, child.merged())
+
+
+def merge_adapters(base: LanguageModel, adapters: dict[str, torch.Tensor], spec: ConversionSpec) -> LanguageModel:
+    """The converted model as an ordinary pair_size-2 LanguageModel: base + adapters, folded."""
+    student = build_student(base, spec)
+    expected = set(trainable_state(student))
+    if set(adapters) != expected:
+        raise ValueError(f"adapters do not fit the base: missing {sorted(expected - set(adapters))[:5]}, "
+                         f"unknown {sorted(set(adapters) - expected)[:5]}")
+    student.load_state_dict(adapters, strict=False)
+    fold_lora(student)
+    return student.requires_grad_(True).eval()
+
+
+def save_adapters(student: LanguageModel, spec: ConversionSpec, base: dict, recipe: dict,
+                  directory: str | Path) -> None:
+    """`base`: {"checkpoint_id", "source"} of the base checkpoint."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(trainable_state(student), str(directory / ADAPTERS))
+    meta = {"base": base, "spec": asdict(spec), "model": student.cfg.to_dict(), "recipe": recipe}
+    (directory / ADAPTERS_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def load_adapters(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    directory = Path(directory)
+    meta = json.loads((directory / ADAPTERS_CONFIG).read_text(encoding="utf-8"))
+    return load_file(str(directory / ADAPTERS)), meta
+
+
+# Data ------------------------------------------------------------------------------------------
+
+def text_samples(tokenizer: TextTokenizer, split: str, seed: int, tokens: int) -> Iterator[Sample]:
+    """Endless `tokens`-token windows of standard-library source; the first pair is the prompt,
+    every later token carries loss."""
+    for chunk in stdlib_chunks(split, chunk_chars=6 * tokens, seed=seed):
+        ids = tokenizer.encode(chunk)[:tokens]
+        if len(ids) == tokens:
+            yield Sample(ids[:2], ids[2:])
+
+
+def chat_prompts(split: str, count: int, seed: int) -> list[str]:
+    """The project's task questions, the families in turn."""
+    streams = [examples(family, split, seed) for family in FAMILIES]
+    return [next(streams[i % len(streams)]).prompt for i in range(count)]
+
+
+@torch.no_grad()
+def teacher_chat_samples(teacher: LanguageModel, tokenizer: TextTokenizer, prompts: list[str],
+                         max_tokens: int, rows: int = 16) -> list[Sample]:
+    """Each prompt as a user turn under the chat template, answered by the teacher's greedy
+    decoding (ended by EOS when it stopped there): the token-level model's own outputs."""
+    encoded = [tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": p}])) for p in prompts]
+    samples = []
+    for start in range(0, len(encoded), rows):
+        chunk = encoded[start:start + rows]
+        batch = TorchBatch(teacher, chunk, max_tokens)
+        for prompt, generation in zip(chunk, generate_batch(batch, [SamplingParams(max_tokens=max_tokens)] * len(chunk),
+                                                            threshold=1.0)):
+            eos = [tokenizer.eos_id] if generation.finish_reason == "eos" else []
+            if generation.tokens or eos:
+                samples.append(Sample(prompt, [int(t) for t in generation.tokens] + eos))
+    return samples
+
+
+def sample_stream(tokenizer: TextTokenizer, seed: int, tokens: int, chat: list[Sample],
+                  chat_fraction: float) -> Iterator[Sample]:
+    rng = random.Random(seed)
+    text = text_samples(tokenizer, "train", seed, tokens)
+    while True:
+        yield rng.choice(chat) if chat and rng.random() < chat_fraction else next(text)
+
+
+# Losses and evaluation -------------------------------------------------------------------------
+
+def _at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values [B, T, ...] at index [B, n] (clamped to >= 0) -> [B, n, ...]."""
+    gather_at = index.clamp(min=0)
+    return torch.gather(values, 1, gather_at.view(*gather_at.shape, *[1] * (values.dim() - 2))
+                        .expand(*gather_at.shape, *values.shape[2:]))
+
+
+def teacher_hidden(teacher: LanguageModel, tokens: torch.Tensor) -> torch.Tensor:
+    """Final (normed) hidden states [B, T, D] of a token-level model."""
+    batch, length = tokens.shape
+    hidden, _, _ = teacher.backbone(teacher.latents(tokens[..., None]), torch.arange(length)[None].expand(batch, length),
+                                    torch.ones_like(tokens, dtype=torch.bool))
+    return hidden
+
+
+def student_forward(student: LanguageModel, batch: dict[str, torch.Tensor]):
+    """Teacher-forced: hidden [B, n, D], t1 logits [B, n, V], t2 logits [B, n, V], confidence [B, n]."""
+    pairs = batch["pairs"]
+    n_batch, n_pairs, _ = pairs.shape
+    positions = torch.arange(n_pairs)[None].expand(n_batch, n_pairs)
+    hidden, _, _ = student.backbone(student.latents(pairs), positions, torch.ones(n_batch, n_pairs, dtype=torch.bool))
+    draft_logits, confidence, _, _ = student.mtp_forward(batch["mtp_input"], hidden, positions, batch["mtp_valid"])
+    return hidden, student.lm_head(hidden), draft_logits, confidence
+
+
+def _kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Mean KL(teacher || student) over rows [N, V]."""
+    if not len(teacher_logits):
+        return student_logits.sum() * 0.0
+    teacher_logp, student_logp = teacher_logits.float().log_softmax(-1), student_logits.float().log_softmax(-1)
+    return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1).mean()
+
+
+def conversion_loss(student: LanguageModel, teacher: LanguageModel, batch: dict[str, torch.Tensor],
+                    hidden_weight: float = 1.0, confidence_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+    hidden, next_logits, draft_logits, confidence = student_forward(student, batch)
+    next_valid, draft_valid = batch["next_index"] >= 0, batch["draft_index"] >= 0  # [B, n]
+    with torch.no_grad():
+        target_hidden = teacher_hidden(teacher, batch["real_tokens"])  # [B, T, D]
+        next_hidden = _at(target_hidden, batch["next_index"] - 1)[next_valid]     # [N1, D]
+        draft_hidden = _at(target_hidden, batch["draft_index"] - 1)[draft_valid]  # [N2, D]
+        next_teacher, draft_teacher = teacher.lm_head(next_hidden), teacher.lm_head(draft_hidden)
+    kl_t1 = _kl(next_teacher, next_logits[next_valid])
+    kl_t2 = _kl(draft_teacher, draft_logits[draft_valid])
+    student_hidden = hidden[next_valid].float()
+    target = next_hidden.float()
+    hidden_loss = (student_hidden - target).pow(2).mean() / target.pow(2).mean().clamp(min=1e-6) \
+        if len(target) else kl_t1 * 0.0
+    gold_t2 = batch["draft_target"][draft_valid]
+    with torch.no_grad():
+        p_gold = draft_logits[draft_valid].float().softmax(-1).gather(-1, gold_t2[:, None]).squeeze(-1)
+    conf = confidence[draft_valid].float()
+    confidence_loss = F.binary_cross_entropy(conf, p_gold) if len(conf) else kl_t1 * 0.0
+    loss = kl_t1 + kl_t2 + hidden_weight * hidden_loss + confidence_weight * confidence_loss
+    return loss, {"kl_t1": kl_t1.item(), "kl_t2": kl_t2.item(), "hidden": hidden_loss.item(),
+                  "conf": confidence_loss.item()}
+
+
+@dataclass
+class HeldOut:
+    """A fixed held-out set, teacher-forced, with the teacher's figures on it computed once."""
+    batch: dict[str, torch.Tensor]        # pairs as served at threshold < 0 (no PAD in the answer)
+    split_batch: dict[str, torch.Tensor]  # every answer pair split (t, PAD): drafting off
+    teacher: dict[str, float]
+    teacher_top1_t1: torch.Tensor         # [N1] the teacher's top token where t1 is scored
+    teacher_top1_t2: torch.Tensor         # [N2]
+
+
+@torch.no_grad()
+def held_out(teacher: LanguageModel, samples: list[Sample], pad_id: int) -> HeldOut:
+    rng = random.Random(0)
+    batch = dualend_batch(samples, pad_id, rng, reject_ratio=0.0)
+    split_batch = dualend_batch(samples, pad_id, rng, reject_ratio=1.0)
+    logits = baseline_forward(teacher, batch["real_tokens"])  # [B, T, V]
+    figures, top1 = {}, {}
+    for name, index_key, target_key in (("t1", "next_index", "next_token"), ("t2", "draft_index", "draft_target")):
+        valid = batch[index_key] >= 0
+        at = _at(logits, batch[index_key] - 1)[valid]
+        figures[f"nll_{name}"] = F.cross_entropy(at, batch[target_key][valid]).item()
+        top1[name] = at.argmax(-1)
+    valid = split_batch["next_index"] >= 0
+    at = _at(logits, split_batch["next_index"] - 1)[valid]
+    figures["nll_t1_split"] = F.cross_entropy(at, split_batch["next_token"][valid]).item()
+    return HeldOut(batch, split_batch, figures, top1["t1"], top1["t2"])
+
+
+def calibration(confidence: torch.Tensor, correct: torch.Tensor, bins: int = 10) -> dict:
+    """Mean confidence against the drafts' accuracy, and the expected calibration error."""
+    edges = torch.clamp((confidence * bins).long(), max=bins - 1)
+    ece = sum((correct[edges == b].float().mean() - confidence[edges == b].mean()).abs().item() * (edges == b).sum().item()
+              for b in range(bins) if (edges == b).any()) / max(1, len(confidence))
+    return {"confidence": confidence.mean().item(), "draft_accuracy": correct.float().mean().item(), "ece": ece}
+
+
+@torch.no_grad()
+def evaluate(student: LanguageModel, reference: HeldOut) -> dict:
+    """Student against gold and teacher on the held-out set: NLL of t1 and t2 (and of t1 with
+    every pair split), top-1 agreement with the teacher, confidence calibration."""
+    batch = reference.batch
+    _, next_logits, draft_logits, confidence = student_forward(student, batch)
+    next_valid, draft_valid = batch["next_index"] >= 0, batch["draft_index"] >= 0
+    next_at, draft_at = next_logits[next_valid].float(), draft_logits[draft_valid].float()
+    gold_t2 = batch["draft_target"][draft_valid]
+    split = reference.split_batch
+    _, split_logits, _, _ = student_forward(student, split)
+    split_valid = split["next_index"] >= 0
+    figures = {
+        "nll_t1": F.cross_entropy(next_at, batch["next_token"][next_valid]).item(),
+        "nll_t2": F.cross_entropy(draft_at, gold_t2).item(),
+        "nll_t1_split": F.cross_entropy(split_logits[split_valid].float(), split["next_token"][split_valid]).item(),
+        "agree_t1": (next_at.argmax(-1) == reference.teacher_top1_t1).float().mean().item(),
+        "agree_t2": (draft_at.argmax(-1) == reference.teacher_top1_t2).float().mean().item(),
+        **calibration(confidence[draft_valid].float(), draft_at.argmax(-1) == gold_t2),
+    }
+    return {k: round(v, 4) for k, v in figures.items()} | {f"teacher_{k}": round(v, 4)
+                                                           for k, v in reference.teacher.items()}
+
+
+def held_out_samples(tokenizer: TextTokenizer, rows: int, tokens: int) -> list[Sample]:
+    """Text windows from the calibration split of the standard library (never trained on)."""
+    stream = text_samples(tokenizer, "calibration", 0, tokens)
+    return [next(stream) for _ in range(rows)]
+
+
+def real_tokens(batch: dict[str, torch.Tensor], pad_id: int) -> int:
+    return int((batch["real_tokens"] != pad_id).sum())
+

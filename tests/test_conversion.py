@@ -1,0 +1,152 @@
+"""Converting a pretrained token-level model to pair-in/pair-out (dualend.train.conversion and
+`builder.train convert` / `merge-adapters`), on a tiny random LlamaForCausalLM as the teacher."""
+import json
+import random
+
+import pytest
+import torch
+
+from builder import train
+from dualend.engine.checkpoint import Checkpoint, load_checkpoint
+from dualend.engine.tokenizer import BOS, EOS, PAD, TextTokenizer
+from dualend.train import conversion
+from dualend.train.training import dualend_batch
+from test_llama_family import hf_model, imported
+
+SPEC = conversion.ConversionSpec(lora_rank=4, lora_alpha=8.0, frozen_layers=0)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_tokenizer) -> Checkpoint:
+    """A tiny random Llama (GQA, untied) over the tiny tokenizer's vocabulary, as imported."""
+    model = imported(hf_model("llama", False, None, vocab=tiny_tokenizer.vocab_size, bos=tiny_tokenizer.bos_id,
+                              eos=tiny_tokenizer.eos_id), pad_id=tiny_tokenizer.pad_id)
+    return Checkpoint(model.requires_grad_(False), tiny_tokenizer,
+                      {"source": {"file": "tiny.gguf", "sha256": "0" * 64}, "context": 512})
+
+
+def _batch(tokenizer, rows=2, tokens=24, seed=0):
+    stream = conversion.text_samples(tokenizer, "train", seed, tokens)
+    return dualend_batch([next(stream) for _ in range(rows)], tokenizer.pad_id, random.Random(seed))
+
+
+def test_lora_at_init_leaves_the_backbone_equal_to_the_teacher(base):
+    """Same inputs: the student's pair i (stride 2) sits at the teacher's position 2i+1."""
+    student = conversion.build_student(base.model, SPEC)
+    x = torch.randn(1, 6, base.config.d_model)
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    with torch.no_grad():
+        ours, _, _ = student.backbone(x, torch.arange(6)[None], valid)
+        teachers, _, _ = base.model.backbone(x, (2 * torch.arange(6) + 1)[None], valid)
+    assert torch.allclose(ours, teachers, atol=1e-5)
+    assert any(isinstance(m, conversion.LoRALinear) for m in student.backbone.modules())
+
+
+def test_the_mean_initialised_compressor_gives_the_mean_of_the_pairs_embeddings(base):
+    student = conversion.build_student(base.model, SPEC)
+    pairs = torch.tensor([[[5, 9], [17, 3]]])
+    embeddings = base.model.embedding(pairs)  # [1, 2, 2, D]
+    with torch.no_grad():
+        assert torch.allclose(student.latents(pairs), embeddings.mean(-2), atol=1e-6)
+
+
+def test_a_few_steps_lower_the_loss(base, tiny_tokenizer):
+    torch.manual_seed(0)
+    student = conversion.build_student(base.model, SPEC)
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    assert trainable and all(not p.requires_grad for p in base.model.parameters())
+    optimizer = torch.optim.AdamW(trainable, lr=3e-3)
+    batch = _batch(tiny_tokenizer)
+    losses = []
+    for _ in range(8):
+        loss, parts = conversion.conversion_loss(student, base.model, batch)
+        assert set(parts) == {"kl_t1", "kl_t2", "hidden", "conf"}
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_save_then_merge_reproduces_the_student_with_a_stable_checkpoint_id(base, tiny_tokenizer, tmp_path):
+    torch.manual_seed(1)
+    student = conversion.build_student(base.model, SPEC)
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):  # so the LoRA B matrices are no longer zero
+        loss, _ = conversion.conversion_loss(student, base.model, _batch(tiny_tokenizer))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    conversion.save_adapters(student, SPEC, {"checkpoint_id": base.id, "source": base.recipe["source"]},
+                             {"steps": 2}, tmp_path / "adapters")
+    adapters, meta = conversion.load_adapters(tmp_path / "adapters")
+    assert meta["base"]["checkpoint_id"] == base.id and meta["model"]["pair_size"] == 2
+    assert not any(name.startswith(("embedding", "output")) or ".base." in name for name in adapters)
+    merged = conversion.merge_adapters(base.model, adapters, SPEC)
+    assert not any(isinstance(m, conversion.LoRALinear) for m in merged.modules())
+    batch = _batch(tiny_tokenizer, seed=3)
+    student.eval()
+    with torch.no_grad():
+        for ours, theirs in zip(conversion.student_forward(student, batch), conversion.student_forward(merged, batch)):
+            assert torch.allclose(ours, theirs, atol=1e-4)
+    again = conversion.merge_adapters(base.model, adapters, SPEC)
+    assert Checkpoint(merged, tiny_tokenizer).id == Checkpoint(again, tiny_tokenizer).id != base.id
+
+    # the command: base folder + adapters -> an ordinary dual-end checkpoint, same id each time
+    base.save(tmp_path / "base")
+    for out in ("merged_a", "merged_b"):
+        train.main(["merge-adapters", "--base", str(tmp_path / "base"), "--adapters", str(tmp_path / "adapters"),
+                    "--out", str(tmp_path / out)])
+    first, second = load_checkpoint(tmp_path / "merged_a"), load_checkpoint(tmp_path / "merged_b")
+    assert first.id == second.id == Checkpoint(merged, tiny_tokenizer).id
+    assert first.config.is_dualend and first.recipe["converted_from"] == base.id
+    assert first.recipe["source"] == base.recipe["source"]
+
+
+def test_merge_refuses_adapters_of_another_base(base, tiny_tokenizer, tmp_path):
+    other = imported(hf_model("llama", False, None, vocab=tiny_tokenizer.vocab_size, seed=5),
+                     pad_id=tiny_tokenizer.pad_id)
+    student = conversion.build_student(other, SPEC)
+    conversion.save_adapters(student, SPEC, {"checkpoint_id": "not-this-base"}, {}, tmp_path / "adapters")
+    base.save(tmp_path / "base")
+    with pytest.raises(SystemExit, match="adapt base not-this-base"):
+        train.main(["merge-adapters", "--base", str(tmp_path / "base"), "--adapters", str(tmp_path / "adapters"),
+                    "--out", str(tmp_path / "out")])
+
+
+def test_a_run_that_hits_its_time_limit_saves_and_the_next_run_resumes(base, tmp_path, capsys):
+    base.save(tmp_path / "base")
+    command = ["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"),
+               "--lora-rank", "4", "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2",
+               "--eval-every", "1000", "--time-limit-minutes", "0.002", "--autocast", "none"]
+    train.main(command)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    first = log[-1]["step"]
+    assert log[0]["step"] == 0 and first >= 1  # the start, then the save at the time limit
+    for key in ("nll_t1", "nll_t2", "teacher_nll_t1", "teacher_nll_t2", "agree_t1", "agree_t2", "ece",
+                "nll_t1_split", "tokens_per_s"):
+        assert key in log[-1], key
+    assert (tmp_path / "run" / "adapters" / conversion.ADAPTERS).exists()
+    capsys.readouterr()
+    train.main(command)
+    assert f"resumed at step {first}" in capsys.readouterr().out
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] > first and log[-1]["tokens"] > log[-2]["tokens"]
+
+
+def test_chat_rows_are_the_teachers_greedy_answers_under_its_chat_template(base, tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer = TextTokenizer(base.tokenizer.tokenizer, {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
+                                                         "add_bos_token": True, "chat_template": template})
+    Checkpoint(base.model, tokenizer, base.recipe).save(tmp_path / "base")
+    train.main(["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
+                "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--chat-prompts", "3",
+                "--chat-tokens", "5", "--chat-fraction", "1.0", "--steps", "1", "--autocast", "none"])
+    chat = json.loads((tmp_path / "run" / "chat.json").read_text())
+    assert len(chat["train"]) == 3 and len(chat["calibration"]) == 2
+    prompt, answer = chat["train"][0]
+    assert prompt == tokenizer.encode_prompt(conversion.chat_prompts("train", 3, 0)[0])
+    greedy = conversion.teacher_chat_samples(base.model, tokenizer, conversion.chat_prompts("train", 1, 0), 5)
+    assert answer == greedy[0].completion and 1 <= len(answer) <= 6
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 1 and "chat_nll_t1" in log[-1] and "chat_agree_t2" in log[-1]

@@ -312,10 +312,10 @@ def test_through_the_launchers_gateway_a_killed_step_ends_v1_streams_within_5_s(
             except openai.APIError:
                 return False
 
-        assert wait_for(serves, 20, poll_s=0.3)
+        assert wait_for(serves, 60, poll_s=0.3)  # the watchdog reloads backbone and mtp_verify
         service = int(subprocess.check_output(["pgrep", "-P", str(launcher.pid), "-f", "dualend.ops.openai_api"]).split()[0])
         os.kill(service, signal.SIGKILL)
-        assert wait_for(serves, 15, poll_s=0.3)
+        assert wait_for(serves, 30, poll_s=0.3)
     finally:
         launcher.terminate()
         launcher.wait(60)

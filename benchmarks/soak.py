@@ -3,9 +3,10 @@ kind, latency percentiles and the memory (RSS) of every server process over time
 
     python -m benchmarks.soak --streams 64 --passes 2 --pass-s 300            # the production check
     python -m benchmarks.soak --url 127.0.0.1:18001 --streams 16 --passes 2 --pass-s 60
+    python -m benchmarks.soak --deployments smollm2 --streams 64 --passes 2 --pass-s 300
 
 Each pass runs `--streams` clients that send requests back to back (prompts of the three task
-families, 16-128 new tokens, both deployments alternating) for `--pass-s` seconds. After each pass
+families, 16-128 new tokens, the deployments alternating) for `--pass-s` seconds. After each pass
 it samples the RSS of tritonserver, its Python backend stubs (named by model) and nginx, so a
 process whose memory grows from pass to pass shows up; it ends with each process's growth from
 pass 1 to the last pass.
@@ -23,10 +24,11 @@ from client.api import RequestError, percentile, stream_grpc
 from dualend.ops.processes import rss_mb, server_processes
 from dualend.train.data import FAMILIES, eval_set
 
-DEPLOYMENTS = ("dualend", "baseline")
+DEPLOYMENTS = ["dualend", "baseline"]
 
 
-def one_pass(url: str, streams: int, seconds: float, api_key: str | None, seed: int) -> dict:
+def one_pass(url: str, streams: int, seconds: float, api_key: str | None, seed: int,
+             deployments: list[str]) -> dict:
     prompts = [e.prompt for family in FAMILIES for e in eval_set(family, 20, seed=seed, split="report")]
     stop, lock = threading.Event(), threading.Lock()
     errors, ttfts, gaps, tokens = collections.Counter(), [], [], [0]
@@ -35,7 +37,8 @@ def one_pass(url: str, streams: int, seconds: float, api_key: str | None, seed: 
         rng = random.Random(seed * 1000 + index)
         while not stop.is_set():
             try:
-                result = stream_grpc(url, DEPLOYMENTS[index % 2], rng.choice(prompts), rng.randint(16, 128),
+                deployment = deployments[index % len(deployments)]
+                result = stream_grpc(url, deployment, rng.choice(prompts), rng.randint(16, 128),
                                      api_key=api_key, ignore_eos=rng.random() < 0.5, timeout_s=120)
                 with lock:
                     ttfts.append(result.ttft_s)
@@ -63,17 +66,19 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="127.0.0.1:8001", help="gRPC endpoint (the gateway by default)")
     parser.add_argument("--api-key", default=None, help="default: $DUALEND_API_KEY")
+    parser.add_argument("--deployments", nargs="+", default=DEPLOYMENTS)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--pass-s", type=float, default=300.0)
     args = parser.parse_args(argv)
     try:  # a soak that every request fails (no key, wrong port) should say so at once, not after its passes
-        stream_grpc(args.url, DEPLOYMENTS[0], "Q: 1+1\nA:", 1, api_key=args.api_key)
+        stream_grpc(args.url, args.deployments[0], "Q: 1+1\nA:", 1, api_key=args.api_key)
     except RequestError as error:
         sys.exit(f"soak: the first request to {args.url} failed, nothing was run: {error}")
     history = []
     for number in range(1, args.passes + 1):
-        figures = one_pass(args.url, args.streams, args.pass_s, args.api_key, seed=number)
+        figures = one_pass(args.url, args.streams, args.pass_s, args.api_key, seed=number,
+                           deployments=args.deployments)
         memory = {name: rss_mb(pid) for name, pid in sorted(server_processes().items())}
         history.append(memory)
         print(f"pass {number}: {figures['requests']} requests, errors {figures['errors'] or 'none'}, "

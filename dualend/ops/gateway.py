@@ -33,7 +33,6 @@ import dataclasses
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess

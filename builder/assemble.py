@@ -243,9 +243,7 @@ def max_sequence_latents(raw_context_limit: int, max_new_tokens: int, pair_size:
 def kv_budget_blocks(settings: dict, budget_mb: int, block_size: int, widest_slots: int) -> int:
     """The KV memory budget in blocks of the backbone's cache (fp32 keys and values of every layer);
     refused when one request at the limits would not fit."""
-    heads = settings.get("n_kv_heads") or settings["n_heads"]
-    head_dim = settings.get("head_dim") or settings["d_model"] // settings["n_heads"]
-    slot_bytes = 2 * settings["n_layers"] * heads * head_dim * 4
+    slot_bytes = 2 * settings["n_layers"] * settings["n_kv_heads"] * settings["head_dim"] * 4
     blocks = budget_mb * 2**20 // (slot_bytes * block_size)
     if blocks < blocks_for(widest_slots, block_size):
         raise SystemExit(f"--kv-cache-mb {budget_mb} holds {blocks * block_size} KV slots of {slot_bytes} bytes; one "

@@ -204,9 +204,9 @@ def test_generations_are_read_from_internal_model_names_of_that_deployment_only(
 def test_the_kv_budget_is_counted_in_blocks_of_fp32_keys_and_values_and_holds_one_request_at_the_limits():
     from builder.assemble import kv_budget_blocks
 
-    small_pair = {"n_layers": 4, "n_heads": 4, "d_model": 256}  # 2 x 4 x 256 x 4 B = 8 KiB a slot
+    small_pair = {"n_layers": 4, "n_kv_heads": 4, "head_dim": 64}  # 2 x 4 x 256 x 4 B = 8 KiB a slot
     assert kv_budget_blocks(small_pair, 32, 64, 4096) == 32 * 2**20 // (8192 * 64)
-    smollm2 = {"n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "d_model": 576}  # 45 KiB a token
+    smollm2 = {"n_layers": 30, "n_kv_heads": 3, "head_dim": 64}  # 45 KiB a token
     assert kv_budget_blocks(smollm2, 2048, 64, 8192) == 2048 * 2**20 // (2 * 30 * 3 * 64 * 4 * 64)
     with pytest.raises(SystemExit, match="--kv-cache-mb 16 holds 2048 KV slots of 8192 bytes; one request at the "
                                          "limits needs 4096: raise --kv-cache-mb or lower --raw-context-limit"):

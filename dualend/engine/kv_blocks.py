@@ -24,6 +24,12 @@ def blocks_for(slots: int, block_size: int) -> int:
     return max(1, math.ceil(slots / block_size))
 
 
+def dense_blocks(reservations: list[int]) -> int:
+    """Blocks that rows of these reservations (in blocks) can come to occupy in a dense layout:
+    rows x the widest."""
+    return len(reservations) * max(reservations, default=0)
+
+
 class KVBlockManager:
     def __init__(self, capacity_blocks: int, block_size: int):
         self.capacity_blocks, self.block_size = capacity_blocks, block_size
@@ -35,15 +41,14 @@ class KVBlockManager:
     @property
     def used_blocks(self) -> int:
         """What the running sequences can come to occupy: rows x the widest reservation."""
-        return self._cost(len(self._held), max(self._held.values(), default=0))
+        return dense_blocks(list(self._held.values()))
 
     @property
     def free_blocks(self) -> int:
         return self.capacity_blocks - self.used_blocks
 
     def fits(self, slots: int) -> bool:
-        widest = max(self.blocks_for(slots), *self._held.values(), 0)
-        return self._cost(len(self._held) + 1, widest) <= self.capacity_blocks
+        return dense_blocks([*self._held.values(), self.blocks_for(slots)]) <= self.capacity_blocks
 
     def allocate(self, sequence: Hashable, slots: int) -> None:
         """Gives `sequence` the blocks for `slots` slots; the caller checked `fits`."""
@@ -52,10 +57,6 @@ class KVBlockManager:
         if not self.fits(slots):
             raise ValueError(f"{self.blocks_for(slots)} KV blocks asked for, {self.free_blocks} free")
         self._held[sequence] = self.blocks_for(slots)
-
-    @staticmethod
-    def _cost(rows: int, widest_blocks: int) -> int:
-        return rows * widest_blocks
 
     def free(self, sequence: Hashable) -> bool:
         """Takes the sequence's blocks back; True the one time it held some."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from dualend.engine.kv_blocks import blocks_for
+from dualend.engine.kv_blocks import blocks_for, dense_blocks
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 REFUSAL_REASONS = ("queue_full", "queue_timeout", "too_large", "shutdown", "backbone")
@@ -150,7 +150,7 @@ class PoolMetrics:
     def update(self) -> None:
         """Only what changed: each metric call is a round trip to the server process."""
         reserved = [blocks_for(s.reserved_slots, self.block_size) for s in self.pool.sequences.values()]
-        used = len(reserved) * max(reserved, default=0)  # rows x the widest, as the block account counts
+        used = dense_blocks(reserved)  # as the block account counts
         now = (used, self.capacity_blocks - used, len(self.pool.sequences), self.pool.evicted_total)
         for metric, before, value in zip((self.used, self.free, self.live), self.reported, now):
             if value != before:

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from builder.assemble import DEFAULTS as ASSEMBLE_DEFAULTS
-from builder.assemble import calibrated_threshold, up_to_date_export
+from builder.assemble import QUALITY_REPORTS, calibrated_threshold, up_to_date_export
 from client.api import median_and_spread
 from dualend.engine.checkpoint import load_checkpoint
 from dualend.engine.decode import SamplingParams, pad_prompt
@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
         parser.error(f"--synthetic-acceptance must be in [0, 1], got {rate}")
     torch.set_num_threads(args.threads)
     threshold = args.threshold if args.threshold is not None else calibrated_threshold(
-        Path(ASSEMBLE_DEFAULTS["quality_report"]))
+        QUALITY_REPORTS["dualend"])
     checkpoints, exports = Path(args.checkpoints), Path(args.export_dir)
     engines, references = {}, {}
     for name in ("dualend", "baseline"):

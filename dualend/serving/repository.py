@@ -13,7 +13,7 @@ from dualend.engine.tokenizer import TextTokenizer
 
 # The deployments the builder assembles by default and the gateway serves by name: the shipped pair
 # (the canary splits between them) and SmolLM2, imported from its package at build time.
-PUBLIC_DEPLOYMENTS = ("dualend", "baseline", "smollm2")
+PUBLIC_DEPLOYMENTS = ("dualend", "baseline", "smollm2", "smollm2_dualend")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ pair_size-2 LanguageModel, whose checkpoint id then covers both.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dualend.engine.checkpoint import Checkpoint
 from dualend.engine.decode import SamplingParams
 from dualend.engine.model import Block, LanguageModel, ModelConfig
 from dualend.engine.reference import TorchBatch, generate_batch
@@ -152,17 +154,49 @@ def merge_adapters(base: LanguageModel, adapters: dict[str, torch.Tensor], spec:
 def save_adapters(student: LanguageModel, spec: ConversionSpec, base: dict, recipe: dict,
                   directory: str | Path) -> None:
     """`base`: {"checkpoint_id", "source"} of the base checkpoint."""
+    write_adapters(trainable_state(student), {"base": base, "spec": asdict(spec), "model": student.cfg.to_dict(),
+                                              "recipe": recipe}, directory)
+
+
+def write_adapters(adapters: dict[str, torch.Tensor], meta: dict, directory: str | Path) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(trainable_state(student), str(directory / ADAPTERS))
-    meta = {"base": base, "spec": asdict(spec), "model": student.cfg.to_dict(), "recipe": recipe}
+    save_file(adapters, str(directory / ADAPTERS))
     (directory / ADAPTERS_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def load_adapters(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     directory = Path(directory)
     meta = json.loads((directory / ADAPTERS_CONFIG).read_text(encoding="utf-8"))
-    return load_file(str(directory / ADAPTERS)), meta
+    return {name: t.float() for name, t in load_file(str(directory / ADAPTERS)).items()}, meta
+
+
+def ship_adapters(source: str | Path, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """A run's adapters as they ship in git: in `dtype` (bf16 halves them; the merged model is
+    evaluated from what ships, so its quality report covers the rounding)."""
+    adapters, meta = load_adapters(source)
+    write_adapters({name: t.to(dtype).contiguous() for name, t in adapters.items()},
+                   {**meta, "dtype": str(dtype).removeprefix("torch.")}, directory)
+
+
+def adapters_sha256(directory: str | Path) -> str:
+    return hashlib.sha256((Path(directory) / ADAPTERS).read_bytes()).hexdigest()
+
+
+def merged_checkpoint(base: Checkpoint, adapters_dir: str | Path) -> Checkpoint:
+    """Base + adapters -> an ordinary dual-end checkpoint; its id covers both, its recipe names the
+    base, the conversion and the adapters' sha256. Refused (ValueError) for adapters of another base."""
+    adapters, meta = load_adapters(adapters_dir)
+    if base.id != meta["base"]["checkpoint_id"]:
+        raise ValueError(f"{adapters_dir} adapt base {meta['base']['checkpoint_id']} ({meta['base'].get('source')}); "
+                         f"the base given is {base.id}")
+    model = merge_adapters(base.model, adapters, ConversionSpec(**meta["spec"]))
+    if model.cfg.to_dict() != meta["model"]:
+        raise ValueError(f"{adapters_dir}: model config {meta['model']} differs from the merged {model.cfg.to_dict()}")
+    recipe = {**{k: base.recipe[k] for k in ("importer", "source", "context", "pad_rule") if k in base.recipe},
+              "kind": "dualend", "converted_from": base.id, "conversion": meta["spec"],
+              "adapters": {"sha256": adapters_sha256(adapters_dir), **meta["recipe"]}}
+    return Checkpoint(model, base.tokenizer, recipe)
 
 
 # Data ------------------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""The converted model's quality gate (builder.evaluate_conversion) and its build-time merge
+(builder.assemble's converted deployments), on a tiny random Llama converted with fresh adapters."""
+import json
+
+import pytest
+
+from builder import assemble, evaluate_conversion
+from builder.evaluate_conversion import THRESHOLDS, calibrate, prefix_agreement
+from dualend.engine.checkpoint import Checkpoint, load_checkpoint
+from dualend.engine.tokenizer import BOS, EOS, PAD, TextTokenizer
+from dualend.train import conversion
+from test_conversion import SPEC, base  # noqa: F401  (the tiny base fixture)
+
+
+def test_prefix_agreement_is_the_share_of_the_reference_reproduced_before_the_first_difference():
+    assert prefix_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert prefix_agreement([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
+    assert prefix_agreement([1, 2], [1, 2, 3, 4]) == 0.5  # stopped early
+    assert prefix_agreement([1, 2, 3, 4, 5], [1, 2, 3, 4]) == 1.0  # went on after the reference's end
+    assert prefix_agreement([], []) == 1.0 and prefix_agreement([7], []) == 0.0
+
+
+def _table(agreement: dict, tokens_per_step: dict) -> dict:
+    return {str(t): {"agreement": agreement[t], "tokens_per_step_no_eos": tokens_per_step[t], "acceptance_rate": 0.0}
+            for t in THRESHOLDS}
+
+
+def test_calibration_takes_the_fastest_threshold_whose_higher_ones_all_hold_the_gate():
+    speed = {-1.0: 2.0, 0.1: 1.9, 0.2: 1.8, 0.3: 1.7, 0.5: 1.5, 0.7: 1.3, 0.9: 1.1, 1.0: 1.0}
+    # 0.2 drops below drafting off's agreement by more than the gate: 0.3 is the lowest kept, and the fastest
+    chat = _table({-1.0: 0.2, 0.1: 0.8, 0.2: 0.5, 0.3: 0.79, 0.5: 0.8, 0.7: 0.8, 0.9: 0.8, 1.0: 0.8}, speed)
+    text = _table({t: 0.6 for t in THRESHOLDS}, speed)
+    assert calibrate({"chat": chat, "text": text}, gate=0.02) == 0.3
+    # a failing kind bounds it too
+    text = _table({**{t: 0.6 for t in THRESHOLDS}, 0.5: 0.5}, speed)
+    assert calibrate({"chat": chat, "text": text}, gate=0.02) == 0.7
+
+
+@pytest.fixture(scope="module")
+def converted(base, tmp_path_factory):  # noqa: F811
+    """The tiny base with a chat template, and fresh adapters shipped (bf16) as the assembler finds them."""
+    folder = tmp_path_factory.mktemp("converted")
+    tokenizer = TextTokenizer(base.tokenizer.tokenizer, {
+        "pad_token": PAD, "bos_token": BOS, "eos_token": EOS, "add_bos_token": True,
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    Checkpoint(base.model, tokenizer, base.recipe).save(folder / "base")
+    reloaded = load_checkpoint(folder / "base")
+    student = conversion.build_student(reloaded.model, SPEC)
+    conversion.save_adapters(student, SPEC, {"checkpoint_id": reloaded.id, "source": base.recipe["source"]},
+                             {"steps": 0}, folder / "run_adapters")
+    conversion.ship_adapters(folder / "run_adapters", folder / "adapters")
+    return folder
+
+
+def test_shipped_adapters_are_bf16_and_merge_at_build_time_once(converted, capsys):
+    run_size = (converted / "run_adapters" / conversion.ADAPTERS).stat().st_size
+    assert (converted / "adapters" / conversion.ADAPTERS).stat().st_size < 0.6 * run_size
+    assert json.loads((converted / "adapters" / conversion.ADAPTERS_CONFIG).read_text())["dtype"] == "bfloat16"
+    out = converted / "merged"
+    assert assemble.converted_checkpoint(converted / "base", converted / "adapters", out) == out
+    merged = load_checkpoint(out)
+    assert merged.config.is_dualend and merged.recipe["converted_from"] == load_checkpoint(converted / "base").id
+    assert merged.recipe["adapters"]["sha256"] == conversion.adapters_sha256(converted / "adapters")
+    assert "merging" in capsys.readouterr().out
+    assemble.converted_checkpoint(converted / "base", converted / "adapters", out)
+    assert "merging" not in capsys.readouterr().out  # up to date: not merged again
+    with pytest.raises(SystemExit, match="adapt base"):
+        assemble.converted_checkpoint(converted / "merged", converted / "adapters", converted / "other")
+
+
+def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_step(converted, tmp_path):
+    report = evaluate_conversion.main([
+        "--dualend", str(converted / "merged"), "--baseline", str(converted / "base"), "--name", "tiny",
+        "--reports", str(tmp_path), "--chat-prompts", "2", "--text-prompts", "2", "--prompt-tokens", "12",
+        "--answer-tokens", "6", "--text-rows", "2", "--text-tokens", "24"])
+    assert report["threshold"] in THRESHOLDS
+    for split in ("calibration", "report"):
+        text = report[split]["text"]
+        assert text["1.0"]["tokens_per_step_no_eos"] == 1.0 and text["1.0"]["acceptance_rate"] == 0.0
+        # every draft accepted, EOS ignored: 6 tokens in 3 steps per prompt
+        assert text["-1.0"]["tokens_per_step_no_eos"] == 2.0 and text["-1.0"]["acceptance_rate"] == 1.0
+        assert all(0.0 <= row["agreement"] <= 1.0 for kind in report[split].values() for row in kind.values())
+    assert set(report["verdict"]["met"]) == set(evaluate_conversion.TARGETS)
+    assert report["verdict"]["passed"] == all(report["verdict"]["met"].values())
+    assert json.loads((tmp_path / "quality_tiny.json").read_text())["threshold"] == report["threshold"]
+    assert "NOT PASSED" in (tmp_path / "quality_tiny.md").read_text() or report["verdict"]["passed"]
+
+
+def test_the_gate_refuses_a_dual_end_model_converted_from_another_base(converted, tmp_path):
+    with pytest.raises(SystemExit, match="was converted from"):
+        evaluate_conversion.main(["--dualend", str(converted / "merged"), "--baseline", str(converted / "merged"),
+                                  "--reports", str(tmp_path)])

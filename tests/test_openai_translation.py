@@ -1,10 +1,12 @@
 """The OpenAI-compatible front without a server: request translation, error mapping, usage, API keys,
-the cap per key and the down marks."""
+the cap per key, the down marks and the models tritonserver has ready."""
+import asyncio
+
 import numpy as np
 import pytest
 
 from dualend.ops.api_keys import ApiKey, KeysFileError, client_of, key_hash, read_keys
-from dualend.ops.openai_api.front import DownMarks, KeyCaps, Progress
+from dualend.ops.openai_api.front import DownMarks, KeyCaps, Progress, Readiness
 from dualend.ops.openai_api.translation import (ApiError, chunk_body, parse_chat, parse_completion, response_body,
                                                 triton_error, triton_inputs, usage)
 
@@ -150,6 +152,90 @@ def test_a_request_whose_deployment_went_down_and_stalls_ends_even_after_the_mar
     marks.poll()
     with pytest.raises(ApiError):
         marks.check_up("baseline")
+
+
+class ScriptedServer:
+    """Answers ModelReady from `ready` (a name missing is not ready; `None` for all: the server does not
+    answer) and counts the questions."""
+
+    def __init__(self, ready):
+        self.ready, self.asked = ready, []
+
+    async def probe(self, name):
+        self.asked.append(name)
+        await asyncio.sleep(0)
+        if self.ready is None:
+            raise ConnectionError("failed to connect to all addresses")
+        return name in self.ready
+
+
+def test_readiness_is_asked_once_per_ttl_and_callers_meanwhile_share_the_answer():
+    server, now = ScriptedServer({"dualend"}), [0.0]
+    readiness = Readiness(server.probe, ttl_s=1.0, clock=lambda: now[0])
+
+    async def ask_many():
+        return await asyncio.gather(*(readiness.is_ready(name) for name in ["dualend"] * 5 + ["baseline"] * 5))
+
+    assert asyncio.run(ask_many()) == [True] * 5 + [False] * 5
+    assert sorted(server.asked) == ["baseline", "dualend"]
+    server.ready = {"dualend", "baseline"}
+    now[0] = 0.9
+    assert not asyncio.run(readiness.is_ready("baseline")) and len(server.asked) == 2
+    now[0] = 1.0
+    assert asyncio.run(readiness.is_ready("baseline")) and len(server.asked) == 3
+
+
+def test_a_server_that_does_not_say_whether_a_model_is_ready_is_a_503_retry():
+    readiness = Readiness(ScriptedServer(None).probe)
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(readiness.is_ready("dualend"))
+    assert (refused.value.status, refused.value.code) == (503, "retry") and "failed to connect" in refused.value.message
+
+
+def repository_of(root, *deployments):
+    """Ensembles as the service finds them: each names its generation 1's first step."""
+    for name in deployments:
+        (root / name).mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(f'step [ {{ model_name: "{name}_v1_preprocessing" }} ]')
+    return root
+
+
+@pytest.mark.parametrize("ready, listed", [
+    ({"dualend", "baseline", "smollm2"}, ["dualend", "baseline", "smollm2", "llm"]),
+    ({"dualend", "smollm2"}, ["dualend", "smollm2"]),
+    (set(), []),
+])
+def test_models_are_the_deployments_the_server_has_ready_and_the_canary_needs_both(tmp_path, ready, listed):
+    from dualend.ops.openai_api.app import Service, ServiceSettings
+
+    service = Service(ServiceSettings("127.0.0.1:1", repository_of(tmp_path, "dualend", "baseline", "smollm2")))
+    service.readiness = Readiness(ScriptedServer(ready).probe)
+    assert asyncio.run(service.served_models()) == listed
+
+
+def test_a_deployment_not_loaded_is_a_404_that_says_so_and_one_being_restored_a_503(tmp_path):
+    from dualend.ops.openai_api.app import Service, ServiceSettings
+
+    service = Service(ServiceSettings("127.0.0.1:1", repository_of(tmp_path / "repository", "dualend", "baseline"),
+                                      gateway_prefix=tmp_path / "gateway"))
+    service.readiness = Readiness(ScriptedServer({"dualend"}).probe)
+
+    def refusal(model):
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(service.resolve(model))
+        return refused.value
+
+    assert asyncio.run(service.resolve("dualend")) == "dualend"
+    for model in ("baseline", "llm"):
+        error = refusal(model)
+        assert (error.status, error.param, error.code) == (404, "model", "model_not_loaded")
+        assert "not loaded" in error.message and "`baseline`" in error.message
+    assert refusal("smollm2").code == "model_not_found"  # not in the repository at all
+    (tmp_path / "gateway" / "down").mkdir(parents=True)
+    (tmp_path / "gateway" / "down" / "baseline").touch()  # the watchdog restores it
+    service.marks.poll()
+    error = refusal("baseline")
+    assert (error.status, error.code) == (503, "retry") and "restoring" in error.message
 
 
 SMOLLM2_TEMPLATE = (  # the chat template in SmolLM2's tokenizer_config.json

@@ -1,7 +1,7 @@
 """The OpenAI-compatible service: an ASGI app (Starlette, served by uvicorn) in front of tritonserver's
 gRPC streaming endpoint, behind the gateway (nginx routes /v1/ here).
 
-    GET  /v1/models                         the public deployments and the canary `llm`
+    GET  /v1/models                         the deployments tritonserver has ready, and the canary `llm`
     POST /v1/completions                    prompt -> text; `stream` for SSE chunks ending `data: [DONE]`
     POST /v1/chat/completions               messages -> the checkpoint's chat template -> text
     GET  /metrics                           tokens by API key name (Prometheus), on the service's own port
@@ -10,6 +10,8 @@ gRPC streaming endpoint, behind the gateway (nginx routes /v1/ here).
 Every request is one gRPC stream to the deployment's ensemble (streamed internally either way, so the
 front sees progress): a client that disconnects cancels it, which frees its KV; a request whose
 deployment is marked down by the watchdog and makes no progress ends with 503 / an error event "retry".
+A deployment is a model here while tritonserver has its ensemble loaded and ready (asked at most once a
+second); one in the repository but not loaded is refused with 404, or 503 while the watchdog restores it.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from dualend.engine.tokenizer import TextTokenizer
 from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served_generation
 
 from ..api_keys import ApiKey, client_of, read_keys
-from .front import DownMarks, KeyCaps, Progress
+from .front import DownMarks, KeyCaps, Progress, Readiness
 from .translation import (ApiError, Generation, chunk_body, finish_reason, parse_chat, parse_completion,
                           response_body, triton_error, triton_inputs, usage, usage_chunk)
 
@@ -45,6 +47,8 @@ CANARY_PAIR = ("dualend", "baseline")  # `llm` goes to the baseline by the canar
 COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps", "num_prompt_tokens",
             "num_prompt_latents")
 TICK_S = 0.1  # how often a waiting request checks its deployment's marks
+READY_TTL_S = 1.0  # how long tritonserver's answer on whether a deployment is ready is reused
+READY_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -97,6 +101,7 @@ class Service:
         self.caps = KeyCaps()
         down_dir = settings.gateway_prefix / "down" if settings.gateway_prefix else None
         self.marks = DownMarks(down_dir)
+        self.readiness = Readiness(self.model_ready, READY_TTL_S)
         self.deployments: dict[str, tuple[object, Deployment | None]] = {}
         self.registry = CollectorRegistry()
         labels = ("client", "model")
@@ -122,13 +127,16 @@ class Service:
             raise ApiError(404, f"model `{name}` is not served here", "model", "model_not_found")
         return cached[1]
 
-    def served_models(self) -> list[str]:
-        """Every deployment whose ensemble the repository holds (the public ones first), and the canary."""
+    async def served_models(self) -> list[str]:
+        """The deployments whose ensemble the repository holds and tritonserver has ready (the public ones
+        first), and the canary when both of its deployments are."""
         repository = self.settings.model_repository
         found = sorted((d.name for d in repository.iterdir() if served_generation(repository, d.name) is not None),
                        key=lambda name: (name not in PUBLIC_DEPLOYMENTS, PUBLIC_DEPLOYMENTS.index(name)
                                          if name in PUBLIC_DEPLOYMENTS else 0, name))
-        return found + ([CANARY_MODEL] if set(CANARY_PAIR) <= set(found) else [])
+        ready = await asyncio.gather(*(self.readiness.is_ready(name) for name in found))
+        served = [name for name, is_ready in zip(found, ready) if is_ready]
+        return served + ([CANARY_MODEL] if set(CANARY_PAIR) <= set(served) else [])
 
     def baseline_percent(self) -> float:
         """The canary weight: the gateway's (`python -m dualend.ops.gateway weight` rewrites it), else ours."""
@@ -140,14 +148,32 @@ class Service:
             self._canary = (stamp, float(json.loads(path.read_text()).get("baseline_percent", 10.0)))
         return self._canary[1]
 
-    def resolve(self, model: str) -> str:
-        if model == CANARY_MODEL and CANARY_MODEL in self.served_models():
-            return "baseline" if random.uniform(0, 100) < self.baseline_percent() else "dualend"
-        if (model == CANARY_MODEL or not re.fullmatch(r"\w+", model)
-                or served_generation(self.settings.model_repository, model) is None):
+    async def resolve(self, model: str) -> str:
+        """The deployment that serves `model`: itself, or for the canary one of its pair by the weight."""
+        needed = CANARY_PAIR if model == CANARY_MODEL else (model,)
+        if not all(re.fullmatch(r"\w+", name) and served_generation(self.settings.model_repository, name) is not None
+                   for name in needed):
             raise ApiError(404, f"model `{model}` does not exist; GET /v1/models lists them", "model",
                            "model_not_found")
+        for deployment in needed:
+            await self.check_ready(deployment, model)
+        if model == CANARY_MODEL:
+            return "baseline" if random.uniform(0, 100) < self.baseline_percent() else "dualend"
         return model
+
+    async def check_ready(self, deployment: str, model: str) -> None:
+        """A deployment tritonserver has not ready: 503 "retry" while the watchdog restores it, else 404
+        (unloaded, or loading: readiness tells them apart no more than that)."""
+        if await self.readiness.is_ready(deployment):
+            return
+        self.marks.check_up(deployment)
+        needs = "" if deployment == model else f" (it needs `{deployment}`)"
+        raise ApiError(404, f"model `{model}` is not served now{needs}: the repository holds it but the server has not "
+                            "loaded it (unloaded, or still loading); GET /v1/models lists the models served", "model",
+                       "model_not_loaded")
+
+    async def model_ready(self, deployment: str) -> bool:
+        return await self.client.is_model_ready(deployment, client_timeout=READY_TIMEOUT_S)
 
     def authorize(self, request: Request) -> ApiKey:
         if self.keys is None:  # no keys, no one to be fair between: no cap
@@ -228,11 +254,12 @@ class Service:
     async def models(self, request: Request) -> Response:
         try:
             self.authorize(request)
+            served = await self.served_models()
         except ApiError as error:
             return error_response(error)
         created = int(time.time())
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                                         "owned_by": "dualend"} for name in self.served_models()]})
+                                                         "owned_by": "dualend"} for name in served]})
 
     async def generate(self, request: Request) -> Response:
         kind = "chat" if request.url.path.endswith("/chat/completions") else "completions"
@@ -246,7 +273,7 @@ class Service:
             except ValueError:
                 raise ApiError(400, "the request body is not JSON") from None
             model = parsed.get("model") if isinstance(parsed, dict) else None
-            deployment = self.resolve(model) if isinstance(model, str) else None
+            deployment = await self.resolve(model) if isinstance(model, str) else None
             if kind == "chat":
                 generation = parse_chat(parsed, lambda messages: self.deployment(deployment).render_chat(messages))
             else:

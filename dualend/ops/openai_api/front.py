@@ -7,6 +7,8 @@ request whose deployment failed under it.
   polled; every time a deployment goes down its epoch counts up, so a request knows whether its
   deployment failed since it started, even once the mark is gone again (tritonserver 2.51 never ends
   the requests of a dead Python stub: the front must).
+- `Readiness`: whether tritonserver has a deployment loaded and ready, asked at most once a second, so
+  /v1/models names only what is served and a request for an unloaded deployment is refused at once.
 """
 from __future__ import annotations
 
@@ -89,3 +91,27 @@ class Progress:
         if failed and time.monotonic() - self.last > self.stall_s:
             raise ApiError(503, f"a component of {self.deployment} failed while serving this request and it made "
                                 f"no progress for {self.stall_s:g} s; the request ends here, retry", code="retry")
+
+
+class Readiness:
+    """Whether tritonserver has a deployment's ensemble loaded and ready. `probe(name)` asks the server
+    (ModelReady over gRPC, which needs no admin key); its answer is reused for `ttl_s`, and the callers
+    that come while it is asked wait for the same answer, so the models list and every request stay cheap.
+    A server that does not answer is a 503 "retry", also reused for `ttl_s`."""
+
+    def __init__(self, probe, ttl_s: float = 1.0, clock=time.monotonic):
+        self.probe, self.ttl_s, self.clock = probe, ttl_s, clock
+        self.answers: dict[str, tuple[float, asyncio.Future]] = {}  # deployment -> (asked at, answer)
+
+    async def is_ready(self, deployment: str) -> bool:
+        asked = self.answers.get(deployment)
+        if asked is None or self.clock() - asked[0] >= self.ttl_s:
+            asked = self.answers[deployment] = (self.clock(), asyncio.ensure_future(self.ask(deployment)))
+        return await asyncio.shield(asked[1])  # a caller that leaves does not cancel the others' answer
+
+    async def ask(self, deployment: str) -> bool:
+        try:
+            return bool(await self.probe(deployment))
+        except Exception as error:  # noqa: BLE001 - unreachable or timed out: whatever it is, retry later
+            raise ApiError(503, f"the inference server does not answer whether `{deployment}` is ready ({error}); "
+                                "retry", code="retry") from None

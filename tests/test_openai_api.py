@@ -1,7 +1,9 @@
 """The OpenAI-compatible service (`python -m dualend.ops.openai_api`) against a real tritonserver serving
 the shipped checkpoints, driven by the official `openai` client: texts equal the Triton gRPC path's,
 streaming and not; chat refused without a template; each error in OpenAI's shape; a disconnect frees
-the sequence; the cap per key; tokens counted per key; a deployment marked down ends its requests."""
+the sequence; the cap per key; tokens counted per key; a deployment marked down ends its requests; only
+what the server has loaded is a model; a full queue and a drain, each with the status a client retries on."""
+import http.client
 import json
 import subprocess
 import sys
@@ -9,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -19,6 +22,7 @@ from builder.assemble import main as assemble_main
 from client.api import metric_in, metric_value, metrics_page, stream_grpc
 from dualend.ops.host import free_ports
 from dualend.ops.launch import TritonServer
+from dualend.ops.repository_api import RepositoryAPI
 
 pytestmark = pytest.mark.server
 PROMPTS = ["Q: 3+4-2\nA:", " ab:12 cd:34 ef:56\nget cd:"]
@@ -33,18 +37,41 @@ def api(tmp_path_factory):
                                 "--max-new-tokens", "256", "--max-concurrent-requests", "16",
                                 "--deployments", "dualend", "baseline"])
     (root / "keys").write_text(f"alice {ALICE} max_requests=2\nbob {BOB}\nhog {HOG} max_requests=8\n")
+    with served_through_v1(repository, root, "--api-keys", str(root / "keys")) as triton:
+        yield triton
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """The baseline alone with one decode place and no queue (a second request finds the server busy),
+    no keys."""
+    root = tmp_path_factory.mktemp("openai_small")
+    repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(root / "repository"),
+                                "--export-dir", str(root / "export"), "--raw-context-limit", "512",
+                                "--max-new-tokens", "256", "--max-concurrent-requests", "1", "--max-queue-size", "0",
+                                "--deployments", "baseline"])
+    with served_through_v1(repository, root) as triton:
+        yield triton
+
+
+@contextmanager
+def served_through_v1(repository, root, *service_args):
+    """tritonserver as the launcher runs it (explicit model control, every model loaded) and the OpenAI
+    service in front; the server gets the service's `url` and the folder `root` (the gateway's marks)."""
     (root / "gateway").mkdir()
-    with TritonServer(repository, log_file=root / "server.log") as triton:
+    with TritonServer(repository, model_control_mode="explicit", load_models=["*"],
+                      log_file=root / "server.log") as triton:
         port = free_ports("127.0.0.1", 1)[0]
         service = subprocess.Popen(
             [sys.executable, "-m", "dualend.ops.openai_api", "--triton-grpc", triton.grpc_url, "--model-repository",
-             str(repository), "--port", str(port), "--api-keys", str(root / "keys"), "--gateway-prefix",
-             str(root / "gateway")])
+             str(repository), "--port", str(port), "--gateway-prefix", str(root / "gateway"), *service_args])
         triton.url, triton.root = f"http://127.0.0.1:{port}", root
-        assert wait_for(lambda: answers(f"{triton.url}/health"), 30)
-        yield triton
-        service.terminate()
-        service.wait(10)
+        try:
+            assert wait_for(lambda: answers(f"{triton.url}/health"), 30)
+            yield triton
+        finally:
+            service.terminate()
+            service.wait(10)
 
 
 def answers(url):
@@ -113,6 +140,27 @@ def test_models_lists_the_deployments_and_the_canary(api):
     assert [m.id for m in client(api).models.list().data] == ["dualend", "baseline", "llm"]
     answer = client(api).completions.with_raw_response.create(model="llm", prompt=PROMPTS[0], max_tokens=4)
     assert answer.headers["X-Dualend-Deployment"] in ("dualend", "baseline")
+
+
+def test_models_are_what_the_server_has_ready_and_an_unloaded_one_is_a_404_that_says_so(api):
+    """The baseline's ensemble unloaded (its steps stay loaded): within the readiness cache's second
+    /v1/models drops it and the canary, requests naming either get 404 "not loaded", dualend serves on;
+    loaded again, both are back."""
+    repository = RepositoryAPI(api.grpc_url, None)
+    listed = lambda: [m.id for m in client(api).models.list().data]  # noqa: E731
+    try:
+        repository.unload("baseline")
+        assert wait_for(lambda: listed() == ["dualend"], 5)
+        for model in ("baseline", "llm"):
+            status, error = post(api, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2})
+            assert status == 404 and set(error["error"]) == {"message", "type", "param", "code"}
+            assert error["error"]["code"] == "model_not_loaded" and "not loaded" in error["error"]["message"]
+        assert client(api).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2).choices
+    finally:
+        repository.load("baseline")
+        repository.close()
+    assert wait_for(lambda: listed() == ["dualend", "baseline", "llm"], 5)
+    assert client(api).completions.create(model="llm", prompt=PROMPTS[0], max_tokens=2).choices
 
 
 def test_chat_is_refused_clearly_on_a_deployment_without_a_template(api):
@@ -341,3 +389,57 @@ def test_a_client_gone_before_a_whole_answer_cancels_its_request(api):
     connection.close()
     assert wait_for(lambda: gone() == before + 1, 5)
     assert wait_for(lambda: live_sequences(api) == 0, 5)
+
+
+def test_a_full_queue_is_a_429_saying_retry_later_and_the_running_stream_and_the_next_request_are_served(small):
+    """One decode place, no queue: while a stream holds the place, a request (whole or streamed) is refused
+    by the deployment as busy, 429 in OpenAI's shape; the stream runs to its end and the next request is
+    served."""
+    openai_client = client(small)
+    stream = openai_client.completions.create(model="baseline", prompt=PROMPTS[0], max_tokens=200, stream=True,
+                                              extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    for streamed in (False, True):
+        status, error = post(small, "/v1/completions", {"model": "baseline", "prompt": PROMPTS[1], "max_tokens": 4,
+                                                        "stream": streamed})
+        assert status == 429 and set(error["error"]) == {"message", "type", "param", "code"}
+        assert error["error"]["type"] == "rate_limit_error" and error["error"]["code"] == "server_busy"
+        assert "retry later" in error["error"]["message"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert wait_for(lambda: live_sequences(small, "baseline") == 0, 5)
+    assert openai_client.completions.create(model="baseline", prompt=PROMPTS[1], max_tokens=4).choices
+
+
+def test_a_drain_ends_a_running_stream_with_an_error_event_and_later_requests_get_503_retry(small):
+    """The launcher's drain (before it stops the server) under a /v1 stream: the stream gets an SSE error
+    event in OpenAI's shape saying retry, then [DONE]; later requests, whole and streamed, get 503 "retry";
+    the service stays up, and once the decode loop is replaced (as the watchdog would) the baseline serves."""
+    connection = http.client.HTTPConnection(small.url.removeprefix("http://"), timeout=30)
+    connection.request("POST", "/v1/completions", body=json.dumps(
+        {"model": "baseline", "prompt": PROMPTS[0], "max_tokens": 250, "ignore_eos": True, "stream": True}),
+        headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: {")
+    try:
+        assert small.drain() == 1
+        events = [e.strip().removeprefix("data: ") for e in response.read().decode().split("\n\n") if e.strip()]
+    finally:
+        connection.close()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "retry"
+    assert "retry" in error["message"] and all("choices" in json.loads(e) for e in events[:-2])
+    for streamed in (False, True):
+        status, refused = post(small, "/v1/completions", {"model": "baseline", "prompt": PROMPTS[1], "max_tokens": 4,
+                                                          "stream": streamed})
+        assert status == 503 and refused["error"]["code"] == "retry" and "retry" in refused["error"]["message"]
+    assert answers(f"{small.url}/health") and [m.id for m in client(small).models.list().data] == ["baseline"]
+
+    repository = RepositoryAPI(small.grpc_url, None)
+    try:
+        for model in ("baseline_v1_backbone", "baseline_v1_mtp_verify"):
+            repository.replace(model)
+    finally:
+        repository.close()
+    assert client(small).completions.create(model="baseline", prompt=PROMPTS[1], max_tokens=4).choices

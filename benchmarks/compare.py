@@ -22,13 +22,17 @@ In each of `--rounds` rounds every cell runs for every target, the target order 
 The report gives each figure's median across rounds and each target's ratio to `--reference`
 (target / reference, computed per round; median and min-max across rounds): the ratios are the claims.
 
-Targets: `--openai LABEL=BASE_URL@MODEL` (repeatable; `--api-key`, default $DUALEND_API_KEY, goes as a
-Bearer token; through the gateway at concurrency 16 or more use a key with a larger max_requests than the
-default 16, docs/operations.md: a client's next request may arrive before its last one is released); `--llama-server` (llama.cpp's server, started by benchmarks.peers with one 2048-token
-slot per client at the highest concurrency, sent `cache_prompt: false`: no prompt cache, as ours); `--ortgenai`
-(onnxruntime-genai in-process and batch-synchronous: at concurrency N, batches of N prompts, one
-generate call each; not a server); `--in-process LABEL=EXPORT_DIR[@synthetic=RATE][@threshold=T]` (our
-decode loop in-process, batch = concurrency, output tokens/s only: the ceiling of our serving path).
+Targets:
+  --openai LABEL=BASE_URL@MODEL  an OpenAI-compatible server (repeatable); `--api-key`, default
+      $DUALEND_API_KEY, goes as a Bearer token. Through the gateway at concurrency 16 or more use a key
+      with a larger max_requests than the default 16 (docs/operations.md): a client's next request may
+      arrive before its last one is released.
+  --llama-server  llama.cpp's server, started by benchmarks.peers with one 2048-token slot per client
+      at the highest concurrency, sent `cache_prompt: false` (no prompt cache, as ours).
+  --ortgenai  onnxruntime-genai in-process and batch-synchronous, not a server: at concurrency N,
+      batches of N prompts, one generate call each.
+  --in-process LABEL=EXPORT_DIR[@synthetic=RATE][@threshold=T]  our decode loop in-process, batch =
+      concurrency, output tokens/s only: the ceiling of our serving path.
 Writes results.json (every request, cell summaries, environment), report.md and plots to `--out`.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ stub for the running Python, and started with this virtualenv's packages visible
 
 Example:
     python -m dualend.ops.launch                      # build/model_repository, built first if missing
-    python -m dualend.ops.launch --model-control-mode explicit --load-model dualend_v1_backbone --load-model dualend
+    python -m dualend.ops.launch --load-model dualend     # only this deployment (its backbone included)
 
 By default clients reach only the gateway (`dualend.ops.gateway`, nginx) on --http-port and
 --grpc-port, with the API keys in --api-keys (a new key is written there if the file is missing);
@@ -83,6 +83,16 @@ DEFAULT_ADMIN_KEY_FILE = PROJECT_ROOT / "build" / "gateway" / "admin_key"
 RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"  # tritonserver API groups behind the admin key
 
 log = logging.getLogger(__name__)
+
+
+def models_to_load(repository: Path, names: Sequence[str]) -> list[str]:
+    """The models named, each deployment with its backbone: mtp_verify calls that by BLS, so loading
+    the ensemble (which loads the steps it names) leaves it out."""
+    models = []
+    for name in names:
+        generation = served_generation(repository, name) if name != "*" else None
+        models += [name] + ([f"{pipeline_name(name, generation)}_backbone"] if generation is not None else [])
+    return list(dict.fromkeys(models))
 
 
 class RepositoryMissingError(RuntimeError):
@@ -346,7 +356,7 @@ class TritonServer:
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
-        args += [f"--load-model={name}" for name in self.load_models]
+        args += [f"--load-model={name}" for name in models_to_load(self.model_repository, self.load_models)]
         if self.admin_key:
             restriction = f"{RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}"
             args += [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]

@@ -33,8 +33,8 @@ ALICE, BOB, HOG = "a1" * 16, "b2" * 16, "c3" * 16
 def api(tmp_path_factory):
     root = tmp_path_factory.mktemp("openai")
     repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(root / "repository"),
-                                "--export-dir", str(root / "export"), "--raw-context-limit", "512",
-                                "--max-new-tokens", "256", "--max-concurrent-requests", "16",
+                                "--export-dir", str(root / "export"), "--raw-context-limit", "2304",
+                                "--max-new-tokens", "2048", "--max-concurrent-requests", "16",
                                 "--deployments", "dualend", "baseline"])
     (root / "keys").write_text(f"alice {ALICE} max_requests=2\nbob {BOB}\nhog {HOG} max_requests=8\n")
     with served_through_v1(repository, root, "--api-keys", str(root / "keys")) as triton:
@@ -47,8 +47,8 @@ def small(tmp_path_factory):
     no keys."""
     root = tmp_path_factory.mktemp("openai_small")
     repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(root / "repository"),
-                                "--export-dir", str(root / "export"), "--raw-context-limit", "512",
-                                "--max-new-tokens", "256", "--max-concurrent-requests", "1", "--max-queue-size", "0",
+                                "--export-dir", str(root / "export"), "--raw-context-limit", "4096",
+                                "--max-new-tokens", "4000", "--max-concurrent-requests", "1", "--max-queue-size", "0",
                                 "--deployments", "baseline"])
     with served_through_v1(repository, root) as triton:
         yield triton
@@ -175,8 +175,8 @@ def test_chat_is_refused_clearly_on_a_deployment_without_a_template(api):
 @pytest.mark.parametrize("body, status, param, code", [
     ({"model": "dualend", "prompt": "x", "n": 2}, 400, "n", None),
     ({"model": "dualend", "prompt": "x", "max_tokens": "four"}, 400, "max_tokens", None),
-    ({"model": "dualend", "prompt": "x", "max_tokens": 900}, 400, "max_tokens", None),
-    ({"model": "dualend", "prompt": "x " * 600, "max_tokens": 8}, 400, "prompt", None),
+    ({"model": "dualend", "prompt": "x", "max_tokens": 3000}, 400, "max_tokens", None),
+    ({"model": "dualend", "prompt": "x " * 5000, "max_tokens": 8}, 400, "prompt", None),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
     (b"{not json", 400, None, None),
     ({"model": "dualend", "prompt": "x" * (1 << 20)}, 413, None, "too_large"),
@@ -210,7 +210,9 @@ def test_a_disconnect_mid_stream_cancels_the_request_and_frees_its_kv(api):
 
 
 def test_a_key_over_its_cap_gets_429_while_another_keys_request_passes(api):
-    streams = [client(api, key=ALICE).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=250,
+    """alice's two streams are long (2000 tokens): a short one could end before the third request comes
+    on a loaded machine, and free its place."""
+    streams = [client(api, key=ALICE).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2000,
                                                          stream=True, extra_body={"ignore_eos": True})
                for _ in range(2)]
     for stream in streams:
@@ -392,11 +394,11 @@ def test_a_client_gone_before_a_whole_answer_cancels_its_request(api):
 
 
 def test_a_full_queue_is_a_429_saying_retry_later_and_the_running_stream_and_the_next_request_are_served(small):
-    """One decode place, no queue: while a stream holds the place, a request (whole or streamed) is refused
-    by the deployment as busy, 429 in OpenAI's shape; the stream runs to its end and the next request is
-    served."""
+    """One decode place, no queue: while a stream holds the place (4000 tokens: it cannot end first, even
+    on a loaded machine), a request (whole or streamed) is refused by the deployment as busy, 429 in
+    OpenAI's shape; the stream goes on, and once it is closed the next request is served."""
     openai_client = client(small)
-    stream = openai_client.completions.create(model="baseline", prompt=PROMPTS[0], max_tokens=200, stream=True,
+    stream = openai_client.completions.create(model="baseline", prompt=PROMPTS[0], max_tokens=4000, stream=True,
                                               extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
@@ -406,7 +408,8 @@ def test_a_full_queue_is_a_429_saying_retry_later_and_the_running_stream_and_the
         assert status == 429 and set(error["error"]) == {"message", "type", "param", "code"}
         assert error["error"]["type"] == "rate_limit_error" and error["error"]["code"] == "server_busy"
         assert "retry later" in error["error"]["message"]
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert all(next(chunks).choices[0].finish_reason is None for _ in range(8))  # still running
+    stream.close()
     assert wait_for(lambda: live_sequences(small, "baseline") == 0, 5)
     assert openai_client.completions.create(model="baseline", prompt=PROMPTS[1], max_tokens=4).choices
 
@@ -417,7 +420,7 @@ def test_a_drain_ends_a_running_stream_with_an_error_event_and_later_requests_ge
     the service stays up, and once the decode loop is replaced (as the watchdog would) the baseline serves."""
     connection = http.client.HTTPConnection(small.url.removeprefix("http://"), timeout=30)
     connection.request("POST", "/v1/completions", body=json.dumps(
-        {"model": "baseline", "prompt": PROMPTS[0], "max_tokens": 250, "ignore_eos": True, "stream": True}),
+        {"model": "baseline", "prompt": PROMPTS[0], "max_tokens": 4000, "ignore_eos": True, "stream": True}),
         headers={"Content-Type": "application/json"})
     response = connection.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: {")

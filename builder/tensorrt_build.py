@@ -114,6 +114,10 @@ def main(argv=None) -> int:
     for name in args.deployments:
         directory = Path(args.export_dir) / name
         exported = ExportedModel.open(directory)
+        if exported.weight_precision != "fp32":
+            print(f"error: {name}: {directory} holds {exported.weight_precision} weights (ONNX Runtime's "
+                  f"MatMulNBits); TensorRT builds from an fp32 export", file=sys.stderr)
+            return 2
         pair_size = exported.settings["pair_size"]
         limit = args.raw_context_limit or trained_context(ASSEMBLE["checkpoints"] / name)
         plan = build_backbone_plan(directory / "backbone" / "model.onnx", exported.settings,

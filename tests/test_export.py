@@ -3,10 +3,11 @@ import json
 import shutil
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
-from builder.export import export_checkpoint
+from builder.export import constant_weight_matmuls, export_checkpoint, export_matches
 from dualend.engine.checkpoint import Checkpoint
 from dualend.engine.decode import CapacityError, SamplingParams
 from dualend.engine.kv_pool import AlreadyStarted, EvictedSequence, KVCache, NoRoom, UnknownSequence
@@ -119,6 +120,90 @@ def test_an_imported_tokenizer_config_travels_with_the_export_and_its_manifest(e
     again = up_to_date_export(tmp_path / "checkpoint", tmp_path / "export")
     assert again.checkpoint_id == before.checkpoint_id and again.tokenizer().config is None
     assert "tokenizer_config.json" not in again.manifests["tokenizer"].files
+
+
+@pytest.fixture(scope="module")
+def quantized(exported, tmp_path_factory):
+    """The dual-end test model exported with fp32, int8 and int4 weights: {precision: directory}."""
+    root = tmp_path_factory.mktemp("quantized")
+    for precision in ("fp32", "int8", "int4"):
+        export_checkpoint(exported["dualend"][0], root / precision, weight_precision=precision)
+    return {precision: root / precision for precision in ("fp32", "int8", "int4")}
+
+
+def relative_rms(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean()))
+
+
+def test_quantized_backbone_and_mtp_logits_stay_near_fp32(quantized):
+    """Measured on this model: relative RMS error of the backbone's logits 0.008 (int8) and 0.08 (int4),
+    of the MTP head's 0.011 and 0.12, the same top token everywhere. The bounds leave a factor of two
+    or more; the lower ones show the quantized weights are what ran."""
+    engines = {precision: OnnxComponents(directory) for precision, directory in quantized.items()}
+    latents = engines["fp32"].compress(np.arange(3, 3 + 60).reshape(-1, 2))
+    logits, drafts, fp32_hidden = {}, {}, None
+    for precision, engine in engines.items():  # fp32 first
+        backbone, mtp = engine.open_backbone(), engine.open_mtp(32)
+        outputs = [backbone.prefill(latents[:6], 30)] + [backbone.step(x) for x in latents[6:]]
+        logits[precision] = np.stack([out.logits for out in outputs])  # [25, V]
+        if fp32_hidden is None:
+            fp32_hidden = [out.hidden for out in outputs]
+        # the MTP head on fp32's hidden states, so only its own weights differ
+        drafts[precision] = np.stack([mtp.step(5 + i, h, 2 * i + 12)[0] for i, h in enumerate(fp32_hidden)])
+    errors = {}
+    for precision, (low, high) in {"int8": (1e-3, 0.03), "int4": (0.01, 0.25)}.items():
+        errors[precision] = relative_rms(logits[precision], logits["fp32"])
+        assert low < errors[precision] < high
+        assert low < relative_rms(drafts[precision], drafts["fp32"]) < high
+        assert (logits[precision].argmax(-1) == logits["fp32"].argmax(-1)).mean() >= 0.9
+    assert errors["int4"] > errors["int8"]
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_every_constant_weight_matmul_of_backbone_and_mtp_is_quantized(exported, quantized, precision):
+    bits, vocab = {"int8": 8, "int4": 4}[precision], exported["dualend"][0].config.vocab_size
+    for component, count in (("backbone", 2 * 4 + 1), ("mtp", 8)):  # 4 per layer, the proj, 2 confidence, LM head
+        model = onnx.load(str(quantized[precision] / component / "model.onnx"))
+        assert constant_weight_matmuls(onnx.load(str(quantized["fp32"] / component / "model.onnx")))
+        assert not constant_weight_matmuls(model)
+        nbits = [node for node in model.graph.node if node.op_type == "MatMulNBits"]
+        assert len(nbits) == count
+        attributes = [{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute} for node in nbits]
+        assert {(a["bits"], a["block_size"], a["accuracy_level"]) for a in attributes} == {(bits, 32, 4)}
+        assert all(len(node.input) == 3 for node in nbits)  # A, weight, scales: symmetric, no zero points
+        assert sum(a["N"] == vocab for a in attributes) == 1  # the LM head: the tied embedding's transpose
+
+
+def test_the_manifests_name_the_weight_precision_and_an_export_matches_only_its_own(exported, quantized, tmp_path):
+    checkpoint = exported["dualend"][0]
+    int4, fp32 = ExportedModel.open(quantized["int4"]), ExportedModel.open(quantized["fp32"])
+    assert int4.settings["weight_precision"] == int4.weight_precision == "int4"
+    assert all(m.settings["weight_precision"] == "int4" for m in int4.manifests.values())
+    assert fp32.weight_precision == "fp32"
+    assert export_matches(int4, checkpoint, "int4") and not export_matches(int4, checkpoint, "fp32")
+    assert export_matches(fp32, checkpoint) and not export_matches(fp32, checkpoint, "int4")
+    assert int4.settings["weight_quantization"] == {"op": "MatMulNBits", "bits": 4, "block_size": 32,
+                                                    "symmetric": True, "accuracy_level": 4}
+    int4.manifests["tokenizer"].settings["weight_quantization"]["block_size"] = 128  # made by other settings
+    assert not export_matches(int4, checkpoint, "int4")
+
+    older = tmp_path / "older"  # exported before the setting existed: fp32
+    shutil.copytree(quantized["fp32"], older)
+    for component in ("tokenizer", "compressor", "backbone", "mtp"):
+        path = older / component / "manifest.json"
+        manifest = json.loads(path.read_text())
+        del manifest["settings"]["weight_precision"]
+        path.write_text(json.dumps(manifest))
+    assert ExportedModel.open(older).weight_precision == "fp32"
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(quantized["fp32"], mixed)
+    shutil.rmtree(mixed / "backbone")
+    shutil.copytree(quantized["int4"] / "backbone", mixed / "backbone")
+    with pytest.raises(ManifestError, match="weight_precision is fp32 in tokenizer but int4 in backbone"):
+        ExportedModel.open(mixed)
+    with pytest.raises(ValueError, match="weight_precision 'int2': expected one of fp32, int8, int4"):
+        export_checkpoint(checkpoint, tmp_path / "int2", weight_precision="int2")
 
 
 def cache(**options):

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MANIFEST = "manifest.json"
-SHARED_SETTINGS = ("d_model", "vocab_size", "pair_size", "pad_id")
+SHARED_SETTINGS = ("d_model", "vocab_size", "pair_size", "pad_id", "weight_precision")
 
 
 class ManifestError(RuntimeError):

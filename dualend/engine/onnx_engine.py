@@ -77,6 +77,11 @@ class ExportedModel:
     def settings(self) -> dict:
         return next(iter(self.manifests.values())).settings  # siblings agree (verified)
 
+    @property
+    def weight_precision(self) -> str:
+        """How the backbone's and MTP head's weights are stored: fp32, int8 or int4 (older exports: fp32)."""
+        return self.settings.get("weight_precision", "fp32")
+
     def path(self, component: str) -> Path:
         return self.directory / component / (TOKENIZER_FILE if component == "tokenizer" else MODEL_FILE)
 

@@ -45,7 +45,7 @@ import string
 from dataclasses import asdict
 from pathlib import Path
 
-from builder.export import export_checkpoint
+from builder.export import WEIGHT_BITS, export_checkpoint, export_matches
 from builder.import_model import import_model, sha256_file
 from dualend.engine.checkpoint import CONFIG as CHECKPOINT_CONFIG
 from dualend.engine.checkpoint import load_checkpoint
@@ -72,7 +72,7 @@ DEFAULTS = dict(
     engine="onnxruntime",
     raw_context_limit=0, max_new_tokens=0, kv_block_size=64, kv_cache_mb=512,
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
-    engine_threads=2, preprocessing_instances=1,
+    engine_threads=2, preprocessing_instances=1, weight_precision="fp32",
 )
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
                         "its backbone's cache holds this much (fp32 keys and values), allocated at start; requests "
@@ -80,6 +80,9 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
             raw_context_limit="prompt + output tokens a deployment serves (N for every deployment, NAME=N for one; "
                               "repeatable; default: the context its checkpoint was trained at; smollm2 2048)",
             imported_checkpoints="where packaged models are imported to (default: %(default)s)",
+            weight_precision="weights of a deployment's backbone and MTP head: fp32 (the reference), int8 or int4 "
+                             "(ONNX Runtime MatMulNBits, docs/building.md#weight-precision); P for every deployment, "
+                             "NAME=P for one (repeatable; default: %(default)s)",
             kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)")
 DEPLOYMENTS = PUBLIC_DEPLOYMENTS
 # Deployments imported at build time from an installed package: name -> (pip name, module, file in it).
@@ -94,7 +97,8 @@ QUALITY_REPORTS = {"dualend": ROOT / "reports" / "quality.json",
 # Per-deployment defaults where one size does not fit all. SmolLM2 at 45 KiB of KV a token: 2048
 # tokens (its checkpoint says 8192) keep a request's reservation at 90 MiB, so 1536 MiB admits
 # 16 requests at the limits and far more of ordinary length.
-PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb")
+PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision")
+EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for precision in WEIGHT_BITS}
 DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536} for name in ("smollm2", "smollm2_dualend")}
 # Triton model suffix -> (source folder, components copied into its version folder)
 MODELS = {
@@ -127,17 +131,16 @@ def deployment_threshold(args, name: str, source: str, pair_size: int) -> float:
     return calibrated_threshold(Path(report))
 
 
-def up_to_date_export(checkpoint_dir: Path, export_dir: Path) -> ExportedModel:
+def up_to_date_export(checkpoint_dir: Path, export_dir: Path, weight_precision: str = "fp32") -> ExportedModel:
     checkpoint = load_checkpoint(checkpoint_dir)
     try:
         exported = ExportedModel.open(export_dir)
-        # the checkpoint id covers weights and config; the tokenizer config travels beside them
-        if exported.checkpoint_id == checkpoint.id and exported.tokenizer().config == checkpoint.tokenizer.config:
+        if export_matches(exported, checkpoint, weight_precision):
             return exported
     except (ManifestError, FileNotFoundError):
         pass
-    print(f"exporting {checkpoint_dir} to ONNX -> {export_dir}", flush=True)
-    export_checkpoint(checkpoint, export_dir)
+    print(f"exporting {checkpoint_dir} to ONNX ({weight_precision} weights) -> {export_dir}", flush=True)
+    export_checkpoint(checkpoint, export_dir, weight_precision)
     return ExportedModel.open(export_dir)
 
 
@@ -251,6 +254,12 @@ def per_deployment(kind, what: str):
 
 
 per_deployment_value = per_deployment(int, "an integer")
+
+
+def precision_name(text: str) -> str:
+    if text not in WEIGHT_BITS:
+        raise ValueError(text)
+    return text
 
 
 def variant(text: str) -> tuple[str, str]:
@@ -394,7 +403,9 @@ def assemble(args) -> Path:
     staging.mkdir(parents=True)
     for name, source in deployments.items():
         checkpoint_dir = checkpoint_folder(args, source)
-        exported = up_to_date_export(checkpoint_dir, Path(args.export_dir) / source)
+        precision = setting(args, "weight_precision", name, source)
+        exported = up_to_date_export(checkpoint_dir, Path(args.export_dir) / (source + EXPORT_SUFFIX[precision]),
+                                     precision)
         if args.engine == "tensorrt" and not (exported.directory / "backbone" / "model.plan").exists():
             raise SystemExit(f"{name}: no TensorRT engine; run `python -m builder.tensorrt_build` first")
         # raw_context_limit defaults to the context the checkpoint was trained at
@@ -411,7 +422,7 @@ def assemble(args) -> Path:
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
         print(f"{name}: checkpoint {exported.checkpoint_id}" + (f" (a variant of {source})" if name != source else "")
               + f", generation {generation} ({values['pipeline']}_*), raw_context_limit {limit}, KV budget "
-              f"{kv_cache_mb} MiB" + (f", acceptance_threshold {values['acceptance_threshold']:g}" if pair_size == 2 else "")
+              f"{kv_cache_mb} MiB, {precision} weights" + (f", acceptance_threshold {values['acceptance_threshold']:g}" if pair_size == 2 else "")
               + (f" beside the served generation {served}" if served else "")
               + "".join(f"; {notice}" for notice in values["benchmark_notices"]))
         drafting_built |= pair_size == 2
@@ -452,7 +463,10 @@ def main(argv=None) -> Path:
     for key, value in DEFAULTS.items():
         flag = f"--{key.replace('_', '-')}"
         if key in PER_DEPLOYMENT:
-            parser.add_argument(flag, type=per_deployment_value, action="append", default=[], metavar="[NAME=]N",
+            kind = per_deployment(precision_name, "one of " + ", ".join(WEIGHT_BITS)) if key == "weight_precision" \
+                else per_deployment_value
+            parser.add_argument(flag, type=kind, action="append", default=[],
+                                metavar="[NAME=]P" if key == "weight_precision" else "[NAME=]N",
                                 help=HELP[key] % {"default": value})
             continue
         kind = str if isinstance(value, Path) else type(value)

@@ -193,3 +193,28 @@ def test_the_launcher_reads_the_notices_of_the_served_generation(tmp_path):
     (tmp_path / "dualend_v3_mtp_verify" / "config.pbtxt").write_text(config.pbtxt())
     assert served_benchmark_notices(tmp_path, "dualend") == config.benchmark_notices()
     assert served_benchmark_notices(tmp_path, "baseline") == []
+
+
+def test_variants_are_built_from_their_source_with_their_own_precision_and_synthetic_rate(tmp_path, capsys):
+    from builder.assemble import DEFAULTS
+    from builder.assemble import main as assemble_main
+    from dualend.engine.onnx_engine import ExportedModel
+    from dualend.serving.repository import pipeline_name, served_generation
+
+    repository = assemble_main([
+        "--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(tmp_path / "repository"),
+        "--export-dir", str(tmp_path / "export"), "--hf-tokenizer", str(tmp_path / "tokenizer"),
+        "--deployments", "dualend", "--variant", "fast=dualend", "--weight-precision", "fast=int8",
+        "--synthetic-acceptance", "fast=0.9"])
+    built = capsys.readouterr().out
+    assert "fast: checkpoint" in built and "(a variant of dualend)" in built and "int8 weights" in built
+    precision = {}
+    for name in ("dualend", "fast"):
+        backbone = repository / f"{pipeline_name(name, served_generation(repository, name))}_backbone" / "1"
+        precision[name] = ExportedModel.open(backbone, ("backbone",)).weight_precision
+    assert precision == {"dualend": "fp32", "fast": "int8"}
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["dualend", "dualend_int8"]
+    configs = {name: (repository / f"{pipeline_name(name, 1)}_mtp_verify" / "config.pbtxt").read_text()
+               for name in ("dualend", "fast")}
+    assert "SYNTHETIC ACCEPTANCE" not in configs["dualend"].upper()
+    assert '"synthetic_acceptance"' in configs["fast"] and "0.9" in configs["fast"].split('"synthetic_acceptance"')[1][:60]

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The SmolLM2 comparison in one run (docs/benchmarks.md#smollm2-against-its-peers): builds a benchmark
+# repository with the variants below, serves it behind the gateway with a key of its own, and runs
+# benchmarks.compare against it, llama.cpp's server, ONNX Runtime GenAI and our in-process engine.
+# Nothing else may run on the machine meanwhile (no training). Peers first: bash scripts/install_peers.sh
+#   bash benchmarks/compare_smollm2.sh                     # -> reports/compare_smollm2/
+#   ROUNDS=1 REQUESTS=1 bash benchmarks/compare_smollm2.sh # a quicker, noisier pass
+# Served deployments (build/bench_repository), every one through the same gateway and /v1 routes:
+#   smollm2                 the token-level model, fp32 (the reference of the ratios)
+#   smollm2_int4            the same, backbone and head weights int4 (MatMulNBits)
+#   smollm2_dualend         the converted pair model at its calibrated threshold (its real acceptance)
+#   smollm2_dualend_syn70/90  the same, drafts accepted by a seeded draw at 0.7 / 0.9 (SYNTHETIC ACCEPTANCE)
+#   smollm2_dualend_int4_syn90  int4 weights and synthetic acceptance 0.9
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-reports/compare_smollm2}
+repository=build/bench_repository
+keys=build/bench_gateway/api_keys
+.venv/bin/python -m builder.assemble --out "$repository" --deployments smollm2 smollm2_dualend \
+    --variant smollm2_int4=smollm2 --weight-precision smollm2_int4=int4 \
+    --variant smollm2_dualend_syn70=smollm2_dualend --synthetic-acceptance smollm2_dualend_syn70=0.7 \
+    --variant smollm2_dualend_syn90=smollm2_dualend --synthetic-acceptance smollm2_dualend_syn90=0.9 \
+    --variant smollm2_dualend_int4_syn90=smollm2_dualend --synthetic-acceptance smollm2_dualend_int4_syn90=0.9 \
+    --weight-precision smollm2_dualend_int4_syn90=int4 --kv-cache-mb 1024 --max-concurrent-requests 16
+mkdir -p "$(dirname "$keys")"
+[ -f "$keys" ] || { echo "bench $(openssl rand -hex 16) max_requests=64" > "$keys"; chmod 600 "$keys"; }
+export DUALEND_API_KEY=$(awk '{print $2}' "$keys")
+.venv/bin/python -m dualend.ops.launch --model-repository "$repository" --api-keys "$keys" \
+    --log-file build/bench_gateway/server.log &
+server=$!
+trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+    curl -sf -H "Authorization: Bearer $DUALEND_API_KEY" localhost:8000/v1/models | grep -q int4_syn90 && break
+    kill -0 $server 2>/dev/null || { echo "the server exited; see build/bench_gateway/server.log" >&2; exit 1; }
+    sleep 2
+done
+targets=()
+for model in smollm2 smollm2_int4 smollm2_dualend smollm2_dualend_syn70 smollm2_dualend_syn90 smollm2_dualend_int4_syn90; do
+    targets+=(--openai "$model=http://127.0.0.1:8000/v1@$model")
+done
+common=(--reference smollm2 --rounds "${ROUNDS:-2}" --requests "${REQUESTS:-2}" "${targets[@]}" --llama-server --ortgenai)
+.venv/bin/python -m benchmarks.compare "${common[@]}" --workloads prompt-heavy decode-heavy --concurrency 1 4 16 \
+    --in-process "engine_syn90=build/export/smollm2_dualend@synthetic=0.9" --out "$out/throughput"
+.venv/bin/python -m benchmarks.compare "${common[@]}" --workloads ttft-2048 --concurrency 1 --out "$out/ttft"

@@ -7,21 +7,21 @@
 #   ROUNDS=1 REQUESTS=1 bash benchmarks/compare_smollm2.sh # a quicker, noisier pass
 # Served deployments (build/bench_repository), every one through the same gateway and /v1 routes:
 #   smollm2                 the token-level model, fp32 (the reference of the ratios)
-#   smollm2_int4            the same, backbone and head weights int4 (MatMulNBits)
+#   smollm2_int8            the same, backbone and head weights int8 (MatMulNBits; int4 costs +0.27 nats)
 #   smollm2_dualend         the converted pair model at its calibrated threshold (its real acceptance)
 #   smollm2_dualend_syn70/90  the same, drafts accepted by a seeded draw at 0.7 / 0.9 (SYNTHETIC ACCEPTANCE)
-#   smollm2_dualend_int4_syn90  int4 weights and synthetic acceptance 0.9
+#   smollm2_dualend_int8_syn90  int8 weights and synthetic acceptance 0.9
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-reports/compare_smollm2}
 repository=build/bench_repository
 keys=build/bench_gateway/api_keys
 .venv/bin/python -m builder.assemble --out "$repository" --deployments smollm2 smollm2_dualend \
-    --variant smollm2_int4=smollm2 --weight-precision smollm2_int4=int4 \
+    --variant smollm2_int8=smollm2 --weight-precision smollm2_int8=int8 \
     --variant smollm2_dualend_syn70=smollm2_dualend --synthetic-acceptance smollm2_dualend_syn70=0.7 \
     --variant smollm2_dualend_syn90=smollm2_dualend --synthetic-acceptance smollm2_dualend_syn90=0.9 \
-    --variant smollm2_dualend_int4_syn90=smollm2_dualend --synthetic-acceptance smollm2_dualend_int4_syn90=0.9 \
-    --weight-precision smollm2_dualend_int4_syn90=int4 --kv-cache-mb 1024 --max-concurrent-requests 16
+    --variant smollm2_dualend_int8_syn90=smollm2_dualend --synthetic-acceptance smollm2_dualend_int8_syn90=0.9 \
+    --weight-precision smollm2_dualend_int8_syn90=int8 --kv-cache-mb 1024 --max-concurrent-requests 16
 mkdir -p "$(dirname "$keys")"
 [ -f "$keys" ] || { echo "bench $(openssl rand -hex 16) max_requests=64" > "$keys"; chmod 600 "$keys"; }
 export DUALEND_API_KEY=$(awk '{print $2}' "$keys")
@@ -30,12 +30,12 @@ export DUALEND_API_KEY=$(awk '{print $2}' "$keys")
 server=$!
 trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
-    curl -sf -H "Authorization: Bearer $DUALEND_API_KEY" localhost:8000/v1/models | grep -q int4_syn90 && break
+    curl -sf -H "Authorization: Bearer $DUALEND_API_KEY" localhost:8000/v1/models | grep -q int8_syn90 && break
     kill -0 $server 2>/dev/null || { echo "the server exited; see build/bench_gateway/server.log" >&2; exit 1; }
     sleep 2
 done
 targets=()
-for model in smollm2 smollm2_int4 smollm2_dualend smollm2_dualend_syn70 smollm2_dualend_syn90 smollm2_dualend_int4_syn90; do
+for model in smollm2 smollm2_int8 smollm2_dualend smollm2_dualend_syn70 smollm2_dualend_syn90 smollm2_dualend_int8_syn90; do
     targets+=(--openai "$model=http://127.0.0.1:8000/v1@$model")
 done
 common=(--reference smollm2 --rounds "${ROUNDS:-2}" --requests "${REQUESTS:-2}" "${targets[@]}" --llama-server --ortgenai)

@@ -127,9 +127,9 @@ class OrtGenAI:
 
 
 def right_padded(prompts: list[list[int]], pad_id: int) -> np.ndarray:
-    """[batch, longest] int32 token ids, each prompt followed by pad_id. ORT GenAI 0.18 takes a row's
-    length from its trailing pads (left padding changed the shorter rows' greedy output; right padding
-    matched each prompt run alone), so in a batch a prompt must not end with pad_id."""
+    """[batch, longest] int32 token ids, each prompt followed by pad_id. In ORT GenAI 0.18 right padding
+    gave each row the greedy tokens of its prompt run alone, left padding did not for the shorter rows.
+    A batched prompt must not end with pad_id: its last real token would read as padding."""
     longest = max(len(prompt) for prompt in prompts)
     input_ids = np.full((len(prompts), longest), pad_id, dtype=np.int32)
     for row, prompt in enumerate(prompts):

@@ -567,6 +567,8 @@ def main(argv: list[str] | None = None) -> dict:
                 records, wall = target.run_cell(prompts[name][(r, c)], max_tokens)
                 cells.append({"round": r, "workload": name, "concurrency": c, "target": target.label,
                               "max_tokens": max_tokens, "summary": summarize(records, wall), "requests": records})
+                args.out.mkdir(parents=True, exist_ok=True)  # kept as it goes: a stopped run keeps its cells
+                (args.out / "cells.partial.json").write_text(json.dumps(without_nan(cells)))
     env["load_average_at_end"] = os.getloadavg()
 
     order = [t.label for t in targets]
@@ -586,6 +588,7 @@ def main(argv: list[str] | None = None) -> dict:
                "concurrency": args.concurrency, "workloads": {w: asdict(WORKLOADS[w]) for w in args.workloads},
                "reference": args.reference, "cells": cells}
     (args.out / "results.json").write_text(json.dumps(without_nan(results), indent=1))
+    (args.out / "cells.partial.json").unlink(missing_ok=True)
     print(tables)
     print(f"\nwrote {args.out / 'report.md'}, {args.out / 'results.json'}, {', '.join(written)}")
     return results

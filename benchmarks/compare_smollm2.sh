@@ -4,7 +4,7 @@
 # benchmarks.compare against it, llama.cpp's server, ONNX Runtime GenAI and our in-process engine.
 # Nothing else may run on the machine meanwhile (no training). Peers first: bash scripts/install_peers.sh
 #   bash benchmarks/compare_smollm2.sh                     # -> reports/compare_smollm2/
-#   ROUNDS=1 REQUESTS=1 bash benchmarks/compare_smollm2.sh # a quicker, noisier pass
+#   ROUNDS=2 REQUESTS=2 bash benchmarks/compare_smollm2.sh # steadier figures (about 100 minutes on 2 cores)
 # Served deployments (build/bench_repository), every one through the same gateway and /v1 routes:
 #   smollm2                 the token-level model, fp32 (the reference of the ratios)
 #   smollm2_int8            the same, backbone and head weights int8 (MatMulNBits; int4 costs +0.27 nats)
@@ -28,7 +28,7 @@ export DUALEND_API_KEY=$(awk '{print $2}' "$keys")
 .venv/bin/python -m dualend.ops.launch --model-repository "$repository" --api-keys "$keys" \
     --log-file build/bench_gateway/server.log &
 server=$!
-trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
     curl -sf -H "Authorization: Bearer $DUALEND_API_KEY" localhost:8000/v1/models | grep -q int8_syn90 && break
     kill -0 $server 2>/dev/null || { echo "the server exited; see build/bench_gateway/server.log" >&2; exit 1; }
@@ -38,7 +38,7 @@ targets=()
 for model in smollm2 smollm2_int8 smollm2_dualend smollm2_dualend_syn70 smollm2_dualend_syn90 smollm2_dualend_int8_syn90; do
     targets+=(--openai "$model=http://127.0.0.1:8000/v1@$model")
 done
-common=(--reference smollm2 --rounds "${ROUNDS:-2}" --requests "${REQUESTS:-2}" "${targets[@]}" --llama-server --ortgenai)
+common=(--reference smollm2 --rounds "${ROUNDS:-1}" --requests "${REQUESTS:-1}" "${targets[@]}" --llama-server --ortgenai)
 .venv/bin/python -m benchmarks.compare "${common[@]}" --workloads prompt-heavy decode-heavy --concurrency 1 4 16 \
-    --in-process "engine_syn90=build/export/smollm2_dualend@synthetic=0.9" --out "$out/throughput"
+    --in-process "engine_syn90=build/export/smollm2_dualend@synthetic=0.9@threshold=0.2" --out "$out/throughput"
 .venv/bin/python -m benchmarks.compare "${common[@]}" --workloads ttft-2048 --concurrency 1 --out "$out/ttft"

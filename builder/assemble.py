@@ -27,9 +27,15 @@ it on; the deployment's config, its startup log and the gauge dualend_synthetic_
 name it. A checkpoint whose recipe says `dummy: true` (builder.import_model --dummy) is named as
 dummy weights the same way.
 
-Inputs: the checkpoints and the quality report (`--quality-report`, default
-reports/quality.json): the evaluation report written by `python -m builder.evaluate`, whose
-calibrated acceptance_threshold the dual-end deployment ships (`--threshold` overrides it).
+`smollm2_dualend` is `smollm2`'s import merged with the adapters committed in
+checkpoints/smollm2_dualend (into --imported-checkpoints; once per adapters sha256 and base id).
+`--variant NAME=SOURCE` (benchmarks) also builds NAME from SOURCE's checkpoint with its own settings;
+`--weight-precision [NAME=]int8|int4` exports backbone and MTP head weights as MatMulNBits.
+
+Inputs: the checkpoints and each dual-end deployment's quality report (reports/quality.json from
+`python -m builder.evaluate` for dualend, reports/quality_smollm2_dualend.json from
+`python -m builder.evaluate_conversion`; `--quality-report NAME=PATH`), whose calibrated
+acceptance_threshold it ships (`--threshold [NAME=]T` overrides it).
 """
 from __future__ import annotations
 

@@ -128,6 +128,7 @@ class StreamedCompletion:
         self.sent_at, self.text, self.chunk_times = sent_at, "", []
         self.usage_tokens: int | None = None
         self.error: str | None = None
+        self.error_code: str | None = None  # OpenAI's `code` of an error event
         self.done = False
 
     def feed(self, line: str, now: float) -> None:
@@ -140,8 +141,7 @@ class StreamedCompletion:
             return
         payload = json.loads(data)
         if "error" in payload:
-            error = payload["error"]
-            self.error = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+            self.error, self.error_code = error_fields(payload["error"])
             return
         if payload.get("usage"):
             self.usage_tokens = payload["usage"]["completion_tokens"]
@@ -163,15 +163,25 @@ class StreamedCompletion:
                 "tokens_from": "re-tokenized text" if counted else "usage", "error": self.error}
 
 
+def error_fields(error) -> tuple[str, str | None]:
+    """(message, code) of an OpenAI error object, or of whatever else a server sent as its error."""
+    if isinstance(error, dict):
+        return str(error.get("message", error)), error.get("code")
+    return str(error), None
+
+
 def error_message(status: int, body: str) -> str:
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        return f"HTTP {status}: {json.loads(body)['error']['message']}"
-    return f"HTTP {status}: {body[:200]}"
+    """An HTTP error answer as `HTTP <status> [<OpenAI error code>]: <message>`."""
+    try:
+        message, code = error_fields(json.loads(body)["error"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {status}: {body[:200]}"
+    return f"HTTP {status}{f' {code}' if code else ''}: {message}"
 
 
-def completions_url(base_url: str) -> str:
+def completions_url(base_url: str, chat: bool = False) -> str:
     base = base_url.rstrip("/")
-    return (base if base.endswith("/v1") else base + "/v1") + "/completions"
+    return (base if base.endswith("/v1") else base + "/v1") + ("/chat/completions" if chat else "/completions")
 
 
 # --- targets: run_cell(clients' prompts, max_tokens) -> (records, measured wall seconds) ------------

@@ -1,4 +1,4 @@
-"""What the load tools read about server processes: CPU time from /proc, and its split by role."""
+"""What the load tools read about server processes: which they are, CPU time from /proc, and its split by role."""
 import os
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from benchmarks.bench_served import cpu_by_role
-from dualend.ops.processes import cpu_seconds, cpu_snapshot, cpu_used
+from dualend.ops.processes import cpu_seconds, cpu_snapshot, cpu_used, server_role
 
 
 def test_cpu_seconds_counts_this_process_work():
@@ -38,3 +38,19 @@ def test_cpu_by_role_splits_one_deployments_steps_from_the_rest():
     assert cpu["client"] == pytest.approx(150)
     assert cpu["preprocessing"] == 0
     assert cpu["total"] == pytest.approx(800)
+
+
+def test_the_server_processes_are_told_by_their_command_lines():
+    from pathlib import Path
+
+    from dualend.ops.openai_api.app import ServiceSettings
+    from dualend.ops.openai_api.process import ApiService
+
+    launched = ApiService(ServiceSettings("127.0.0.1:18001", Path("build/model_repository")), "127.0.0.1", None)
+    assert server_role([arg.encode() for arg in launched.command()]) == "openai_api"  # as the launcher starts it
+    assert server_role([b"/opt/tritonserver/bin/tritonserver", b"--model-repository", b"/r"]) == "tritonserver"
+    nginx_master = b"nginx: master process /usr/sbin/nginx -p /srv/gateway -c /srv/gateway/nginx.conf"
+    assert server_role([nginx_master, b""]) == "nginx"
+    for other in ([b"nginx: worker process", b""], [b"grep", b"dualend.ops.openai_api"],
+                  [b"python", b"-m", b"pytest", b"tests/test_openai_api.py"], [b""]):
+        assert server_role(other) is None, other

@@ -1,11 +1,12 @@
 """The server processes on this machine and what they use: tritonserver, its Python backend stubs
-(named by model) and nginx's master, read from /proc."""
+(named by model), nginx's master and the OpenAI-compatible service, read from /proc."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+API_SERVICE_MODULE = b"dualend.ops.openai_api"  # how the launcher starts the OpenAI-compatible service
 
 
 def stub_processes(server_pid: int) -> dict[str, tuple[int, str]]:
@@ -28,18 +29,31 @@ def server_tree(server_pid: int) -> dict[str, int]:
 
 
 def server_processes() -> dict[str, int]:
-    """{name: pid} of tritonserver, each of its Python backend stubs (by model) and nginx here."""
+    """{name: pid} of tritonserver, each of its Python backend stubs (by model), nginx and the
+    OpenAI-compatible service (`openai_api`) here."""
     found = {}
     for proc in Path("/proc").iterdir():
         try:
-            program = os.path.basename((proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"))
-        except (OSError, IndexError):
+            role = server_role((proc / "cmdline").read_bytes().split(b"\0"))
+        except OSError:
             continue
-        if program == "tritonserver":
+        if role == "tritonserver":
             found |= server_tree(int(proc.name))
-        elif program.startswith("nginx") and b"master" in (proc / "cmdline").read_bytes():
-            found["nginx"] = int(proc.name)
+        elif role is not None:
+            found[role] = int(proc.name)
     return found
+
+
+def server_role(args: list[bytes]) -> str | None:
+    """Which server process a command line is: tritonserver, nginx (its master, by the title nginx gives
+    it: the workers come and go with reloads), openai_api (`python -m dualend.ops.openai_api`), or None."""
+    if os.path.basename(args[0].decode(errors="replace")) == "tritonserver":
+        return "tritonserver"
+    if args[0].startswith(b"nginx: master"):
+        return "nginx"
+    if any(flag == b"-m" and module == API_SERVICE_MODULE for flag, module in zip(args, args[1:])):
+        return "openai_api"
+    return None
 
 
 def rss_mb(pid: int) -> float:

@@ -3,14 +3,20 @@ against the API schemas, the compose file, Prometheus and Grafana wiring against
 models export, and the images' recipes."""
 import json
 import re
+import shutil
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
-from dualend.ops.gateway import GatewaySettings, render
+from dualend.ops.api_keys import write_new_keys
+from dualend.ops.gateway import NJS_MODULE, Gateway, GatewaySettings, render
+from dualend.ops.host import free_ports
+from dualend.ops.openai_api.translation import RETRY_AFTER_S
 from dualend.serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, POOL_COUNTERS, POOL_GAUGES, REFUSALS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,3 +101,39 @@ def test_the_gateway_routes_v1_to_the_openai_service_behind_the_key():
     config = render(GatewaySettings("127.0.0.1:18000", "127.0.0.1:18001", openai_api="127.0.0.1:18080"), Path("/tmp/x"))
     assert "upstream openai_api { server 127.0.0.1:18080;" in config and "location /v1/ {" in config
     assert "location /v1/" not in render(GatewaySettings("127.0.0.1:18000", "127.0.0.1:18001"), Path("/tmp/x"))
+
+
+@pytest.mark.skipif(not (shutil.which("nginx") or Path("/usr/sbin/nginx").exists()) or not NJS_MODULE.exists(),
+                    reason="nginx with its njs module is not installed (scripts/setup.sh)")
+def test_the_gateways_retry_later_refusals_carry_retry_after(tmp_path):
+    """nginx alone, nothing behind it: a /v1 request whose service does not answer is a 503, the next
+    ones over the rate (1/s, burst 1) a 429, on /v1 in OpenAI's shape and on the Triton routes in theirs; each says
+    when to retry, as the OpenAI-compatible service's own refusals do, and keeps the deployment header."""
+    (tmp_path / "repository" / "dualend").mkdir(parents=True)
+    (tmp_path / "repository" / "dualend" / "config.pbtxt").write_text(
+        'input [\n  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },\n'
+        '  { name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] }\n]\noutput [\n]\n')
+    key = write_new_keys(tmp_path / "keys")
+    triton_http, triton_grpc, openai_api, http_port, grpc_port = free_ports("127.0.0.1", 5)  # none listens behind
+    gateway = Gateway(GatewaySettings(f"127.0.0.1:{triton_http}", f"127.0.0.1:{triton_grpc}", tmp_path / "repository",
+                                      http_port=http_port, grpc_port=grpc_port, keys_file=tmp_path / "keys",
+                                      rate_per_s=1, burst=1, openai_api=f"127.0.0.1:{openai_api}"),
+                      tmp_path / "nginx")
+
+    def refusal(path, body=None):
+        request = urllib.request.Request(f"http://{gateway.http_url}{path}", data=body,
+                                         headers={"Authorization": f"Bearer {key}"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        return refused.value.code, refused.value.headers, json.loads(refused.value.read())
+
+    with gateway:
+        unavailable, _, too_many = refusal("/v1/models"), refusal("/v1/models"), refusal("/v1/models")  # burst 1
+        triton_too_many = refusal("/v2/models/dualend/generate", b'{"text_input": "x", "max_tokens": 1}')
+    status, headers, body = unavailable
+    assert (status, headers["Retry-After"], body["error"]["code"]) == (503, str(RETRY_AFTER_S[503]), "retry")
+    status, headers, body = too_many
+    assert (status, headers["Retry-After"], body["error"]["type"]) == (429, str(RETRY_AFTER_S[429]), "rate_limit_error")
+    status, headers, body = triton_too_many
+    assert (status, headers["Retry-After"], body["error"].split(":")[0]) == (429, str(RETRY_AFTER_S[429]), "rate limit")
+    assert headers["X-Dualend-Deployment"] == "dualend"  # kept beside the location's own header

@@ -217,8 +217,9 @@ def test_a_key_over_its_cap_gets_429_while_another_keys_request_passes(api):
                for _ in range(2)]
     for stream in streams:
         next(iter(stream))
-    with pytest.raises(openai.RateLimitError, match="max_requests 2"):
+    with pytest.raises(openai.RateLimitError, match="max_requests 2") as refused:
         client(api, key=ALICE).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2)
+    assert refused.value.response.headers["retry-after"] == "1"
     assert client(api, key=BOB).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2).choices
     for stream in streams:
         stream.close()
@@ -289,6 +290,7 @@ def test_a_deployment_marked_down_refuses_new_requests_and_ends_stalled_ones_wit
         with pytest.raises(openai.APIStatusError) as refused:
             client(api).completions.create(model="baseline", prompt="x", max_tokens=2)
         assert refused.value.status_code == 503 and "restoring" in refused.value.message
+        assert refused.value.response.headers["retry-after"] == "2"
         assert client(api).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2).choices
     finally:
         mark.unlink()

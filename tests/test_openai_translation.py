@@ -301,3 +301,43 @@ def test_chat_is_refused_naming_messages_without_a_template(tmp_path, tiny_token
         parse_chat({"model": "dualend", "messages": [{"role": "user", "content": "hi"}]}, deployment.render_chat)
     assert (refused.value.status, refused.value.param, refused.value.code) == (400, "messages", "no_chat_template")
     assert deployment.dual_end
+
+
+def test_refusals_worth_retrying_say_when_and_the_others_do_not(tmp_path, tiny_tokenizer):
+    """Through the service's route: a key over its cap (429) and a deployment being restored (503) carry
+    Retry-After; a malformed request (400) says nothing of retrying."""
+    import json
+
+    from starlette.requests import Request
+
+    from dualend.ops.openai_api.app import Service, ServiceSettings
+
+    served_repository(tmp_path / "repository", tiny_tokenizer, None)
+    key = "a1" * 12
+    (tmp_path / "keys").write_text(f"alice {key} max_requests=1\n")
+    service = Service(ServiceSettings("127.0.0.1:1", tmp_path / "repository", keys_file=tmp_path / "keys",
+                                      gateway_prefix=tmp_path / "gateway"))
+    service.readiness = Readiness(ScriptedServer({"dualend"}).probe)
+
+    def post(body):
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                 "headers": [(b"authorization", f"Bearer {key}".encode())]}
+
+        async def receive():
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+        return asyncio.run(service.generate(Request(scope, receive)))
+
+    request = {"model": "dualend", "prompt": "Q: 1+1\nA:", "stream": True}
+    with service.caps.admit(service.keys[key_hash(key)]):  # alice's one place is taken
+        over_cap = post(request)
+    malformed = post(request | {"max_tokens": 0})
+    (tmp_path / "gateway" / "down").mkdir(parents=True)
+    (tmp_path / "gateway" / "down" / "dualend").touch()  # the watchdog restores it
+    service.marks.poll()
+    restoring = post(request)
+    assert (over_cap.status_code, over_cap.headers["retry-after"]) == (429, "1")
+    assert json.loads(over_cap.body)["error"]["code"] == "too_many_requests_for_key"
+    assert (restoring.status_code, restoring.headers["retry-after"]) == (503, "2")
+    assert json.loads(restoring.body)["error"]["code"] == "retry"
+    assert malformed.status_code == 400 and "retry-after" not in malformed.headers

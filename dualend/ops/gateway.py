@@ -47,6 +47,7 @@ from dualend.serving.repository import PUBLIC_DEPLOYMENTS
 
 from .api_keys import read_keys
 from .host import client_host
+from .openai_api.translation import RETRY_AFTER_S
 from .watchdog import STUCK_MARK
 
 CANARY_MODEL = "llm"
@@ -135,6 +136,12 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
         """The same refusal in OpenAI's error shape on the /v1 routes."""
         body = openai_error.format(message=message, type=type_, code=code)
         return f"if ($uri ~ ^/v1/) {{ return {status} '{body}'; }}"
+
+    def retry_after(status: int) -> str:
+        """Retry-After on a refusal worth retrying, as the OpenAI-compatible service sends it; a location's
+        own add_header drops the server's, so the deployment header is repeated."""
+        return (f"add_header Retry-After {RETRY_AFTER_S[status]} always; "
+                "add_header X-Dualend-Deployment $deployment always;")
 
     def generate_location(model_pattern: str, deployment: str, triton_uri: str) -> str:
         """A generate route: key, method, down mark, rate, then the JSON check (which passes the
@@ -232,10 +239,12 @@ http {{
             return 413 '{{"error":"request body over {settings.max_body}; a prompt inside raw_context_limit is far smaller"}}';
         }}
         location @unavailable {{
+            {retry_after(503)}
             {v1_error(503, "the service behind the gateway is not answering; retry", "service_unavailable", "retry")}
             return 503 '{{"error":"the inference server behind the gateway is not answering"}}';
         }}
         location @too_many {{
+            {retry_after(429)}
             {v1_error(429, f"rate limit: over {settings.rate_per_s} requests/s for this API key", "rate_limit_error",
                       "rate_limit_exceeded")}
             return 429 '{{"error":"rate limit: over {settings.rate_per_s} requests/s, or over its cap of open requests (max_requests), for this API key"}}';

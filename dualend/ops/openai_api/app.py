@@ -447,7 +447,7 @@ def sse(payload: dict) -> bytes:
 
 
 def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return JSONResponse(error.body(), status_code=error.status, headers=(headers or {}) | error.headers())
 
 
 async def not_found(request: Request, exc) -> Response:

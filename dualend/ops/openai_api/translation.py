@@ -21,6 +21,9 @@ TRITON_FIELDS = {"text_input": "prompt", "random_seed": "seed", "stop_words": "s
                  "temperature": "temperature", "top_p": "top_p"}  # Triton input -> OpenAI field
 IGNORED = {"user", "logit_bias", "presence_penalty", "frequency_penalty", "suffix", "service_tier", "store",
            "metadata", "parallel_tool_calls"}  # accepted and without effect, as other servers do
+# Retry-After (seconds) on the refusals a client retries: a 429's place frees as soon as one request
+# ends (or the rate's bucket refills); a 503's failed step is restored, or its server answers again, in seconds
+RETRY_AFTER_S = {429: 1, 503: 2}
 
 
 class ApiError(Exception):
@@ -36,6 +39,11 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """Retry-After on a refusal worth retrying (429, 503); none on the others."""
+        seconds = RETRY_AFTER_S.get(self.status)
+        return {} if seconds is None else {"Retry-After": str(seconds)}
 
 
 @dataclass

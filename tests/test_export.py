@@ -12,7 +12,7 @@ from dualend.engine.checkpoint import Checkpoint
 from dualend.engine.decode import CapacityError, SamplingParams
 from dualend.engine.kv_pool import AlreadyStarted, EvictedSequence, KVCache, NoRoom, UnknownSequence
 from dualend.engine.manifest import ManifestError
-from dualend.engine.onnx_engine import ExportedModel, OnnxComponents
+from dualend.engine.onnx_engine import MTP_THREADED_FROM_WEIGHTS, ExportedModel, OnnxComponents, mtp_threads
 from dualend.engine.reference import TorchComponents, reference_text
 from dualend.serving.offline import generate_text
 
@@ -46,6 +46,13 @@ def test_onnx_greedy_generation_equals_torch(exported, tiny_tokenizer, name, thr
         theirs = reference_text(reference, tiny_tokenizer, prompt, params, threshold)  # the step-by-step oracle
         assert ours.tokens == theirs.tokens and ours.accepted == theirs.accepted
         assert len(ours.tokens) > 0
+
+
+def test_an_mtp_head_with_a_large_output_layer_runs_on_the_engines_threads_a_small_one_on_one():
+    smollm2 = {"vocab_size": 49152, "d_model": 576}
+    assert smollm2["vocab_size"] * smollm2["d_model"] >= MTP_THREADED_FROM_WEIGHTS
+    assert mtp_threads(smollm2, 2) == 2 and mtp_threads(smollm2, None) is None  # None: ONNX Runtime's default
+    assert mtp_threads({"vocab_size": 1024, "d_model": 256}, 2) == 1  # the shipped pair's
 
 
 def test_batched_steps_match_single_steps(exported):

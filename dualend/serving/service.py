@@ -31,7 +31,8 @@ INPUTS = ("prompt_latents", "request_params", "pipeline_key", "control", "cancel
 class DecodeService:
     def __init__(self, config: DeploymentConfig, exported: ExportedModel, backbone: Backbone, guard: PipelineGuard,
                  metrics: PhaseMetrics, log_warning):
-        local = MTPComponent(exported, max_sequences=config.max_concurrent_requests, **config.kv_cache_options())
+        local = MTPComponent(exported, max_sequences=config.max_concurrent_requests, engine_threads=config.engine_threads,
+                             **config.kv_cache_options())
         self.scheduler = Scheduler(
             max_running=config.max_concurrent_requests, max_queue=config.max_queue_size, wait_s=config.queue_wait_s,
             prefill_chunk=config.prefill_chunk_latents, kv_blocks=config.kv_capacity_blocks,

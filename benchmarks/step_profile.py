@@ -1,0 +1,86 @@
+"""Where one decode step's engine time goes, per component, in-process (no server).
+
+    python -m benchmarks.step_profile build/export/smollm2_dualend build/export/dualend --batch-sizes 1 16
+
+For each export: the backbone's step (its past 64 latents long, every row of the batch stepping) on
+`--threads` threads with ONNX Runtime's threads spinning between calls (as the in-process engine
+runs it) and not (as the served backbone runs it); the MTP head's step on one thread and on
+`--threads`; the compressor folding one pair. Calls are interleaved call by call, so the machine's
+noise falls on every variant alike; prints the median and the 10th-90th percentile spread in ms.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from client.api import median_and_spread
+from dualend.engine.onnx_engine import BackboneRunner, ExportedModel, MTPRunner, kv_cache, ort_session
+
+PAST_LATENTS = 64
+
+
+def variants(exported: ExportedModel, batch: int, threads: int) -> dict:
+    """name -> a callable running one step of that variant."""
+    settings = exported.settings
+    width, rng = settings["d_model"], np.random.default_rng(0)
+    calls = {}
+    for spinning in (True, False):
+        cache = kv_cache(settings, settings["n_layers"], batch)
+        runner = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning), cache,
+                                settings["vocab_size"], width)
+        for seq_id in range(batch):
+            runner.prefill(seq_id, rng.standard_normal((PAST_LATENTS, width), np.float32) * 0.02, 4096)
+        latents = rng.standard_normal((batch, width), np.float32) * 0.02
+        calls[f"backbone, {threads} threads{', spinning' if spinning else ''}"] = (
+            lambda runner=runner: runner.step(list(range(batch)), latents))
+    if "mtp" in exported.manifests:
+        for mtp_threads in sorted({1, threads}):
+            runner = MTPRunner(ort_session(exported.path("mtp"), mtp_threads), kv_cache(settings, 1, batch))
+            for seq_id in range(batch):
+                runner.cache.reserve(seq_id, 4096)
+            position = [0]
+
+            def mtp_step(runner=runner, position=position):
+                position[0] += 1
+                runner.step_batch(list(range(batch)), np.full(batch, 5), rng.standard_normal((batch, width), np.float32),
+                                  np.full(batch, position[0]))
+            calls[f"MTP head, {mtp_threads} thread{'s' if mtp_threads > 1 else ''}"] = mtp_step
+    compressor = ort_session(exported.path("compressor"), 1)
+    pairs = np.full((batch, settings["pair_size"]), 5, np.int64)
+    calls["compressor, 1 thread"] = lambda: compressor.run(None, {"tokens": pairs})
+    return calls
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("exports", type=Path, nargs="+", help="export folders (builder.assemble writes build/export/NAME)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args(argv)
+    figures = {}
+    for directory in args.exports:
+        exported = ExportedModel.open(directory)
+        for batch in args.batch_sizes:
+            calls = variants(exported, batch, args.threads)
+            times = {name: [] for name in calls}
+            for repeat in range(args.repeats + 2):  # two warm-up rounds
+                for name, call in calls.items():
+                    started = time.perf_counter()
+                    call()
+                    if repeat >= 2:
+                        times[name].append((time.perf_counter() - started) * 1e3)
+            print(f"\n{directory} (weights {exported.weight_precision}), batch {batch}, past {PAST_LATENTS} latents; "
+                  f"ms per step, median (p10-p90) of {args.repeats}")
+            for name, values in times.items():
+                median, low, high = median_and_spread(values)
+                print(f"  {name:32} {median:8.2f} ({low:.2f}-{high:.2f})")
+                figures[(str(directory), batch, name)] = median
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""What the OpenAI-compatible front costs: the same chat turns over /v1/chat/completions and over
+Triton's gRPC stream, against one running server, interleaved.
+
+    python -m benchmarks.api_overhead --model smollm2 --requests 60 --concurrency 16 --pass-s 30
+
+Both paths go through the gateway, as clients reach it (`--openai` base URL, `--grpc` host:port; the
+key from --api-key or $DUALEND_API_KEY). Over gRPC the prompt is the chat turn rendered by the
+deployment's chat template, as the service renders it, so both paths serve the same tokens; both ask
+for `--max-tokens` tokens with EOS ignored.
+
+- TTFT at concurrency 1: `--requests` pairs, the two paths alternating and the order flipped every
+  pair; medians, 10th-90th percentiles and the median of the paired differences (/v1 less gRPC).
+- Output tokens/s at `--concurrency`: that many closed-loop clients for `--pass-s` seconds on one
+  path, then the other, then back (ABBA); the ratio /v1 over gRPC of each half and of the whole.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.soak import stream_openai
+from client.api import RequestError, median_and_spread, stream_grpc
+from dualend.ops.openai_api.app import load_deployment
+from dualend.train.data import FAMILIES, eval_set
+
+DEFAULTS = dict(openai="http://127.0.0.1:8000/v1", grpc="127.0.0.1:8001", model="smollm2",
+                model_repository=Path("build/model_repository"), requests=60, concurrency=16, pass_s=30.0,
+                max_tokens=32)
+
+
+class Paths:
+    """One chat turn sent either way; each call returns the client-side Result."""
+
+    def __init__(self, args):
+        deployment = load_deployment(args.model_repository, args.model)
+        if deployment is None or deployment.tokenizer is None:
+            raise SystemExit(f"{args.model}: not in {args.model_repository}, or no chat template")
+        self.args, self.render = args, deployment.render_chat
+
+    def openai(self, question: str):
+        return stream_openai(self.args.openai, self.args.model, question, self.args.max_tokens, self.args.api_key,
+                             chat=True, ignore_eos=True)
+
+    def grpc(self, question: str):
+        prompt = self.render([{"role": "user", "content": question}])
+        return stream_grpc(self.args.grpc, self.args.model, prompt, self.args.max_tokens, api_key=self.args.api_key,
+                           exclude_input_in_output=True, ignore_eos=True)
+
+
+def ttft_pairs(paths: Paths, questions, pairs: int) -> dict[str, list[float]]:
+    ttft = {"openai": [], "grpc": []}
+    for index in range(pairs):
+        question = next(questions)
+        for name in (("openai", "grpc") if index % 2 else ("grpc", "openai")):
+            ttft[name].append(getattr(paths, name)(question).ttft_s)
+    return ttft
+
+
+def throughput(send, questions, clients: int, seconds: float) -> tuple[float, int]:
+    """Output tokens/s of `clients` closed-loop clients for `seconds`; and the failed requests."""
+    lock, stop = threading.Lock(), threading.Event()
+    tokens, failed = [0], [0]
+
+    def client():
+        while not stop.is_set():
+            with lock:
+                question = next(questions)
+            try:
+                result = send(question)
+            except RequestError:
+                with lock:
+                    failed[0] += 1
+                continue
+            if not stop.is_set():
+                with lock:
+                    tokens[0] += result.output_tokens
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    elapsed = time.perf_counter() - started  # requests running at the end are not counted
+    for thread in threads:
+        thread.join()
+    return tokens[0] / elapsed, failed[0]
+
+
+def ms(values: list[float]) -> str:
+    median, low, high = median_and_spread(values)
+    return f"{median * 1e3:7.1f} ms ({low * 1e3:.1f}-{high * 1e3:.1f})"
+
+
+def main(argv=None) -> dict:
+    import os
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for key, value in DEFAULTS.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument("--api-key", default=os.environ.get("DUALEND_API_KEY"))
+    args = parser.parse_args(argv)
+    paths = Paths(args)
+    questions = itertools.cycle([e.prompt for family in FAMILIES for e in eval_set(family, 20, seed=5)])
+    for _ in range(3):  # warm-up
+        paths.openai(next(questions)), paths.grpc(next(questions))
+
+    ttft = ttft_pairs(paths, questions, args.requests)
+    differences = [a - b for a, b in zip(ttft["openai"], ttft["grpc"])]
+    print(f"{args.model}, {args.max_tokens} tokens per request, EOS ignored; /v1 at {args.openai}, gRPC at {args.grpc}")
+    print(f"TTFT at concurrency 1, {args.requests} interleaved pairs: median (p10-p90)")
+    print(f"  /v1/chat/completions {ms(ttft['openai'])}\n  gRPC stream          {ms(ttft['grpc'])}")
+    print(f"  /v1 less gRPC, paired {ms(differences)}")
+
+    rates = {"openai": [], "grpc": []}
+    failures = 0
+    for name in ("grpc", "openai", "openai", "grpc"):
+        rate, failed = throughput(getattr(paths, name), questions, args.concurrency, args.pass_s / 2)
+        rates[name].append(rate)
+        failures += failed
+    halves = [a / b for a, b in zip(rates["openai"], rates["grpc"])]  # (gRPC, /v1) then (/v1, gRPC)
+    ratio = sum(rates["openai"]) / sum(rates["grpc"])
+    print(f"Output tokens/s at concurrency {args.concurrency}, {args.pass_s:g} s per path (ABBA halves):")
+    print(f"  /v1 {statistics.mean(rates['openai']):.1f}, gRPC {statistics.mean(rates['grpc']):.1f}: "
+          f"/v1 / gRPC {ratio:.2f}x (halves {', '.join(f'{h:.2f}' for h in halves)}); {failures} failed")
+    return {"ttft_openai_s": median_and_spread(ttft["openai"])[0], "ttft_grpc_s": median_and_spread(ttft["grpc"])[0],
+            "ttft_difference_s": median_and_spread(differences)[0], "throughput_ratio": ratio, "failed": failures}
+
+
+if __name__ == "__main__":
+    main()

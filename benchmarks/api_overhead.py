@@ -2,13 +2,15 @@
 Triton's gRPC stream, against one running server, interleaved.
 
     python -m benchmarks.api_overhead --model smollm2 --requests 60 --concurrency 16 --pass-s 30
+    python -m benchmarks.api_overhead --model dualend     # no chat template: /v1/completions
 
 Both paths go through the gateway, as clients reach it (`--openai` base URL, `--grpc` host:port; the
 key from --api-key or $DUALEND_API_KEY). Over gRPC the prompt is the chat turn rendered by the
 deployment's chat template, as the service renders it, so both paths serve the same tokens; both ask
-for `--max-tokens` tokens with EOS ignored.
+for `--max-tokens` tokens with EOS ignored. A deployment without a chat template (the shipped pair) is
+sent the question as a prompt to /v1/completions.
 
-- TTFT at concurrency 1: `--requests` pairs, the two paths alternating and the order flipped every
+- TTFT (to the first text) at concurrency 1: `--requests` pairs, the two paths alternating and the order flipped every
   pair; medians, 10th-90th percentiles and the median of the paired differences (/v1 less gRPC).
 - Output tokens/s at `--concurrency`: that many closed-loop clients for `--pass-s` seconds on one
   path, then the other, then back (ABBA); the ratio /v1 over gRPC of each half and of the whole.
@@ -37,18 +39,28 @@ class Paths:
 
     def __init__(self, args):
         deployment = load_deployment(args.model_repository, args.model)
-        if deployment is None or deployment.tokenizer is None:
-            raise SystemExit(f"{args.model}: not in {args.model_repository}, or no chat template")
-        self.args, self.render = args, deployment.render_chat
+        if deployment is None:
+            raise SystemExit(f"{args.model}: not in {args.model_repository}")
+        self.args, self.chat = args, deployment.tokenizer is not None
+        self.route = "/v1/chat/completions" if self.chat else "/v1/completions"
+        self.render = deployment.render_chat
 
     def openai(self, question: str):
-        return stream_openai(self.args.openai, self.args.model, question, self.args.max_tokens, self.args.api_key,
-                             chat=True, ignore_eos=True)
+        result = stream_openai(self.args.openai, self.args.model, question, self.args.max_tokens, self.args.api_key,
+                               chat=self.chat, ignore_eos=True)
+        result.first_text_s = result.ttft_s  # its arrivals are the chunks with text
+        return result
 
     def grpc(self, question: str):
-        prompt = self.render([{"role": "user", "content": question}])
-        return stream_grpc(self.args.grpc, self.args.model, prompt, self.args.max_tokens, api_key=self.args.api_key,
-                           exclude_input_in_output=True, ignore_eos=True)
+        """TTFT, as over /v1, at the first response with text (a response's tokens can be held back
+        a step, e.g. an incomplete UTF-8 character)."""
+        prompt = self.render([{"role": "user", "content": question}]) if self.chat else question
+        first_text = []
+        result = stream_grpc(self.args.grpc, self.args.model, prompt, self.args.max_tokens, api_key=self.args.api_key,
+                             exclude_input_in_output=True, ignore_eos=True,
+                             on_text=lambda _: first_text or first_text.append(time.perf_counter()))
+        result.first_text_s = first_text[0] - result.sent_at if first_text else float("nan")
+        return result
 
 
 def ttft_pairs(paths: Paths, questions, pairs: int) -> dict[str, list[float]]:
@@ -56,7 +68,7 @@ def ttft_pairs(paths: Paths, questions, pairs: int) -> dict[str, list[float]]:
     for index in range(pairs):
         question = next(questions)
         for name in (("openai", "grpc") if index % 2 else ("grpc", "openai")):
-            ttft[name].append(getattr(paths, name)(question).ttft_s)
+            ttft[name].append(getattr(paths, name)(question).first_text_s)
     return ttft
 
 
@@ -112,7 +124,7 @@ def main(argv=None) -> dict:
     differences = [a - b for a, b in zip(ttft["openai"], ttft["grpc"])]
     print(f"{args.model}, {args.max_tokens} tokens per request, EOS ignored; /v1 at {args.openai}, gRPC at {args.grpc}")
     print(f"TTFT at concurrency 1, {args.requests} interleaved pairs: median (p10-p90)")
-    print(f"  /v1/chat/completions {ms(ttft['openai'])}\n  gRPC stream          {ms(ttft['grpc'])}")
+    print(f"  {paths.route:20} {ms(ttft['openai'])}\n  {'gRPC stream':20} {ms(ttft['grpc'])}")
     print(f"  /v1 less gRPC, paired {ms(differences)}")
 
     rates = {"openai": [], "grpc": []}

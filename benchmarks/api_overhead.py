@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.soak import stream_openai
-from client.api import RequestError, median_and_spread, stream_grpc
+from client.api import RequestError, Result, median_and_spread, stream_grpc
 from dualend.ops.openai_api.app import load_deployment
 from dualend.train.data import FAMILIES, eval_set
 
@@ -45,22 +45,24 @@ class Paths:
         self.route = "/v1/chat/completions" if self.chat else "/v1/completions"
         self.render = deployment.render_chat
 
-    def openai(self, question: str):
+    def openai(self, question: str) -> tuple[Result, float]:
+        """The request's Result and its time to the first text (its arrivals are the chunks with text)."""
         result = stream_openai(self.args.openai, self.args.model, question, self.args.max_tokens, self.args.api_key,
                                chat=self.chat, ignore_eos=True)
-        result.first_text_s = result.ttft_s  # its arrivals are the chunks with text
-        return result
+        return result, result.ttft_s
 
-    def grpc(self, question: str):
-        """TTFT, as over /v1, at the first response with text (a response's tokens can be held back
+    def grpc(self, question: str) -> tuple[Result, float]:
+        """As over /v1, the time to the first response with text (a response's tokens can be held back
         a step, e.g. an incomplete UTF-8 character)."""
         prompt = self.render([{"role": "user", "content": question}]) if self.chat else question
         first_text = []
+
+        def on_text(_):
+            if not first_text:
+                first_text.append(time.perf_counter())
         result = stream_grpc(self.args.grpc, self.args.model, prompt, self.args.max_tokens, api_key=self.args.api_key,
-                             exclude_input_in_output=True, ignore_eos=True,
-                             on_text=lambda _: first_text or first_text.append(time.perf_counter()))
-        result.first_text_s = first_text[0] - result.sent_at if first_text else float("nan")
-        return result
+                             exclude_input_in_output=True, ignore_eos=True, on_text=on_text)
+        return result, first_text[0] - result.sent_at if first_text else float("nan")
 
 
 def ttft_pairs(paths: Paths, questions, pairs: int) -> dict[str, list[float]]:
@@ -68,7 +70,7 @@ def ttft_pairs(paths: Paths, questions, pairs: int) -> dict[str, list[float]]:
     for index in range(pairs):
         question = next(questions)
         for name in (("openai", "grpc") if index % 2 else ("grpc", "openai")):
-            ttft[name].append(getattr(paths, name)(question).first_text_s)
+            ttft[name].append(getattr(paths, name)(question)[1])
     return ttft
 
 
@@ -82,7 +84,7 @@ def throughput(send, questions, clients: int, seconds: float) -> tuple[float, in
             with lock:
                 question = next(questions)
             try:
-                result = send(question)
+                result, _ = send(question)
             except RequestError:
                 with lock:
                     failed[0] += 1

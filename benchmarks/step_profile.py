@@ -35,7 +35,7 @@ def variants(exported: ExportedModel, batch: int, threads: int) -> dict:
             runner.prefill(seq_id, rng.standard_normal((PAST_LATENTS, width), np.float32) * 0.02, 4096)
         latents = rng.standard_normal((batch, width), np.float32) * 0.02
         calls[f"backbone, {threads} threads{', spinning' if spinning else ''}"] = (
-            lambda runner=runner: runner.step(list(range(batch)), latents))
+            lambda runner=runner, latents=latents: runner.step(list(range(batch)), latents))
     if "mtp" in exported.manifests:
         for mtp_threads in sorted({1, threads}):
             runner = MTPRunner(ort_session(exported.path("mtp"), mtp_threads), kv_cache(settings, 1, batch))

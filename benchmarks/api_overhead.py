@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import threading
 import time
@@ -110,8 +111,6 @@ def ms(values: list[float]) -> str:
 
 
 def main(argv=None) -> dict:
-    import os
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for key, value in DEFAULTS.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)

@@ -30,8 +30,8 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # an imported model's specials 
 EXPORT_FORMAT = 4
 DEFAULT_MAX_SEQUENCES = 64  # KV cache rows of an in-process engine
 # An MTP head carries its own output layer (d_model x vocab). From this many weights it runs on the
-# backbone's threads: SmolLM2's (28M) steps in 6.9 ms on 2 threads vs 11.0 on one; the shipped
-# pair's (0.26M) in 0.58 vs 0.50 (a step at batch 1, reports/bench_mtp_threads.txt).
+# backbone's threads: SmolLM2's (28M) steps in 6.4 ms on 2 threads vs 11.0 on one; the shipped
+# pair's (0.26M) in 0.76 vs 0.71 (a step at batch 1, reports/bench_mtp_threads.txt).
 MTP_THREADED_FROM_WEIGHTS = 4_000_000
 BACKBONE_OUTPUTS = ("logits", "hidden", "present_keys", "present_values")
 MTP_INPUTS = ("t1", "hidden", "positions", "past_valid", "past_keys", "past_values")

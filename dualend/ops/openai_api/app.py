@@ -203,8 +203,8 @@ class Service:
         async def one_request():
             yield {"model_name": deployment, "inputs": inputs,
                    "parameters": {"triton_enable_empty_final_response": True}}
-            # Open until the request ends: tritonserver 2.51 kept ~23 KB per request of streams half-closed
-            # at once (RSS +37 MB per 1660 requests at c32), ~8 KB of these (reports/soak_v1.txt)
+            # Open until the request ends: with each stream half-closed at once tritonserver 2.51's RSS grew
+            # ~23 KB a request at c32, kept open ~8 KB (reports/soak_v1.txt)
             await ended.wait()
 
         responses: asyncio.Queue = asyncio.Queue()

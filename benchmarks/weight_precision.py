@@ -9,7 +9,7 @@ evaluation's "report" split, BOS first) through each export's backbone on ONNX R
 decode step per latent, all chunks together. Reports the mean NLL of the tokens the backbone predicts
 (for a dual-end model, the first token after each pair; the MTP head's drafts are not scored), its
 change from fp32, how often the top token equals fp32's, the quantized nodes and the file sizes.
-`--timing` then times decode steps of all precisions interleaved, after `--timing-context` latents.
+`--timing` then times decode steps of all precisions, taking turns, after `--timing-context` latents.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import onnx
 from tqdm import tqdm
 
 from builder.export import WEIGHT_BITS, export_checkpoint, export_matches
+from builder.quantize import constant_weight_matmuls
 from client.api import median_and_spread
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.manifest import ManifestError
@@ -85,10 +86,10 @@ def teacher_forced(directory: Path, rows: np.ndarray, threads: int) -> tuple[np.
 
 def graph_summary(path: Path) -> str:
     """Quantized and fp32 constant-weight matrix products, and what computes the logits (the LM head)."""
-    graph = onnx.load(str(path)).graph
-    weights = {tensor.name for tensor in graph.initializer}
+    model = onnx.load(str(path))
+    graph = model.graph
     ops = Counter(node.op_type for node in graph.node)
-    fp32 = sum(node.op_type in ("MatMul", "Gemm") and node.input[1] in weights for node in graph.node)
+    fp32 = len(constant_weight_matmuls(model))
     head = next(node for node in graph.node if "logits" in node.output)
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in head.attribute}
     shape = f"K={attributes['K']} N={attributes['N']} bits={attributes['bits']}" if attributes else "fp32 weight"
@@ -102,23 +103,31 @@ def sizes_mb(directory: Path) -> dict[str, float]:
 
 
 def step_times(directories: dict[str, Path], rows: np.ndarray, batch: int, context: int, steps: int,
-               threads: int) -> dict[str, list[float]]:
-    """Seconds per decode step of `batch` sequences after `context` latents, precisions interleaved step by step."""
+               threads: int, rounds: int = 4) -> dict[str, list[float]]:
+    """Seconds per decode step of `batch` sequences after `context` latents. Precisions take turns in
+    `rounds` runs of steps / rounds consecutive steps each (turns step by step would time each
+    session's thread pool waking up beside the others', not the step), after two warm-up steps."""
     engines = {p: OnnxComponents(d, threads, max_sequences=batch) for p, d in directories.items()}
     pair = next(iter(engines.values())).pair_size
-    tokens = np.resize(rows, (batch, (context + steps + 3) * pair))  # the held-out rows, repeated as needed
-    times, latents = {p: [] for p in engines}, {}
+    per_round = -(-steps // rounds)
+    total = context + rounds * (per_round + 2)
+    tokens = np.resize(rows, (batch, (total + 1) * pair))  # the held-out rows, repeated as needed
+    times, latents, positions = {p: [] for p in engines}, {}, {}
     for precision, engine in engines.items():
         latents[precision] = engine.compress(tokens.reshape(-1, pair)).reshape(batch, -1, engine.backbone.d_model)
         for seq_id in range(1, batch + 1):
-            engine.backbone.prefill(seq_id, latents[precision][seq_id - 1, :context], context + steps + 3)
+            engine.backbone.prefill(seq_id, latents[precision][seq_id - 1, :context], total + 1)
+        positions[precision] = context
     ids = list(range(1, batch + 1))
-    for index in tqdm(range(context, context + steps + 3), desc=f"timing batch {batch}", leave=False):
+    for _ in tqdm(range(rounds), desc=f"timing batch {batch}", leave=False):
         for precision, engine in engines.items():
-            started = time.perf_counter()
-            engine.backbone.step(ids, latents[precision][:, index])
-            if index >= context + 3:  # three warm-up steps
-                times[precision].append(time.perf_counter() - started)
+            for step in range(per_round + 2):
+                index = positions[precision]
+                started = time.perf_counter()
+                engine.backbone.step(ids, latents[precision][:, index])
+                if step >= 2:
+                    times[precision].append(time.perf_counter() - started)
+                positions[precision] += 1
     return times
 
 
@@ -160,7 +169,7 @@ def main(argv=None) -> None:
 
     if args.timing:
         print(f"\ndecode step, ms, median (p10-p90) of {args.timing_steps}, after {args.timing_context} latents, "
-              f"precisions interleaved step by step")
+              f"precisions taking turns in 4 runs of consecutive steps")
         for batch in args.timing_batches:
             times = step_times(directories, rows, batch, args.timing_context, args.timing_steps, args.threads)
             cells = []

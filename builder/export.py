@@ -12,14 +12,14 @@ template) and manifest.json. Every graph passes onnx.checker.
 `--weight-precision int8|int4` (default fp32, the reference) stores the backbone's and the MTP head's
 weight matrices quantized: every MatMul by a constant weight (the projections and the LM head, the
 tied embedding's transpose included) becomes ONNX Runtime's MatMulNBits, blockwise along the input
-dimension (blocks of QUANT_BLOCK_SIZE, symmetric: one scale each, no zero point). The compressor (for a
+dimension in blocks of QUANT_BLOCK_SIZE, by GGUF's rules (builder.quantize: int4 as Q4_1, int8 and
+every LM head as Q8_0), so weights imported from such blocks keep their values. The compressor (for a
 baseline: the embedding lookup) stays fp32. Every manifest's settings name the precision
 ("weight_precision") and, when quantized, the quantizer's settings ("weight_quantization").
 """
 from __future__ import annotations
 
 import argparse
-import logging
 import shutil
 from pathlib import Path
 
@@ -27,6 +27,7 @@ import onnx
 import torch
 from torch import nn
 
+from builder.quantize import LM_HEAD_BITS, quantize_weights
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.manifest import write_manifest
 from dualend.engine.model import LanguageModel
@@ -44,14 +45,13 @@ from dualend.engine.onnx_engine import (
 
 OPSET = 17  # ONNX Runtime 1.23 (Python 3.10, the Triton 24.10 container) runs it
 WEIGHT_BITS = {"fp32": None, "int8": 8, "int4": 4}  # weight_precision -> bits of a quantized weight
-QUANT_BLOCK_SIZE = 32  # weights along the input dimension that share one scale
-# Symmetric (no zero point): SmolLM2's held-out NLL rose 0.27 nats at int4 (asymmetric: 0.32) and
-# 0.011 at int8 (asymmetric: 0.006); reports/weight_precision_nll.txt.
-QUANT_SYMMETRIC = True
+QUANT_BLOCK_SIZE = 32  # weights along the input dimension that share one scale (GGUF's Q4_x and Q8_0 blocks)
 # MatMulNBits accuracy_level 4: activations are quantized to int8 per block at run time, so the CPU
-# multiplies on its integer dot-product units; ONNX Runtime's CPU kernels have no 8-bit path on fp32
-# activations (it would dequantize the whole weight every call).
+# multiplies on its integer dot-product units; ONNX Runtime's CPU kernels have no fast path on fp32
+# activations for these weights (reports/weight_precision_nll.txt).
 QUANT_ACCURACY_LEVEL = 4
+# How a bit width stores its blocks (builder.quantize).
+QUANT_RULES = {4: "asymmetric, float block minimum", 8: "symmetric"}
 
 
 class CompressorGraph(nn.Module):
@@ -107,12 +107,6 @@ def _export(graph: nn.Module, args: tuple, path: Path, inputs, outputs, dynamic:
     onnx.checker.check_model(str(path))
 
 
-def constant_weight_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """MatMul and Gemm nodes whose second input is a stored weight (an initializer)."""
-    weights = {tensor.name for tensor in model.graph.initializer}
-    return [node for node in model.graph.node if node.op_type in ("MatMul", "Gemm") and node.input[1] in weights]
-
-
 def weight_settings(weight_precision: str) -> dict:
     """The settings that say how an export's backbone and MTP weights are stored."""
     if weight_precision not in WEIGHT_BITS:
@@ -121,29 +115,13 @@ def weight_settings(weight_precision: str) -> dict:
         return {"weight_precision": weight_precision}
     return {"weight_precision": weight_precision,
             "weight_quantization": {"op": "MatMulNBits", "bits": WEIGHT_BITS[weight_precision],
-                                    "block_size": QUANT_BLOCK_SIZE, "symmetric": QUANT_SYMMETRIC,
-                                    "accuracy_level": QUANT_ACCURACY_LEVEL}}
+                                    "block_size": QUANT_BLOCK_SIZE, "rule": QUANT_RULES[WEIGHT_BITS[weight_precision]],
+                                    "lm_head_bits": LM_HEAD_BITS, "accuracy_level": QUANT_ACCURACY_LEVEL}}
 
 
-def quantize_weights(path: Path, quantization: dict) -> None:
-    """Rewrites the graph at `path` with every constant-weight MatMul as MatMulNBits (`quantization`:
-    weight_settings' "weight_quantization"). Raises if any constant-weight MatMul or Gemm is left in fp32."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer, logger
-
-    logger.setLevel(logging.WARNING)  # it logs every node at INFO
-    model = onnx.load(str(path))
-    expected = len(constant_weight_matmuls(model))
-    quantizer = MatMulNBitsQuantizer(model, bits=quantization["bits"], block_size=quantization["block_size"],
-                                     is_symmetric=quantization["symmetric"],
-                                     accuracy_level=quantization["accuracy_level"])
-    quantizer.process()
-    quantized = quantizer.model.model
-    left = [node.name for node in constant_weight_matmuls(quantized)]
-    count = sum(node.op_type == "MatMulNBits" for node in quantized.graph.node)
-    if left or count != expected:
-        raise RuntimeError(f"{path}: {count} of {expected} constant-weight MatMuls quantized; left in fp32: {left}")
-    onnx.save(quantized, str(path))
-    onnx.checker.check_model(str(path))
+def _quantize(path: Path, quantization: dict, vocab_size: int) -> None:
+    quantize_weights(path, quantization["bits"], quantization["block_size"], quantization["accuracy_level"],
+                     lm_head_outputs=vocab_size)
 
 
 def settings_of(checkpoint: Checkpoint, weight_precision: str = "fp32") -> dict:
@@ -195,7 +173,7 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
     _export(BackboneGraph(model), example, out / "backbone" / MODEL_FILE, inputs, BACKBONE_OUTPUTS, dynamic)
     quantization = settings.get("weight_quantization")
     if quantization:
-        quantize_weights(out / "backbone" / MODEL_FILE, quantization)
+        _quantize(out / "backbone" / MODEL_FILE, quantization, cfg.vocab_size)
     write_manifest(out / "backbone", ckpt_id, "backbone", "onnx", settings)
 
     if cfg.is_dualend:
@@ -207,7 +185,7 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
                    "present_keys": {1: "batch"}, "present_values": {1: "batch"}}
         _export(MTPGraph(model), example, out / "mtp" / MODEL_FILE, MTP_INPUTS, MTP_OUTPUTS, dynamic)
         if quantization:
-            quantize_weights(out / "mtp" / MODEL_FILE, quantization)
+            _quantize(out / "mtp" / MODEL_FILE, quantization, cfg.vocab_size)
         write_manifest(out / "mtp", ckpt_id, "mtp", "onnx", settings)
     return ckpt_id
 

@@ -7,7 +7,8 @@ import onnx
 import pytest
 import torch
 
-from builder.export import constant_weight_matmuls, export_checkpoint, export_matches
+from builder.export import export_checkpoint, export_matches
+from builder.quantize import constant_weight_matmuls
 from dualend.engine.checkpoint import Checkpoint
 from dualend.engine.decode import CapacityError, SamplingParams
 from dualend.engine.kv_pool import AlreadyStarted, EvictedSequence, KVCache, NoRoom, UnknownSequence
@@ -176,9 +177,11 @@ def test_every_constant_weight_matmul_of_backbone_and_mtp_is_quantized(exported,
         nbits = [node for node in model.graph.node if node.op_type == "MatMulNBits"]
         assert len(nbits) == count
         attributes = [{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute} for node in nbits]
-        assert {(a["bits"], a["block_size"], a["accuracy_level"]) for a in attributes} == {(bits, 32, 4)}
-        assert all(len(node.input) == 3 for node in nbits)  # A, weight, scales: symmetric, no zero points
-        assert sum(a["N"] == vocab for a in attributes) == 1  # the LM head: the tied embedding's transpose
+        head = [a for a in attributes if a["N"] == vocab]  # the LM head: the tied embedding's transpose
+        assert len(head) == 1 and head[0]["bits"] == 8
+        assert {(a["bits"], a["block_size"], a["accuracy_level"]) for a in attributes if a["N"] != vocab} == {(bits, 32, 4)}
+        # A, codes, scales (symmetric); int4 adds zero points, its block minimums added by a MatMul beside it
+        assert sorted(len(node.input) for node in nbits) == sorted([3] + [3 if bits == 8 else 4] * (count - 1))
 
 
 def test_the_manifests_name_the_weight_precision_and_an_export_matches_only_its_own(exported, quantized, tmp_path):
@@ -190,7 +193,8 @@ def test_the_manifests_name_the_weight_precision_and_an_export_matches_only_its_
     assert export_matches(int4, checkpoint, "int4") and not export_matches(int4, checkpoint, "fp32")
     assert export_matches(fp32, checkpoint) and not export_matches(fp32, checkpoint, "int4")
     assert int4.settings["weight_quantization"] == {"op": "MatMulNBits", "bits": 4, "block_size": 32,
-                                                    "symmetric": True, "accuracy_level": 4}
+                                                    "rule": "asymmetric, float block minimum",
+                                                    "lm_head_bits": 8, "accuracy_level": 4}
     int4.manifests["tokenizer"].settings["weight_quantization"]["block_size"] = 128  # made by other settings
     assert not export_matches(int4, checkpoint, "int4")
 

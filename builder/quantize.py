@@ -1,0 +1,183 @@
+"""Weight-only block quantization of an exported graph: every MatMul by a stored weight becomes
+ONNX Runtime's MatMulNBits, blocks of `block_size` along the input dimension K.
+
+Two block rules, the ones GGUF files use, so a checkpoint imported from such a file is stored on its
+own grid again instead of being rounded a second time:
+- 4 bits, asymmetric (Q4_1's rule): w = scale * q + block_min, q in 0..15, scale = (max - min) / 15.
+  MatMulNBits' zero point is an integer (w = scale * (q - zero_point)), which cannot hold a float
+  minimum, and its CPU kernels take float zero points only on a path that dequantizes the whole
+  weight every call. So the minimum rides on a small correction beside it:
+      A @ W = MatMulNBits(A; q, scale, zero point 0) + blocksum(A) @ block_min
+  with blocksum(A) [.., K / block_size] the sum of A over each block.
+- 8 bits, symmetric (Q8_0's rule): w = scale * q, q in -127..127, scale = max|w| / 127 (stored as
+  q + 128, MatMulNBits' default zero point for 8 bits).
+An LM head (a weight with one output per vocabulary entry) keeps 8 bits at every precision: a tied
+embedding is read one row per token elsewhere and GGUF files store it at 8 bits.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+ASYMMETRIC_BITS, SYMMETRIC_BITS = 4, 8
+LM_HEAD_BITS = 8
+
+
+MINIMUM_TERM = "_minimum_term"  # suffix of the output of a block-minimum correction's MatMul
+
+
+def constant_weight_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """MatMul and Gemm nodes whose second input is a stored weight (an initializer), other than the
+    small block-minimum corrections that 4-bit weights bring."""
+    weights = {tensor.name for tensor in model.graph.initializer}
+    return [node for node in model.graph.node if node.op_type in ("MatMul", "Gemm") and node.input[1] in weights
+            and not node.output[0].endswith(MINIMUM_TERM)]
+
+
+def _blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
+    """weight [K, N] -> [N, K_blocks, block_size], K padded with zeros to whole blocks."""
+    k, n = weight.shape
+    padded = np.zeros((-(-k // block_size) * block_size, n), np.float32)
+    padded[:k] = weight
+    return padded.T.reshape(n, -1, block_size)
+
+
+def symmetric_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """weight [K, N] -> codes uint8 [N, K_blocks, block_size] (q + 128), scales [N, K_blocks]."""
+    blocks = _blocks(weight, block_size)
+    scales = np.abs(blocks).max(-1) / 127
+    scales[scales == 0] = 1
+    codes = np.clip(np.round(blocks / scales[..., None]), -127, 127) + 128
+    return codes.astype(np.uint8), scales.astype(np.float32)
+
+
+def asymmetric_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """weight [K, N] -> codes uint8 [N, K_blocks, block_size] in 0..15, scales and minimums [N, K_blocks].
+    A padded tail block is measured on its real weights only; its padding codes are 0."""
+    k = weight.shape[0]
+    blocks = _blocks(weight, block_size)
+    real = (np.arange(blocks.shape[1] * block_size) < k).reshape(blocks.shape[1], block_size)  # [K_blocks, bs]
+    minimums = np.where(real, blocks, np.inf).min(-1)
+    maximums = np.where(real, blocks, -np.inf).max(-1)
+    scales = (maximums - minimums) / 15
+    scales[scales == 0] = 1
+    codes = np.clip(np.round((blocks - minimums[..., None]) / scales[..., None]), 0, 15) * real
+    return codes.astype(np.uint8), scales.astype(np.float32), minimums.astype(np.float32)
+
+
+def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """[..., 2m] values 0..15 -> [..., m] bytes, the even element in the low nibble."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def dequantized(codes: np.ndarray, scales: np.ndarray, minimums: np.ndarray | None, k: int) -> np.ndarray:
+    """The weight [K, N] that codes and scales (and minimums, for asymmetric blocks) stand for."""
+    if minimums is None:
+        blocks = (codes.astype(np.float32) - 128) * scales[..., None]
+    else:
+        blocks = codes * scales[..., None] + minimums[..., None]
+    return blocks.reshape(len(codes), -1)[:, :k].T
+
+
+class _Rewriter:
+    def __init__(self, model: onnx.ModelProto, block_size: int, accuracy_level: int):
+        self.model, self.block_size, self.accuracy_level = model, block_size, accuracy_level
+        inferred = onnx.shape_inference.infer_shapes(model)
+        self.ranks = {value.name: len(value.type.tensor_type.shape.dim)
+                      for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+        self.weights = {tensor.name: tensor for tensor in model.graph.initializer}
+        self.new_weights: list[onnx.TensorProto] = []
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        self.new_weights.append(numpy_helper.from_array(array, name))
+        return name
+
+    def nbits(self, node: onnx.NodeProto, codes: np.ndarray, scales: np.ndarray, bits: int, k: int,
+              output: str, zero_points: np.ndarray | None = None) -> onnx.NodeProto:
+        packed = _pack_nibbles(codes) if bits == 4 else codes
+        inputs = [node.input[0], self.weight(f"{node.name}_codes", packed),
+                  self.weight(f"{node.name}_scales", scales.reshape(-1))]
+        if zero_points is not None:
+            inputs.append(self.weight(f"{node.name}_zero_points", zero_points))
+        return helper.make_node("MatMulNBits", inputs, [output], name=f"{node.name}_nbits", domain="com.microsoft",
+                                K=k, N=codes.shape[0], bits=bits, block_size=self.block_size,
+                                accuracy_level=self.accuracy_level)
+
+    def minimum_correction(self, node: onnx.NodeProto, minimums: np.ndarray, k: int, partial: str) -> list[onnx.NodeProto]:
+        """Nodes adding blocksum(A) @ minimums to `partial`, into the MatMul's own output. Where shape
+        inference knows A's rank, A's leading dimensions stay as they are; else A is flattened to
+        rows and the term is shaped like `partial` again."""
+        activations, name = node.input[0], node.name
+        rank = self.ranks.get(activations)
+        blocks = minimums.shape[1]
+        nodes, source = [], activations
+        if blocks * self.block_size != k:  # the tail block's padding adds nothing to the sum
+            if not rank:
+                raise ValueError(f"{name}: K = {k} is not a multiple of {self.block_size} and the rank of its "
+                                 f"input {activations} is unknown; cannot pad its last block")
+            pads = [0] * rank + [0] * (rank - 1) + [blocks * self.block_size - k]
+            nodes.append(helper.make_node("Pad", [source, self.weight(f"{name}_pads", np.array(pads, np.int64))],
+                                          [f"{name}_padded"]))
+            source = f"{name}_padded"
+        leading = [0] * (rank - 1) if rank else [-1]  # Reshape's 0: that dimension as it is
+        shape = np.array(leading + [blocks, self.block_size], np.int64)
+        term = f"{name}{MINIMUM_TERM}"
+        nodes += [
+            helper.make_node("Reshape", [source, self.weight(f"{name}_block_shape", shape)], [f"{name}_blocks"]),
+            helper.make_node("ReduceSum", [f"{name}_blocks", self.weight(f"{name}_last_axis", np.array([-1], np.int64))],
+                             [f"{name}_block_sums"], keepdims=0),
+            helper.make_node("MatMul", [f"{name}_block_sums", self.weight(f"{name}_minimums", minimums.T.copy())],
+                             [term]),
+        ]
+        if not rank:
+            nodes += [helper.make_node("Shape", [partial], [f"{name}_output_shape"]),
+                      helper.make_node("Reshape", [term, f"{name}_output_shape"], [f"{term}_shaped"])]
+            term = f"{term}_shaped"
+        return nodes + [helper.make_node("Add", [partial, term], [node.output[0]])]
+
+    def replace(self, node: onnx.NodeProto, bits: int) -> list[onnx.NodeProto]:
+        weight = numpy_helper.to_array(self.weights[node.input[1]]).astype(np.float32)  # [K, N]
+        k = weight.shape[0]
+        if bits == SYMMETRIC_BITS:
+            codes, scales = symmetric_blocks(weight, self.block_size)
+            return [self.nbits(node, codes, scales, bits, k, node.output[0])]
+        codes, scales, minimums = asymmetric_blocks(weight, self.block_size)
+        zero_points = np.zeros(codes.shape[0] * ((codes.shape[1] + 1) // 2), np.uint8)  # 4-bit zeros, rows packed apart
+        partial = f"{node.name}_on_grid"
+        return [self.nbits(node, codes, scales, bits, k, partial, zero_points),
+                *self.minimum_correction(node, minimums, k, partial)]
+
+
+def quantize_weights(path: Path, bits: int, block_size: int, accuracy_level: int, lm_head_outputs: int) -> None:
+    """Rewrites the graph at `path` with every constant-weight MatMul as MatMulNBits: `bits` 4 or 8, and
+    LM_HEAD_BITS for a weight with `lm_head_outputs` (the vocabulary size) columns. Raises if a
+    constant-weight MatMul or Gemm would stay in fp32."""
+    if bits not in (ASYMMETRIC_BITS, SYMMETRIC_BITS):
+        raise ValueError(f"{bits}-bit weights: expected {ASYMMETRIC_BITS} or {SYMMETRIC_BITS}")
+    model = onnx.load(str(path))
+    targets = constant_weight_matmuls(model)
+    gemms = [node.name for node in targets if node.op_type == "Gemm"]
+    if gemms:
+        raise ValueError(f"{path}: Gemm by a stored weight is not quantized: {gemms}")
+    rewriter = _Rewriter(model, block_size, accuracy_level)
+    replaced = {id(node) for node in targets}
+    nodes, used = [], set()  # used: weights of the replaced MatMuls
+    for node in model.graph.node:
+        if id(node) not in replaced:
+            nodes.append(node)
+            continue
+        used.add(node.input[1])
+        lm_head = rewriter.weights[node.input[1]].dims[-1] == lm_head_outputs
+        nodes += rewriter.replace(node, LM_HEAD_BITS if lm_head else bits)
+    still_read = {name for node in nodes for name in node.input}
+    kept = [tensor for tensor in model.graph.initializer if tensor.name not in used or tensor.name in still_read]
+    del model.graph.node[:], model.graph.initializer[:]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(kept + rewriter.new_weights)
+    if not any(opset.domain == "com.microsoft" for opset in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.save(model, str(path))
+    onnx.checker.check_model(str(path))

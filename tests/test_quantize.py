@@ -1,0 +1,99 @@
+"""builder.quantize: GGUF's block rules reproduce weights already on their grid, and the rewritten
+graph (MatMulNBits plus the block-minimum correction) computes what the weight stands for."""
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from builder.quantize import asymmetric_blocks, constant_weight_matmuls, dequantized, quantize_weights, symmetric_blocks
+
+BLOCK = 32
+
+
+def q4_1_weight(k: int, n: int, seed: int = 0) -> np.ndarray:
+    """[K, N] as a Q4_1 file stores it: per block of 32 along K, scale * q + minimum, q in 0..15
+    with 0 and 15 both present (the block's own minimum and maximum)."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-k // BLOCK)
+    codes = rng.integers(0, 16, (n, blocks, BLOCK))
+    codes[:, :, 0], codes[:, :, 1] = 0, 15
+    scales = rng.uniform(1e-3, 2e-2, (n, blocks, 1)).astype(np.float32)
+    minimums = rng.uniform(-0.2, 0.0, (n, blocks, 1)).astype(np.float32)
+    return (codes * scales + minimums).astype(np.float32).reshape(n, -1)[:, :k].T.copy()
+
+
+def test_asymmetric_blocks_give_back_a_q4_1_weight():
+    weight = q4_1_weight(128, 24)
+    codes, scales, minimums = asymmetric_blocks(weight, BLOCK)
+    assert codes.shape == (24, 4, BLOCK) and codes.max() == 15 and codes.min() == 0
+    np.testing.assert_allclose(dequantized(codes, scales, minimums, 128), weight, rtol=0, atol=1e-6)
+
+
+def test_a_tail_block_is_measured_on_its_real_weights():
+    weight = q4_1_weight(128, 8)[:88]  # 2 whole blocks and 24 weights of a third
+    codes, scales, minimums = asymmetric_blocks(weight, BLOCK)
+    assert codes.shape == (8, 3, BLOCK) and not codes[:, 2, 24:].any()
+    np.testing.assert_allclose(dequantized(codes, scales, minimums, 88), weight, rtol=0, atol=1e-6)
+
+
+def test_symmetric_blocks_give_back_a_q8_0_weight():
+    rng = np.random.default_rng(1)
+    codes = rng.integers(-127, 128, (64, 16))
+    codes[0], codes[BLOCK] = 127, -127  # each block's largest magnitude is 127 steps, as Q8_0 writes it
+    weight = (codes * np.repeat(rng.uniform(1e-3, 1e-2, (2, 16)), BLOCK, 0)).astype(np.float32)
+    stored, scales = symmetric_blocks(weight, BLOCK)
+    np.testing.assert_allclose(dequantized(stored, scales, None, 64), weight, rtol=0, atol=1e-6)
+
+
+def matmul_graph(tmp_path, weights: dict[str, np.ndarray], k: int, known_rank: bool = True):
+    """x [B, S, K] -> MatMul by each weight in turn (the last one has the vocabulary's width).
+    Without `known_rank`, x is first reshaped by an input of unknown length (`shape`), so shape
+    inference cannot tell the rank of what the first MatMul reads."""
+    nodes, inits, source, width = [], [], "x", list(weights.values())[-1].shape[1]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", k])]
+    if not known_rank:
+        inputs.append(helper.make_tensor_value_info("shape", TensorProto.INT64, ["rank"]))
+        nodes.append(helper.make_node("Reshape", ["x", "shape"], ["reshaped"]))
+        source = "reshaped"
+    for index, (name, weight) in enumerate(weights.items()):
+        inits.append(numpy_helper.from_array(weight, name))
+        out = "logits" if index == len(weights) - 1 else f"h{index}"
+        nodes.append(helper.make_node("MatMul", [source, name], [out], name=f"matmul_{name}"))
+        source = out
+    graph = helper.make_graph(nodes, "g", inputs,
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", width])], inits)
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+@pytest.mark.parametrize("k, known_rank", [(96, True), (88, True), (96, False)],
+                         ids=["whole blocks", "a padded tail block", "input rank unknown"])
+def test_quantized_graph_computes_the_stored_weights(tmp_path, k, known_rank):
+    hidden, vocab = q4_1_weight(k, 40, seed=2), np.random.default_rng(3).normal(0, 0.05, (40, 50)).astype(np.float32)
+    path = matmul_graph(tmp_path, {"proj": hidden, "head": vocab}, k, known_rank)
+    quantize_weights(path, 4, BLOCK, accuracy_level=0, lm_head_outputs=50)  # fp32 activations: exact
+    model = onnx.load(str(path))
+    assert not constant_weight_matmuls(model)
+    nbits = {node.name: {a.name: helper.get_attribute_value(a) for a in node.attribute}
+             for node in model.graph.node if node.op_type == "MatMulNBits"}
+    assert {attrs["bits"] for attrs in nbits.values()} == {4, 8}
+    head_codes, head_scales = symmetric_blocks(vocab, BLOCK)
+    x = np.random.default_rng(4).normal(size=(2, 3, k)).astype(np.float32)
+    feeds = {"x": x} if known_rank else {"x": x, "shape": np.array(x.shape, np.int64)}
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    want = (x @ hidden) @ dequantized(head_codes, head_scales, None, 40)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_a_tail_block_of_an_input_of_unknown_rank_is_refused(tmp_path):
+    path = matmul_graph(tmp_path, {"proj": q4_1_weight(88, 8), "head": np.ones((8, 50), np.float32)}, 88, False)
+    with pytest.raises(ValueError, match="K = 88 is not a multiple of 32 and the rank of its input reshaped is unknown"):
+        quantize_weights(path, 4, BLOCK, 4, lm_head_outputs=50)
+
+
+def test_an_unknown_bit_width_is_refused(tmp_path):
+    path = matmul_graph(tmp_path, {"w": np.ones((32, 4), np.float32)}, 32)
+    with pytest.raises(ValueError, match="3-bit weights: expected 4 or 8"):
+        quantize_weights(path, 3, BLOCK, 4, lm_head_outputs=4)

@@ -1,3 +1,4 @@
+import json
 import time
 
 import pytest
@@ -49,3 +50,48 @@ def wait_for(condition, timeout_s=10.0, poll_s=0.05) -> bool:
             return True
         time.sleep(poll_s)
     return condition()
+
+
+def malformed_bodies(model: str, prompt_field: str) -> list[tuple[str, bytes, bool]]:
+    """(what, body, unusable): what careless and hostile clients send, by syntax, encoding, size, nesting
+    and type. `unusable`: no reading of it is a request (broken JSON or text, nested past the limit,
+    over a limit); the type matrix mixes wrong values with odd but valid ones (`seed` 0, `stop` [])."""
+    valid = ({"model": model} if model else {}) | {prompt_field: "Q: 1+1\nA:", "max_tokens": 2}
+    field = prompt_field.encode()
+    head = (b'{"model": "' + model.encode() + b'", ' if model else b"{") + b'"' + field + b'": '
+    bodies = [("empty", b""), ("NUL bytes", b"\x00" * 8), ("open brace", b"{"), ("close brace", b"}"),
+              ("null", b"null"), ("true", b"true"), ("a number", b"1"), ("a string", b'"x"'), ("a list", b"[]"),
+              ("trailing comma", head + b'"x",}'), ("single quotes", b"{'" + field + b"': 'x'}"),
+              ("a comment", head + b'"x" /* x */}'), ("NaN literal", head + b'"x", "temperature": NaN}'),
+              ("bare word", b"{" + field + b": x}"), ("two objects", json.dumps(valid).encode() * 2),
+              ("overlong UTF-8", head + b'"\xc0\xaf"}'),
+              ("a lone continuation byte", head + b'"\x80"}'),
+              ("cut mid-character", head + b'"\xe4\xb8"}'),
+              ("a 1 MB prompt", json.dumps({**valid, prompt_field: "x" * (1 << 20)}).encode()),
+              ("a 30k-token prompt", json.dumps({**valid, prompt_field: "x " * 30000}).encode()),
+              ("a 1000-digit number", head + b'"x", "max_tokens": ' + b"9" * 1000 + b"}"),
+              ("a 5000-digit number", head + b'"x", "seed": ' + b"9" * 5000 + b"}")]
+    bodies = [(what, body, True) for what, body in bodies]
+    for where in (prompt_field, "model", "stop", "key", "user"):
+        for escape in ("\\ud800", "\\udfff", "a\\ud83d", "\\ude00b"):
+            body = {**valid}
+            if where == "key":
+                text = json.dumps(body)[:-1] + f', "{escape}": 1}}'
+            else:
+                text = json.dumps({**body, where: "@"}).replace('"@"', f'"{escape}"')
+            bodies.append((f"lone surrogate {escape} in {where}", text.encode(), True))
+    for depth in (33, 100, 1000, 5000, 100000):
+        bodies.append((f"arrays {depth} deep", b"[" * depth + b"]" * depth, True))
+        bodies.append((f"objects {depth} deep in metadata",
+                       head + b'"x", "metadata": ' + b'{"a": ' * depth + b"1" + b"}" * (depth + 1),
+                       True))
+        bodies.append((f"a prompt list {depth} deep",
+                       head + b"[" * depth + b"]" * depth + b"}", True))
+    wrong = [None, True, False, -1, 0, 2**63, 1e309, -1e309, 0.5, "", "x", "ü" * 3, [], [1], ["a", 1], {}, {"a": 1}]
+    for field_name in ("model", prompt_field, "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+                       "stop", "stream", "stream_options", "n", "logprobs"):
+        for value in wrong:
+            body = {**valid, field_name: value}
+            if json.dumps(body, allow_nan=True) != json.dumps(valid):
+                bodies.append((f"{field_name}={value!r}"[:60], json.dumps(body, allow_nan=True).encode(), False))
+    return bodies

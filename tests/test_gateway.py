@@ -7,6 +7,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import malformed_bodies
 
 from builder.assemble import DEFAULTS
 from builder.assemble import main as assemble_main
@@ -285,6 +286,20 @@ def test_the_canary_sends_its_share_to_the_baseline_and_a_new_weight_drops_nothi
         assert set(after) == {"dualend"}
     finally:
         stack.set_baseline_percent(10)  # the split the other tests expect
+
+
+def test_malformed_bodies_on_the_triton_http_routes_are_4xx_and_the_next_request_is_served(stack):
+    """The bodies the /v1 fuzz test sends, with `text_input` for `prompt`, on both generate routes through
+    the gateway (tritonserver alone answers some of them with a 500, an empty body among them): none
+    gets a 5xx, every unusable one a 4xx, and a valid request right after each one is served."""
+    bodies = malformed_bodies(model="", prompt_field="text_input")
+    assert len(bodies) >= 200
+    for what, body, unusable in bodies:
+        for route in ("generate", "generate_stream"):
+            status, answer = http(stack, f"/v2/models/baseline/{route}", body)
+            assert status < 500 and (400 <= status or not unusable), (what, route, status, answer[:200])
+        status, answer = http(stack, "/v2/models/baseline/generate", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 2}')
+        assert status == 200 and "text_output" in answer, (what, status, answer[:200])
 
 
 def test_a_client_over_its_rate_is_refused_with_429(stack):

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import openai
 import pytest
-from conftest import wait_for
+from conftest import malformed_bodies, wait_for
 
 from builder.assemble import DEFAULTS
 from builder.assemble import main as assemble_main
@@ -187,6 +187,43 @@ def test_each_error_has_openais_shape_and_status(api, body, status, param, code)
     assert error["error"]["param"] == param and error["error"]["message"]
     if code:
         assert error["error"]["code"] == code
+
+
+MALFORMED = malformed_bodies(model="baseline", prompt_field="prompt")
+
+
+def test_every_malformed_body_gets_an_openai_shaped_4xx_and_the_next_request_is_served(api):
+    """Over 200 bodies on both routes: none gets a 5xx; every unusable one is refused in OpenAI's shape,
+    saying what was wrong; the others are refused so or answered; a valid request sent right after
+    each one is answered."""
+    assert len(MALFORMED) >= 200
+    for what, body, unusable in MALFORMED:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            status, answer = post_raw(api, path, body)
+            assert status < 500 and (400 <= status or not unusable), (what, path, status, answer[:200])
+            if status >= 400:
+                error = json.loads(answer)["error"]
+                assert set(error) == {"message", "type", "param", "code"} and error["message"], (what, path)
+            served = client(api).completions.create(model="baseline", prompt=PROMPTS[0], max_tokens=2)
+            assert served.choices[0].text, (what, path)
+
+
+def post_raw(api, path, body: bytes, base=None, key=BOB):
+    request = urllib.request.Request(f"{base or api.url}{path}", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def test_a_model_is_retrieved_by_its_id_and_an_unknown_one_is_a_404(api):
+    assert client(api).models.retrieve("baseline").id == "baseline"
+    assert client(api).models.retrieve("llm").id == "llm"
+    with pytest.raises(openai.NotFoundError) as refused:
+        client(api).models.retrieve("gpt-4")
+    assert refused.value.code == "model_not_found" and "gpt-4" in refused.value.message
 
 
 def test_a_missing_or_wrong_key_is_a_401_and_keys_match_exactly(api):

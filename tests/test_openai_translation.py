@@ -1,13 +1,15 @@
 """The OpenAI-compatible front without a server: request translation, error mapping, usage, API keys,
 the cap per key, the down marks and the models tritonserver has ready."""
 import asyncio
+import json
 
 import numpy as np
 import pytest
 
 from dualend.ops.api_keys import ApiKey, KeysFileError, client_of, key_hash, read_keys
 from dualend.ops.openai_api.front import DownMarks, KeyCaps, Progress, Readiness
-from dualend.ops.openai_api.translation import (ApiError, chunk_body, parse_chat, parse_completion, response_body,
+from dualend.ops.openai_api.translation import (MAX_JSON_DEPTH, ApiError, chunk_body, parse_body, parse_chat,
+                                                parse_completion, response_body,
                                                 triton_error, triton_inputs, usage)
 
 COUNTERS = {"num_output_tokens": 5, "num_drafts": 3, "num_accepted_drafts": 2, "num_steps": 3,
@@ -55,6 +57,33 @@ def test_malformed_messages_are_named(messages, param):
     with pytest.raises(ApiError) as refused:
         parse_chat({"model": "m", "messages": messages}, lambda m: "")
     assert refused.value.param == param
+
+
+@pytest.mark.parametrize("body, message, param", [
+    (b'{"model": "m", "prompt": "a\\ud800b"}', "`prompt` is not valid text: it holds a lone UTF-16 surrogate", "prompt"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "`messages[0].content[0].text` is not valid text", "messages"),
+    (b'{"model": "m", "stop": ["ok", "\\ud83d"]}', "`stop[1]` is not valid text", "stop"),
+    (b'{"\\ud800": 1}', "is not valid text", None),
+    (b"[" * 5000 + b"]" * 5000, "nests JSON deeper than", None),
+    (b'{"metadata": ' + b'{"a": ' * 40 + b"1" + b"}" * 41, "nests JSON deeper than 32 levels, at `metadata.a.a", "metadata"),
+    (b'\xff{"model": "m"}', "not JSON (UTF-8 text)", None),
+    (b'"a string"', "must be a JSON object", None),
+    (b"[1, 2]", "must be a JSON object", None),
+])
+def test_a_body_no_tokenizer_could_take_is_a_400_that_says_why(body, message, param):
+    with pytest.raises(ApiError) as refused:
+        parse_body(body)
+    assert refused.value.status == 400 and message in refused.value.message and refused.value.param == param
+    json.dumps(refused.value.body()).encode("utf-8")  # the refusal itself is sendable
+
+
+def test_valid_text_and_nesting_up_to_the_limit_pass():
+    text = r"caf\u00e9 \ud83d\ude00 \u4e2d"  # an escaped surrogate pair is one valid character
+    body = ('{"model": "m", "prompt": "' + text + '", "metadata": ' + '{"a": ' * (MAX_JSON_DEPTH - 1) + "1"
+            + "}" * MAX_JSON_DEPTH).encode()
+    parsed = parse_body(body)
+    assert parsed["prompt"] == "café 😀 中" and parse_completion(parsed).prompt == "café 😀 中"
 
 
 def test_chat_renders_the_flattened_history():

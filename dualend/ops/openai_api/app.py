@@ -39,8 +39,8 @@ from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served
 
 from ..api_keys import ApiKey, client_of, read_keys
 from .front import DownMarks, KeyCaps, Progress, Readiness
-from .translation import (ApiError, Generation, chunk_body, finish_reason, parse_chat, parse_completion,
-                          response_body, triton_error, triton_inputs, usage, usage_chunk)
+from .translation import (ApiError, Generation, chunk_body, finish_reason, parse_body, parse_chat,
+                          parse_completion, response_body, triton_error, triton_inputs, usage, usage_chunk)
 
 CANARY_MODEL = "llm"
 CANARY_PAIR = ("dualend", "baseline")  # `llm` goes to the baseline by the canary weight, else to dualend
@@ -263,9 +263,19 @@ class Service:
             served = await self.served_models()
         except ApiError as error:
             return error_response(error)
-        created = int(time.time())
-        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                                         "owned_by": "dualend"} for name in served]})
+        return JSONResponse({"object": "list", "data": [model_object(name) for name in served]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id} (the openai client's models.retrieve): a served model, else 404."""
+        name = request.path_params["model"]
+        try:
+            self.authorize(request)
+            if name not in await self.served_models():
+                raise ApiError(404, f"the model `{name}` is not served here (GET /v1/models lists them)", "model",
+                               "model_not_found")
+        except ApiError as error:
+            return error_response(error)
+        return JSONResponse(model_object(name))
 
     async def generate(self, request: Request) -> Response:
         kind = "chat" if request.url.path.endswith("/chat/completions") else "completions"
@@ -274,11 +284,8 @@ class Service:
             body = await request.body()
             if len(body) > self.settings.max_body_bytes:
                 raise ApiError(413, f"request body over {self.settings.max_body_bytes} bytes", code="too_large")
-            try:
-                parsed = json.loads(body)
-            except ValueError:
-                raise ApiError(400, "the request body is not JSON") from None
-            model = parsed.get("model") if isinstance(parsed, dict) else None
+            parsed = parse_body(body)
+            model = parsed.get("model")
             deployment = await self.resolve(model) if isinstance(model, str) else None
             if kind == "chat":
                 generation = parse_chat(parsed, lambda messages: self.deployment(deployment).render_chat(messages))
@@ -406,12 +413,13 @@ class Service:
                 await self.client.close()
 
         routes = [Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/v1/completions", self.generate, methods=["POST"]),
                   Route("/v1/chat/completions", self.generate, methods=["POST"]),
                   Route("/metrics", self.metrics, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"])]
         return Starlette(routes=routes, lifespan=lifespan,
-                         exception_handlers={404: not_found, 405: not_allowed})
+                         exception_handlers={404: not_found, 405: not_allowed, Exception: internal_error})
 
 
 class DisconnectAwareStream(StreamingResponse):
@@ -458,6 +466,16 @@ def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse
 
 async def not_found(request: Request, exc) -> Response:
     return error_response(ApiError(404, f"{request.url.path} is not a route of this service", code="not_found"))
+
+
+def model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "dualend"}
+
+
+async def internal_error(request: Request, exc) -> Response:
+    """A fault of this service's own, in OpenAI's shape (Starlette logs it and its traceback)."""
+    return error_response(ApiError(500, f"internal error of the OpenAI service ({type(exc).__name__}); "
+                                        "the request was not run", code="internal_error"))
 
 
 async def not_allowed(request: Request, exc) -> Response:

@@ -8,6 +8,7 @@ client retries on.
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -24,6 +25,7 @@ IGNORED = {"user", "logit_bias", "presence_penalty", "frequency_penalty", "suffi
 # Retry-After (seconds) on the refusals a client retries: a 429's place frees as soon as one request
 # ends (or the rate's bucket refills); a 503's failed step is restored, or its server answers again, in seconds
 RETRY_AFTER_S = {429: 1, 503: 2}
+MAX_JSON_DEPTH = 32  # OpenAI's bodies nest 4 deep (messages[i].content[j].text)
 
 
 class ApiError(Exception):
@@ -64,6 +66,45 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def parse_body(body: bytes) -> dict:
+    """A request body as a JSON object whose every string is valid text, or an ApiError naming what
+    is wrong: not UTF-8 JSON, not an object, nested past MAX_JSON_DEPTH, a string (or key) holding a
+    lone UTF-16 surrogate (JSON's "\\ud800" escape), which no tokenizer can encode."""
+    try:
+        parsed = json.loads(body)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError:  # UnicodeDecodeError too
+        raise ApiError(400, "the request body is not JSON (UTF-8 text)") from None
+    if not isinstance(parsed, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    pending = [(parsed, "", 1, None)]  # (value, its path, its depth, the top-level field it sits in)
+    while pending:
+        value, where, depth, field_name = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels, at `{where}`",
+                           field_name)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            path = f"{where}[{key}]" if isinstance(value, list) else f"{where}.{key}" if where else key
+            top = field_name if where else key
+            if any(isinstance(text, str) and not _encodable(text) for text in (key, item)):
+                shown = path.encode("utf-8", "backslashreplace").decode()
+                raise ApiError(400, f"`{shown}` is not valid text: it holds a lone UTF-16 surrogate",
+                               top if _encodable(top) else None)
+            if isinstance(item, (dict, list)):
+                pending.append((item, path, depth + 1, top))
+    return parsed
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _number(body: dict, name: str, low: float, high: float) -> float | None:
     value = body.get(name)
     if value is None:
@@ -98,8 +139,9 @@ def _common(body: object, kind: str) -> dict:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "`model` is required: the name of a deployment (GET /v1/models lists them)", "model")
-    if body.get("n", 1) != 1:
-        raise ApiError(400, f"`n` must be 1 (one choice per request), got {body['n']!r}", "n")
+    choices = body.get("n", 1)
+    if isinstance(choices, bool) or choices not in (1, None):
+        raise ApiError(400, f"`n` must be 1 (one choice per request), got {choices!r}", "n")
     if body.get("best_of", 1) not in (1, None):
         raise ApiError(400, "`best_of` must be 1", "best_of")
     for name in ("logprobs", "top_logprobs", "tools", "functions", "response_format", "echo"):

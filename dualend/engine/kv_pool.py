@@ -7,9 +7,10 @@ A step writes only its new keys and values. T grows in buckets as the longest se
 re-layout every `bucket` steps, not a copy every step) and shrinks back when the long ones leave;
 a release moves the last row into the freed one. Every layout lives in one buffer per layer. A
 server gives it a budget (`budget_slots`: rows x T of every layout together, from the memory
-budget) and the buffers are that size, touched at start, so its memory is fixed from the first
-request on, however lengths vary; the block account admits only what such a layout holds. Without a
-budget (the in-process engine) the buffers grow as needed.
+budget) and the buffers are that size, allocated zeroed by the operating system page by page as rows
+are first written (calloc), so an idle server holds none of it and memory grows with the rows in
+use up to the budget; the block account admits only what such a layout holds. Without a budget (the
+in-process engine) the buffers grow as needed.
 
 A sequence reserves, at its start, a row and the slots it may need (prompt pairs + max new
 tokens). Whether it may is decided before, by the one account of KV blocks
@@ -79,9 +80,7 @@ class KVCache:
         self.values: list[np.ndarray] = []
         self.budget_slots = budget_slots
         size = (budget_slots if budget_slots is not None else max_sequences * bucket) * heads * head_dim
-        self._buffers = [np.empty(size, np.float32) for _ in range(2 * layers)]
-        for buffer in self._buffers:
-            buffer.fill(0.0)  # touched now: the pages are the process's from the start
+        self._buffers = [np.zeros(size, np.float32) for _ in range(2 * layers)]  # untouched until used
         self._allocate(bucket)
         self.evicted_total = 0
         self._lock = threading.Lock()

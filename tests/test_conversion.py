@@ -68,6 +68,27 @@ def test_a_few_steps_lower_the_loss(base, tiny_tokenizer):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
+def test_lora_rank_0_trains_the_blocks_own_weights_and_merges_to_the_student(base, tiny_tokenizer):
+    """A full fine-tune of the blocks (and the MTP layer): no adapters, the embedding and LM head frozen."""
+    spec = conversion.ConversionSpec(lora_rank=0)
+    torch.manual_seed(2)
+    student = conversion.build_student(base.model, spec)
+    assert not any(isinstance(m, conversion.LoRALinear) for m in student.modules())
+    trainable = conversion.trainable_state(student)
+    assert "backbone.layers.0.attn.qkv.weight" in trainable and "mtp.layer.ffn.down.weight" in trainable
+    assert not any(name.startswith(("embedding", "output")) for name in trainable)
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-2)
+    loss, _ = conversion.conversion_loss(student, base.model, _batch(tiny_tokenizer))
+    loss.backward()
+    optimizer.step()
+    assert not torch.equal(student.backbone.layers[0].attn.qkv.weight, base.model.backbone.layers[0].attn.qkv.weight)
+    merged = conversion.merge_adapters(base.model, conversion.trainable_state(student), spec)
+    batch = _batch(tiny_tokenizer, seed=3)
+    with torch.no_grad():
+        for ours, theirs in zip(conversion.student_forward(student.eval(), batch), conversion.student_forward(merged, batch)):
+            assert torch.allclose(ours, theirs, atol=1e-5)
+
+
 def test_save_then_merge_reproduces_the_student_with_a_stable_checkpoint_id(base, tiny_tokenizer, tmp_path):
     torch.manual_seed(1)
     student = conversion.build_student(base.model, SPEC)

@@ -50,7 +50,7 @@ LORA_TARGETS = (("attn", "qkv"), ("attn", "out"), ("ffn", "gate_up"), ("ffn", "d
 
 @dataclass
 class ConversionSpec:
-    lora_rank: int = 16
+    lora_rank: int = 16  # 0: the blocks' own weights train (a full fine-tune; embeddings and LM head stay frozen)
     lora_alpha: float = 32.0
     frozen_layers: int = 0  # the lowest blocks keep the base's weights exactly (no adapters)
 
@@ -108,7 +108,10 @@ def build_student(base: LanguageModel, spec: ConversionSpec) -> LanguageModel:
     for norm in (student.mtp.layer.attn_norm, student.mtp.layer.ffn_norm):
         norm.requires_grad_(True)
     for block in list(student.backbone.layers[spec.frozen_layers:]) + [student.mtp.layer]:
-        _add_lora(block, spec)
+        if spec.lora_rank:
+            _add_lora(block, spec)
+        else:
+            block.requires_grad_(True)
     return student
 
 

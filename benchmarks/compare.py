@@ -33,6 +33,9 @@ Targets:
       batches of N prompts, one generate call each.
   --in-process LABEL=EXPORT_DIR[@synthetic=RATE][@threshold=T]  our decode loop in-process, batch =
       concurrency, output tokens/s only: the ceiling of our serving path.
+Before the first cell the run waits (up to --idle-wait-s) for the 1-minute load average to fall to
+IDLE_LOAD (0.5), and refuses to run on a busier machine; `--allow-busy` runs anyway and the report
+opens with NOT VALID.
 Writes results.json (every request, cell summaries, environment), report.md and plots to `--out`.
 """
 from __future__ import annotations
@@ -80,6 +83,12 @@ class Workload:
     output_tokens: int
     figures: tuple[str, ...] = ("tokens_per_s", "ttft", "tpot")
 
+
+# A run counts as measured on an idle machine when the 1-minute load average, before the first cell,
+# is at most IDLE_LOAD: a busy machine slows the targets unequally (peers measured at a load average of
+# 2.4 on two cores ran at half their speed). A starting server leaves load behind, so the run waits
+# up to IDLE_WAIT_S for it to settle.
+IDLE_LOAD, IDLE_WAIT_S = 0.5, 300.0
 
 WORKLOADS = {"prompt-heavy": Workload(700, 128), "decode-heavy": Workload(60, 256),
              "ttft-2048": Workload(2040, 8, ("ttft",))}
@@ -461,6 +470,17 @@ def plots(cells: list[dict], targets: list[str], concurrencies: list[int], workl
     return written
 
 
+def settled_load(max_load: float, wait_s: float, load=lambda: os.getloadavg()[0], clock=time.monotonic,
+                 sleep=time.sleep, poll_s: float = 5.0) -> float:
+    """The 1-minute load average once it is at most `max_load`, or its last reading after `wait_s`."""
+    deadline = clock() + wait_s
+    reading = load()
+    while reading > max_load and clock() < deadline:
+        sleep(poll_s)
+        reading = load()
+    return reading
+
+
 def environment(argv: list[str], targets: list) -> dict:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -531,6 +551,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timeout-s", type=float, default=DEFAULTS["timeout_s"], help="per request")
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     parser.add_argument("--out", type=Path, default=DEFAULTS["out"])
+    parser.add_argument("--allow-busy", action="store_true",
+                        help=f"run even if the load average stays above {IDLE_LOAD}; the report says NOT VALID")
+    parser.add_argument("--idle-wait-s", type=float, default=IDLE_WAIT_S,
+                        help="how long to wait for the load average to settle (default %(default)s)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"check the wiring: 1 round, 1 request per client, concurrency 1, "
                              f"at most {SMOKE_OUTPUT_TOKENS} output tokens")
@@ -566,6 +590,13 @@ def main(argv: list[str] | None = None) -> dict:
             pool = cut_prompts(tokenizer, stdlib_chunks("report", length * 6 + 64, args.seed), length,
                                pool_size(args.concurrency, args.requests, args.rounds))
             prompts[name] = plan_prompts(pool, args.concurrency, args.requests, args.rounds)
+        env["load_average_before_cells"] = settled_load(IDLE_LOAD, args.idle_wait_s)
+        env["idle"] = env["load_average_before_cells"] <= IDLE_LOAD
+        if not env["idle"] and not args.allow_busy:
+            raise SystemExit(f"the 1-minute load average is {env['load_average_before_cells']:.2f} on "
+                             f"{os.cpu_count()} cores after waiting {args.idle_wait_s:.0f} s (idle is <= {IDLE_LOAD}): "
+                             "another job would slow the targets unequally; stop it, or pass --allow-busy "
+                             "(the report then says the run is not valid)")
         cells = []
         plan = [(r, w, c) for r in range(args.rounds) for w in args.workloads for c in args.concurrency]
         for r, name, c in tqdm(plan, desc="cells"):
@@ -585,8 +616,12 @@ def main(argv: list[str] | None = None) -> dict:
     tables = report_tables(cells, order, args.concurrency, args.workloads, args.reference)
     args.out.mkdir(parents=True, exist_ok=True)
     written = plots(cells, order, args.concurrency, args.workloads, args.out)
-    header = (f"# Serving comparison, one client, interleaved\n\n{env['started']}; {env['cpu']}, {env['cores']} "
-              f"cores, load average {env['load_average_at_start'][0]:.2f} at start; commit {env['git_commit'][:12]}"
+    busy = "" if env["idle"] else (
+        f"**NOT VALID: the machine was busy** (1-minute load average {env['load_average_before_cells']:.2f} "
+        f"before the first cell, idle is <= {IDLE_LOAD}; run with --allow-busy).\n\n")
+    header = (f"# Serving comparison, one client, interleaved\n\n{busy}{env['started']}; {env['cpu']}, {env['cores']} "
+              f"cores, load average {env['load_average_at_start'][0]:.2f} at start, "
+              f"{env['load_average_before_cells']:.2f} before the first cell; commit {env['git_commit'][:12]}"
               f"{' (dirty)' if env['git_dirty'] else ''}\n\n`{' '.join(env['command'])}`\n\n{args.rounds} rounds, "
               f"{args.requests} requests per client after 1 warm-up each; greedy, EOS ignored"
               f"{'; SMOKE RUN' if args.smoke else ''}. Each figure is the median across rounds"

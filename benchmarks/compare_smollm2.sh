@@ -2,12 +2,13 @@
 # The SmolLM2 comparison in one run (docs/benchmarks.md#smollm2-against-its-peers): builds a benchmark
 # repository with the variants below, serves it behind the gateway with a key of its own, and runs
 # benchmarks.compare against it, llama.cpp's server, ONNX Runtime GenAI and our in-process engine.
-# Nothing else may run on the machine meanwhile (no training). Peers first: bash scripts/install_peers.sh
+# Nothing else may run on the machine meanwhile (no training): benchmarks.compare refuses to start while
+# the load average stays above 0.5. Peers first: bash scripts/install_peers.sh
 #   bash benchmarks/compare_smollm2.sh                     # -> reports/compare_smollm2/
 #   ROUNDS=2 REQUESTS=2 bash benchmarks/compare_smollm2.sh # steadier figures (about 100 minutes on 2 cores)
 # Served deployments (build/bench_repository), every one through the same gateway and /v1 routes:
 #   smollm2                 the token-level model, fp32 (the reference of the ratios)
-#   smollm2_int8            the same, backbone and head weights int8 (MatMulNBits; int4 costs +0.27 nats)
+#   smollm2_int4            the same, weights int4 on the GGUF's own Q4_1 blocks (reports/weight_precision_nll.txt)
 #   smollm2_dualend         the converted pair model at its calibrated threshold (its real acceptance)
 #   smollm2_dualend_syn70/90  the same, drafts accepted by a seeded draw at 0.7 / 0.9 (SYNTHETIC ACCEPTANCE)
 #   smollm2_dualend_int8_syn90  int8 weights and synthetic acceptance 0.9
@@ -17,7 +18,7 @@ out=${OUT:-reports/compare_smollm2}
 repository=build/bench_repository
 keys=build/bench_gateway/api_keys
 .venv/bin/python -m builder.assemble --out "$repository" --deployments smollm2 smollm2_dualend \
-    --variant smollm2_int8=smollm2 --weight-precision smollm2_int8=int8 \
+    --variant smollm2_int4=smollm2 --weight-precision smollm2_int4=int4 \
     --variant smollm2_dualend_syn70=smollm2_dualend --synthetic-acceptance smollm2_dualend_syn70=0.7 \
     --variant smollm2_dualend_syn90=smollm2_dualend --synthetic-acceptance smollm2_dualend_syn90=0.9 \
     --variant smollm2_dualend_int8_syn90=smollm2_dualend --synthetic-acceptance smollm2_dualend_int8_syn90=0.9 \
@@ -35,7 +36,7 @@ for _ in $(seq 600); do
     sleep 2
 done
 targets=()
-for model in smollm2 smollm2_int8 smollm2_dualend smollm2_dualend_syn70 smollm2_dualend_syn90 smollm2_dualend_int8_syn90; do
+for model in smollm2 smollm2_int4 smollm2_dualend smollm2_dualend_syn70 smollm2_dualend_syn90 smollm2_dualend_int8_syn90; do
     targets+=(--openai "$model=http://127.0.0.1:8000/v1@$model")
 done
 common=(--reference smollm2 --rounds "${ROUNDS:-1}" --requests "${REQUESTS:-1}" "${targets[@]}" --llama-server --ortgenai)

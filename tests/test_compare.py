@@ -13,7 +13,7 @@ import pytest
 import benchmarks
 from benchmarks.compare import (OpenAITarget, OrtGenAITarget, StreamedCompletion, completions_url, cut_prompts,
                                 import_peers, parse_in_process, parse_openai, plan_prompts, pool_size, ratios,
-                                rotated, summarize)
+                                rotated, settled_load, summarize)
 from dualend.engine.tokenizer import TextTokenizer
 
 SMOLLM2 = Path(__file__).resolve().parent.parent / "build" / "checkpoints" / "smollm2"
@@ -118,6 +118,21 @@ def test_ratios_are_taken_within_each_round_then_summarized():
 def test_a_round_without_a_reference_figure_gives_no_ratio():
     cells = [cell(0, "ref", float("nan")), cell(0, "x", 5.0), cell(1, "ref", 10.0), cell(1, "x", 5.0)]
     assert ratios(cells, "ref", "tokens_per_s")[("x", "decode-heavy", 4)] == (0.5, 0.5, 0.5)
+
+
+def fake_clock():
+    now = [0.0]
+    return now, (lambda: now[0]), (lambda seconds: now.__setitem__(0, now[0] + seconds))
+
+
+def test_a_run_waits_for_the_load_to_settle_and_gives_up_after_its_wait():
+    now, clock, sleep = fake_clock()
+    readings = iter([1.4, 0.9, 0.45, 0.2])
+    assert settled_load(0.5, 300, load=lambda: next(readings), clock=clock, sleep=sleep, poll_s=5) == 0.45
+    assert now[0] == 10
+    now, clock, sleep = fake_clock()
+    assert settled_load(0.5, 60, load=lambda: 2.4, clock=clock, sleep=sleep, poll_s=5) == 2.4
+    assert now[0] == 60
 
 
 def test_the_target_order_rotates_each_round():

@@ -46,6 +46,7 @@ from dualend.engine.model import LanguageModel, ModelConfig, count_parameters, d
 from dualend.engine.tokenizer import TextTokenizer, train_tokenizer
 from dualend.train import conversion
 from dualend.train.data import FAMILIES, examples, stdlib_chunks
+from dualend.train.parallel import Replicas
 from dualend.train.evaluation import evaluate_pass1
 from dualend.train.training import (
     AUGMENTATIONS,
@@ -69,7 +70,7 @@ DEFAULTS = dict(
 CONVERT_DEFAULTS = dict(
     lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
     time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, chat_fraction=0.25, chat_tokens=96,
-    hidden_weight=1.0, confidence_weight=1.0, autocast="bf16", seed=0, threads=2,
+    hidden_weight=1.0, confidence_weight=1.0, autocast="bf16", seed=0, threads=2, device="cpu",
 )
 
 
@@ -281,12 +282,15 @@ def cmd_merge(args) -> None:
 
 
 def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
-              teacher_id: str) -> tuple[list, list]:
+              teacher_id: str, replicas: Replicas) -> tuple[list, list]:
     """Task prompts under the chat template with the teacher's greedy answers, (train, held-out),
-    made once per run folder (`chat.json`); none for a tokenizer without a chat template."""
+    made once per run folder (`chat.json`, by the main replica); none for a tokenizer without a chat
+    template."""
     if not tokenizer.chat_template or not args.chat_prompts:
         return [], []
     path = run / "chat.json"
+    if not replicas.main:
+        replicas.barrier()  # the main replica has written it
     cached = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     if cached.get("teacher") != teacher_id or cached.get("prompts") != [args.chat_prompts, args.eval_rows]:
         started = time.time()
@@ -297,13 +301,19 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
                   **{split: [[s.prompt, s.completion] for s in samples] for split, samples in made.items()}}
         path.write_text(json.dumps(cached) + "\n", encoding="utf-8")
         print(f"chat data: {args.chat_prompts} + {args.eval_rows} teacher answers in {time.time() - started:.0f} s")
+    if replicas.main:
+        replicas.barrier()
     return tuple([Sample(p, c) for p, c in cached[split]] for split in ("train", "calibration"))
 
 
 def cmd_convert(args) -> None:
-    """LoRA conversion of a pretrained token-level checkpoint, distilled from it (the frozen teacher)."""
+    """LoRA conversion of a pretrained token-level checkpoint, distilled from it (the frozen teacher).
+    Under torchrun, each replica trains on its own batches and their gradients are averaged
+    (dualend.train.parallel); the main one evaluates, logs and saves."""
     if args.autocast not in ("bf16", "none"):
         sys.exit(f"--autocast {args.autocast}: bf16 (measured on SmolLM2: losses within 0.5% of fp32) or none")
+    replicas = Replicas(args.device)
+    device = replicas.device
     base = load_checkpoint(args.baseline)
     teacher, tokenizer = base.model.eval().requires_grad_(False), base.tokenizer
     if teacher.cfg.is_dualend:
@@ -314,37 +324,49 @@ def cmd_convert(args) -> None:
     run = Path(args.run)
     run.mkdir(parents=True, exist_ok=True)
     state_path, log_path = run / "state.pt", run / "log.jsonl"
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same start on every replica
     student = conversion.build_student(teacher, spec)
-    trainable = [p for p in student.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, tokens, elapsed = 0, 0, 0.0
-    data_rng = random.Random(args.seed)
-    if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+    data_seed = args.seed + 1000 * replicas.rank  # each replica its own batches
+    data_rng = random.Random(data_seed)
+    state = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    if state is not None:
         if (state["base"], state["spec"]) != (base_ref["checkpoint_id"], asdict(spec)):
             sys.exit(f"{run} converts base {state['base']} with {state['spec']}, not {base_ref['checkpoint_id']} "
                      f"with {asdict(spec)}")
         student.load_state_dict(state["trainable"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
         step, tokens, elapsed = state["step"], state["tokens"], state["elapsed"]
-        data_rng.setstate(state["data_rng"])
+        if replicas.main:
+            data_rng.setstate(state["data_rng"])
+        else:
+            data_rng.seed(data_seed + step)
         torch.set_rng_state(state["torch_rng"])
         print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
-    chat_train, chat_eval = chat_data(args, run, teacher, tokenizer, base_ref["checkpoint_id"])
-    references = {"": conversion.held_out(teacher, conversion.held_out_samples(tokenizer, args.eval_rows,
-                                                                                args.seq_tokens), pad)}
-    if chat_eval:
-        references["chat_"] = conversion.held_out(teacher, chat_eval, pad)
-    stream = conversion.sample_stream(tokenizer, args.seed + step, args.seq_tokens, chat_train, args.chat_fraction)
+    chat_train, chat_eval = chat_data(args, run, teacher, tokenizer, base_ref["checkpoint_id"], replicas)
+    references = {}
+    if replicas.main:
+        references[""] = conversion.held_out(teacher, conversion.held_out_samples(tokenizer, args.eval_rows,
+                                                                                  args.seq_tokens), pad)
+        if chat_eval:
+            references["chat_"] = conversion.held_out(teacher, chat_eval, pad)
+        references = {prefix: conversion.held_out_on(ref, device) for prefix, ref in references.items()}
+    teacher, student = teacher.to(device), student.to(device)
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    stream = conversion.sample_stream(tokenizer, data_seed + step, args.seq_tokens, chat_train, args.chat_fraction)
     keys = ("batch_size", "seq_tokens", "lr", "warmup", "chat_prompts", "chat_fraction", "chat_tokens",
             "hidden_weight", "confidence_weight", "autocast", "seed")
     recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
-              **{k: getattr(args, k) for k in keys}}
-    autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16")
+              **{k: getattr(args, k) for k in keys}, "replicas": replicas.world}
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16")
     window = {"parts": {}, "steps": 0, "tokens": 0, "seconds": 0.0}
 
     def record_and_save() -> None:
+        digests = replicas.digests(conversion.trainable_state(student))  # every replica takes part
+        if not replicas.main:
+            return
         student.eval()
         with torch.autocast(**autocast):
             figures = {prefix + k: v for prefix, ref in references.items()
@@ -353,6 +375,8 @@ def cmd_convert(args) -> None:
         record = {"step": step, "tokens": tokens, "minutes": round(elapsed / 60, 2),
                   "tokens_per_s": round(window["tokens"] / window["seconds"], 1) if window["seconds"] else None,
                   **{k: round(v / window["steps"], 4) for k, v in window["parts"].items()}, **figures}
+        if replicas.world > 1:
+            record["replica_digests"] = digests
         with log_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
@@ -367,22 +391,26 @@ def cmd_convert(args) -> None:
     if step == 0:
         record_and_save()
     deadline = time.time() + 60 * args.time_limit_minutes if args.time_limit_minutes else math.inf
-    bar = tqdm(desc="convert", initial=step, total=args.steps or None, file=sys.stdout, mininterval=30)
+    bar = tqdm(desc="convert", initial=step, total=args.steps or None, file=sys.stdout, mininterval=30,
+               disable=not replicas.main)
     saved = True
-    while (not args.steps or step < args.steps) and time.time() < deadline:
+    while (not args.steps or step < args.steps) and not replicas.any(time.time() >= deadline):
         started = time.time()
         student.train()
         for group in optimizer.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
         batch = dualend_batch([next(stream) for _ in range(args.batch_size)], pad, data_rng)
+        batch = {name: tensor.to(device) for name, tensor in batch.items()}
         with torch.autocast(**autocast):
             loss, parts = conversion.conversion_loss(student, teacher, batch, args.hidden_weight,
                                                      args.confidence_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        replicas.average_gradients(trainable)
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
-        seconds, batch_tokens = time.time() - started, conversion.real_tokens(batch, pad)
+        batch_tokens = int(replicas.total(conversion.real_tokens(batch, pad)))
+        seconds = time.time() - started
         step, tokens, elapsed = step + 1, tokens + batch_tokens, elapsed + seconds
         window["steps"] += 1
         window["tokens"] += batch_tokens
@@ -397,8 +425,10 @@ def cmd_convert(args) -> None:
     bar.close()
     if not saved:
         record_and_save()
-    print(f"stopped at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes of training); "
-          f"adapters -> {run / 'adapters'}")
+    if replicas.main:
+        print(f"stopped at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes of training); "
+              f"adapters -> {run / 'adapters'}")
+    replicas.close()
 
 
 def load_base(source: str) -> Checkpoint:
@@ -450,7 +480,8 @@ def main(argv=None) -> None:
     for key, value in CONVERT_DEFAULTS.items():
         convert.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     convert.add_argument("--baseline", required=True, help="the token-level checkpoint to convert (the teacher)")
-    convert.add_argument("--run", required=True)
+    convert.add_argument("--run", "--run-dir", dest="run", required=True,
+                         help="the run folder (under torchrun write --run-dir: torchrun reads --run as its --run-path)")
     for name in ("tokenizer", "baseline", "dualend"):
         p = sub.add_parser(name)
         for key, value in DEFAULTS.items():

@@ -1,7 +1,11 @@
 """Converting a pretrained token-level model to pair-in/pair-out (dualend.train.conversion and
 `builder.train convert` / `merge-adapters`), on a tiny random LlamaForCausalLM as the teacher."""
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from dualend.train.training import dualend_batch
 from test_llama_family import hf_model, imported
 
 SPEC = conversion.ConversionSpec(lora_rank=4, lora_alpha=8.0, frozen_layers=0)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +127,30 @@ def test_save_then_merge_reproduces_the_student_with_a_stable_checkpoint_id(base
     assert first.id == second.id == Checkpoint(merged, tiny_tokenizer).id
     assert first.config.is_dualend and first.recipe["converted_from"] == base.id
     assert first.recipe["source"] == base.recipe["source"]
+
+
+def test_two_replicas_under_torchrun_train_on_their_own_batches_and_stay_in_step(base, tmp_path):
+    """Two CPU processes (gloo): each replica's digest of its trainable weights, gathered at every save,
+    is the same on both, and changes from save to save. Their batches differ (each its own data
+    seed), so only the averaged gradients keep them equal."""
+    base.save(tmp_path / "base")
+    run = tmp_path / "run"
+    options = ["convert", "--baseline", str(tmp_path / "base"), "--lora-rank", "4", "--batch-size", "2",
+               "--seq-tokens", "32", "--eval-rows", "2", "--eval-every", "2", "--steps", "4", "--chat-prompts", "0",
+               "--autocast", "none", "--threads", "1", "--time-limit-minutes", "0"]
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    "-m", "builder.train", *options, "--run-dir", str(run)],
+                   check=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    train.main([*options, "--run", str(tmp_path / "alone")])  # one process, the first replica's batches only
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in log] == [0, 2, 4]
+    digests = [record["replica_digests"] for record in log]
+    assert all(len(pair) == 2 and pair[0] == pair[1] for pair in digests), digests
+    assert len({pair[0] for pair in digests}) == 3  # the weights moved between saves
+    assert log[-1]["tokens"] == 2 * 4 * 2 * 32  # replicas x steps x rows x 32-token text windows
+    assert json.loads((run / "adapters" / conversion.ADAPTERS_CONFIG).read_text())["recipe"]["replicas"] == 2
+    together, alone = conversion.load_adapters(run / "adapters")[0], conversion.load_adapters(tmp_path / "alone" / "adapters")[0]
+    assert any(not torch.equal(together[name], alone[name]) for name in together)  # the second replica's batches counted
 
 
 def test_merge_refuses_adapters_of_another_base(base, tiny_tokenizer, tmp_path):

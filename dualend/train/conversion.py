@@ -26,7 +26,7 @@ import hashlib
 import json
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -331,6 +331,14 @@ def held_out(teacher: LanguageModel, samples: list[Sample], pad_id: int) -> Held
     at = _at(logits, split_batch["next_index"] - 1)[valid]
     figures["nll_t1_split"] = F.cross_entropy(at, split_batch["next_token"][valid]).item()
     return HeldOut(batch, split_batch, figures, top1["t1"], top1["t2"])
+
+
+def held_out_on(reference: HeldOut, device: torch.device) -> HeldOut:
+    """The same held-out set with its tensors on `device`."""
+    return replace(reference, batch={k: v.to(device) for k, v in reference.batch.items()},
+                   split_batch={k: v.to(device) for k, v in reference.split_batch.items()},
+                   teacher_top1_t1=reference.teacher_top1_t1.to(device),
+                   teacher_top1_t2=reference.teacher_top1_t2.to(device))
 
 
 def calibration(confidence: torch.Tensor, correct: torch.Tensor, bins: int = 10) -> dict:

@@ -1,0 +1,81 @@
+"""Data parallelism for a training command started by torchrun: one process per CPU group or GPU,
+each on its own batches, gradients averaged before every optimizer step (what DDP does), so the
+replicas stay in step. Without torchrun's environment (WORLD_SIZE unset or 1) everything here is a
+no-op and the command runs as one process.
+
+    torchrun --nproc_per_node 2 -m builder.train convert ...            # two CPU processes (gloo)
+    torchrun --nproc_per_node 8 -m builder.train convert --device cuda ...  # eight GPUs (nccl)
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+
+class Replicas:
+    def __init__(self, device: str = "cpu"):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                raise SystemExit("--device cuda: no CUDA device is visible to torch here")
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if self.world > 1:
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+    @property
+    def main(self) -> bool:
+        """The replica that evaluates, logs and saves."""
+        return self.rank == 0
+
+    def average_gradients(self, parameters: list[torch.Tensor]) -> None:
+        """Every replica's gradients replaced by their mean over the replicas (one all-reduce)."""
+        if self.world == 1:
+            return
+        grads = [p.grad for p in parameters if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def total(self, value: float) -> float:
+        """`value` summed over the replicas."""
+        if self.world == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.item()
+
+    def any(self, flag: bool) -> bool:
+        """Whether any replica says so: every replica stops at the same step."""
+        return self.total(float(flag)) > 0
+
+    def digests(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """Each replica's sha256 of `state` (tensors by name), gathered: equal while they are in step."""
+        digest = hashlib.sha256()
+        for name in sorted(state):
+            digest.update(name.encode())
+            digest.update(state[name].detach().float().cpu().numpy().tobytes())
+        if self.world == 1:
+            return [digest.hexdigest()]
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, digest.hexdigest())
+        return gathered
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.world > 1:
+            dist.destroy_process_group()

@@ -70,7 +70,7 @@ DEFAULTS = dict(
 CONVERT_DEFAULTS = dict(
     lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
     time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, chat_fraction=0.25, chat_tokens=96,
-    hidden_weight=1.0, confidence_weight=1.0, autocast="bf16", seed=0, threads=2, device="cpu",
+    hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2, device="cpu",
 )
 
 
@@ -306,14 +306,30 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
     return tuple([Sample(p, c) for p, c in cached[split]] for split in ("train", "calibration"))
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matrix products run natively: a CUDA device, or a CPU with AVX-512 BF16 or AMX.
+    Elsewhere torch emulates them, tens of times slower than fp32 (reports/bf16_on_cpu.txt), so a
+    conversion there trains in fp32."""
+    if device.type == "cuda":
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
 def cmd_convert(args) -> None:
     """LoRA conversion of a pretrained token-level checkpoint, distilled from it (the frozen teacher).
     Under torchrun, each replica trains on its own batches and their gradients are averaged
     (dualend.train.parallel); the main one evaluates, logs and saves."""
-    if args.autocast not in ("bf16", "none"):
-        sys.exit(f"--autocast {args.autocast}: bf16 (measured on SmolLM2: losses within 0.5% of fp32) or none")
+    if args.autocast not in ("auto", "bf16", "none"):
+        sys.exit(f"--autocast {args.autocast}: bf16 (measured on SmolLM2: losses within 0.5% of fp32), none, "
+                 "or auto (bf16 where the device multiplies bf16 natively)")
     replicas = Replicas(args.device)
     device = replicas.device
+    if args.autocast == "auto":
+        args.autocast = "bf16" if native_bf16(device) else "none"
     base = load_checkpoint(args.baseline)
     teacher, tokenizer = base.model.eval().requires_grad_(False), base.tokenizer
     if teacher.cfg.is_dualend:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dualend.serving.outcomes import Outcome, outcome_of
+
 API_KEY_ENV = "DUALEND_API_KEY"
 COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps", "num_prompt_tokens",
             "num_prompt_latents")
@@ -33,6 +35,11 @@ PARAM_TYPES = {"temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32)
 
 class RequestError(RuntimeError):
     """The server refused or failed the request; the message is the server's."""
+
+    @property
+    def outcome(self) -> Outcome | None:
+        """The outcome code the message leads with; None for tritonserver's own errors."""
+        return outcome_of(str(self))[0]
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dualend.engine.reference import reference_text
 from dualend.engine.scheduler import Scheduler
 from dualend.serving.contract import PreparedRequest, Response
 from dualend.serving.loop import DecodeLoop, Executor, QueuedOutput, SendThread
+from dualend.serving.outcomes import Outcome
 
 PROMPTS = ["Q: 1+2+3\nA:", "get ab\nA:", "def f(x):\n    return x + 1\nprint(f(2))\n# output:",
            "Q: 4*5-6\nA:", "x = 3\ny = x * 2\nprint(y)\n# output:"]
@@ -112,9 +113,9 @@ class ListOutput:
         assert not self.finished, "a response after the last one"
         self.responses.append(response)
 
-    def fail(self, message):
+    def fail(self, message, outcome):
         assert not self.finished
-        self.error = message
+        self.error, self.outcome = message, outcome
 
     def end(self):
         assert not self.finished
@@ -248,7 +249,8 @@ def test_a_drained_loop_refuses_what_arrives_with_or_after_the_drain_with_the_sa
     assert running.error == alongside.error == late.error == "the server is shutting down"
     assert not alongside.responses and not late.responses
     assert not loop.live and not engine.backbone.cache.sequences
-    assert recorder.calls["refused"] == [("shutdown",)] * 3
+    assert recorder.calls["refused"] == [(Outcome.SHUTTING_DOWN,)] * 3
+    assert running.outcome == alongside.outcome == late.outcome == Outcome.SHUTTING_DOWN
 
 
 class Recorder:

@@ -11,6 +11,7 @@ from dualend.engine.onnx_engine import BackboneBatch, SequenceStatus
 from dualend.serving.contract import Response
 from dualend.serving.control import CANCEL, DRAIN, Control, cancel_request, drain_request, read_control
 from dualend.serving.keys import PIPELINE_SECRET_ENV, PipelineGuard
+from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import DeploymentConfig
 from dualend.serving.triton import BLSBackbone, ResponseSenderOutput
 
@@ -160,9 +161,9 @@ def test_each_response_carries_its_request_id_and_token_and_the_last_is_final():
     output = ResponseSenderOutput(pb, Sender(), 42, "secret:ckpt")
     output.send(Response([5, 6], {"num_output_tokens": 2}, None))
     output.send(Response([], {"num_output_tokens": 0}, "eos"))
-    output.fail("queue full")
+    output.fail("queue full", Outcome.QUEUE_FULL)
     assert [flags for _, flags in sent] == [0, 1, 1]
     first = sent[0][0].tensors
     assert first["request_id"].array.tolist() == [42] and first["output_ids"].array.tolist() == [5, 6]
     assert len(first["response_key"].array[0]) == 64
-    assert sent[2][0].error().message() == "queue full"
+    assert sent[2][0].error().message() == "[queue_full] queue full"

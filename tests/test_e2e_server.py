@@ -23,6 +23,7 @@ from dualend.ops.host import free_ports
 from dualend.ops.launch import TritonServer
 from dualend.serving.control import drain_request
 from dualend.serving.offline import generate_text
+from dualend.serving.outcomes import Outcome
 from dualend.train.data import FAMILIES, eval_set, sized_examples
 
 pytestmark = pytest.mark.server
@@ -221,12 +222,14 @@ def test_busy_server_refuses_clearly_and_the_running_stream_loses_nothing(tmp_pa
         assert wait_for(lambda: metric(busy, "dualend_kv_live_sequences", "dualend_v1_backbone") == 1)
         waiting = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[2], 4000)
         time.sleep(0.3)
-        with pytest.raises(RequestError, match=r"server busy: 1 requests running and 1 waiting, the queue "
-                                               r"\(max_queue_size 1\) is full; retry later"):
+        with pytest.raises(RequestError, match=r"\[queue_full\] server busy: 1 requests running and 1 waiting, "
+                                               r"the queue \(max_queue_size 1\) is full; retry later") as full:
             stream_grpc(busy.grpc_url, "dualend", PROMPTS[1], 8)
+        assert full.value.outcome == Outcome.QUEUE_FULL
         with pytest.raises(RequestError, match=r"waited 1 s in the queue \(queue_wait_s\) for a place \(1 of 2 "
-                                               r"taken\) and room in the KV cache .* retry later or lower max_tokens"):
+                                               r"taken\) and room in the KV cache .* retry later or lower max_tokens") as late:
             waiting.result()
+        assert late.value.outcome == Outcome.QUEUE_TIMEOUT
         assert not long_stream.done(), "the long stream must still be running for this test to mean anything"
         assert stream_grpc(busy.grpc_url, "dualend", PROMPTS[1], 8).output_tokens > 0  # a row as wide fits
         result = long_stream.result()
@@ -607,8 +610,9 @@ def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(
             started = time.monotonic()
             launched.process.send_signal(signal.SIGTERM)
             for stream in streams:
-                with pytest.raises(RequestError, match="the server is shutting down; the stream ends here, retry"):
+                with pytest.raises(RequestError, match="the server is shutting down; the stream ends here, retry") as ended:
                     stream.result()
+                assert ended.value.outcome == Outcome.SHUTTING_DOWN
             ended = time.monotonic() - started
         launched.process.wait(EXIT_TIMEOUT_S + 5)
         exited = time.monotonic() - started

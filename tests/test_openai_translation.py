@@ -11,6 +11,7 @@ from dualend.ops.openai_api.front import DownMarks, KeyCaps, Progress, Readiness
 from dualend.ops.openai_api.translation import (MAX_JSON_DEPTH, ApiError, chunk_body, parse_body, parse_chat,
                                                 parse_completion, response_body,
                                                 triton_error, triton_inputs, usage)
+from dualend.serving.outcomes import DISPOSITIONS, Outcome, outcome_of, tagged
 
 COUNTERS = {"num_output_tokens": 5, "num_drafts": 3, "num_accepted_drafts": 2, "num_steps": 3,
             "num_prompt_tokens": 7, "num_prompt_latents": 4}
@@ -97,22 +98,47 @@ def test_chat_renders_the_flattened_history():
                        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
 
 
-@pytest.mark.parametrize("message, status, param, code", [
-    ("server busy: 1 requests running and 1 waiting, the queue (max_queue_size 1) is full; retry later", 429, None,
-     "server_busy"),
-    ("the server is shutting down; the stream ends here, retry", 503, None, "retry"),
-    ("prompt (600 tokens) + max_tokens (9) exceeds raw_context_limit 512; lower max_tokens to at most 2", 400,
-     "prompt", "context_length_exceeded"),
-    ("max_tokens must be between 1 and 256, got 900", 400, "max_tokens", None),
-    ("top_p must be in (0, 1], got 0.0", 400, "top_p", None),
-    ("stop_words holds 40 words, at most 32", 400, "stop", None),
-    ("text_input is empty", 400, "prompt", None),
-    ("in ensemble 'dualend', invalid request: prompt is 601 tokens, leaving no room for a new token within "
-     "raw_context_limit 512 (256 latents)", 400, "prompt", "context_length_exceeded"),
+@pytest.mark.parametrize("outcome, text, status, param, code", [
+    (Outcome.QUEUE_FULL, "server busy: 1 requests running and 1 waiting, the queue (max_queue_size 1) is full",
+     429, None, "server_busy"),
+    (Outcome.SHUTTING_DOWN, "the deployment is being replaced", 503, None, "retry"),
+    (Outcome.QUEUE_TIMEOUT, "waited 30 s for room", 503, None, "retry"),
+    (Outcome.STEP_FAILED, "backbone engine failed", 503, None, "retry"),
+    (Outcome.CONTEXT_LENGTH_EXCEEDED, "invalid request: prompt (600 tokens) + max_tokens (9) exceeds "
+     "raw_context_limit 512", 400, "prompt", "context_length_exceeded"),
+    (Outcome.BAD_REQUEST, "invalid request: max_tokens must be between 1 and 256, got 900", 400, "max_tokens", None),
+    (Outcome.BAD_REQUEST, "invalid request: top_p must be in (0, 1], got 0.0", 400, "top_p", None),
+    (Outcome.BAD_REQUEST, "invalid request: stop_words holds 40 words, at most 32", 400, "stop", None),
+    (Outcome.BAD_REQUEST, "invalid request: text_input is empty", 400, "prompt", None),
+    (Outcome.TOO_LARGE, "the request needs 900 KV slots, more than the whole cache", 400, None, "too_large"),
 ])
-def test_the_deployments_messages_map_to_the_status_a_client_retries_on(message, status, param, code):
+@pytest.mark.parametrize("wrapped", [False, True], ids=["as sent", "inside an ensemble's error"])
+def test_a_deployments_error_maps_by_its_outcome_code(outcome, text, status, param, code, wrapped):
+    message = tagged(outcome, text)
+    if wrapped:
+        message = f"in ensemble 'dualend', {message}"
     error = triton_error(message, parse_completion({"model": "m", "prompt": "x"}))
-    assert (error.status, error.param, error.code, error.message) == (status, param, code, message)
+    assert (error.status, error.param, error.code) == (status, param, code)
+    assert error.message == (f"in ensemble 'dualend', {text}" if wrapped else text)  # for people, without the code
+    assert error.status == DISPOSITIONS[outcome].http_status
+
+
+@pytest.mark.parametrize("message", [
+    "server busy: the queue is full; retry later",  # our words without our code: not ours
+    "[server_busy] a code that is not an outcome",
+    "Stub process 'dualend_v1_postprocessing_0_0' is not healthy.",
+    "Request for unknown model: 'dualend' is not found",
+])
+def test_an_error_without_an_outcome_code_is_tritonservers_own_and_retried(message):
+    error = triton_error(message)
+    assert (error.status, error.code, error.message) == (503, "retry", message)
+
+
+def test_every_outcome_has_a_disposition_and_its_code_reads_back():
+    for outcome in Outcome:
+        assert outcome in DISPOSITIONS
+        assert outcome_of(tagged(outcome, "x")) == (outcome, "x")
+    assert outcome_of("x [queue_full] y") == (None, "x [queue_full] y")
 
 
 def test_usage_carries_latents_and_drafts_for_a_dual_end_deployment():

@@ -21,6 +21,10 @@ class InvalidRequest(ValueError):
     """A request the caller got wrong; the message says what and how to fix it."""
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt, or the prompt with max_tokens, does not fit the served context."""
+
+
 class CapacityError(RuntimeError):
     """The server cannot take the request now (KV pool full); the caller may retry."""
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from dualend.engine.decode import MAX_STOP_WORDS, Chunk, InvalidRequest, SamplingParams, pad_prompt
+from dualend.engine.decode import MAX_STOP_WORDS, Chunk, ContextLengthExceeded, InvalidRequest, SamplingParams, pad_prompt
 from dualend.engine.tokenizer import TextTokenizer
 
 REQUEST_INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
@@ -64,7 +64,7 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
     raw_bytes = len(texts[0].encode() if isinstance(texts[0], str) else bytes(texts[0]))
     byte_limit = limits.raw_context_limit * tokenizer.max_token_bytes
     if raw_bytes > byte_limit:  # refused before tokenizing: a huge prompt costs nobody any time
-        raise InvalidRequest(
+        raise ContextLengthExceeded(
             f"prompt is {raw_bytes} bytes, longer than any prompt of raw_context_limit {limits.raw_context_limit} "
             f"tokens can be ({byte_limit} bytes); prompts are never truncated, shorten it")
     text = _text(texts[0], "text_input")
@@ -90,12 +90,12 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
     counted = (f"{len(prompt_ids)} tokens" if prompt_slots == len(prompt_ids)
                else f"{len(prompt_ids)} tokens, {prompt_slots} slots with the pair padding")
     if prompt_slots >= limits.raw_context_limit:
-        raise InvalidRequest(
+        raise ContextLengthExceeded(
             f"prompt is {counted}, leaving no room for a new token within raw_context_limit "
             f"{limits.raw_context_limit} ({limits.effective_latent_limit} latents); prompts are never truncated, "
             "shorten it")
     if prompt_slots + params.max_tokens > limits.raw_context_limit:
-        raise InvalidRequest(
+        raise ContextLengthExceeded(
             f"prompt ({counted}) + max_tokens ({params.max_tokens}) exceeds raw_context_limit "
             f"{limits.raw_context_limit}; lower max_tokens to at most {limits.raw_context_limit - prompt_slots}")
     return PreparedRequest(prompt_ids, params, bool(_scalar(stream, "stream", int) or False),

@@ -27,13 +27,14 @@ from dualend.engine.tokenizer import TextTokenizer
 
 from .contract import PreparedRequest, Response, ResponseStream
 from .metrics import PhaseMetrics
+from .outcomes import Outcome
 
 
 class Output(Protocol):
     """Where one request's responses go (a Triton response sender, or a list in tests)."""
 
     def send(self, response: Response) -> None: ...   # the last one has a finish_reason
-    def fail(self, message: str) -> None: ...         # an error, and the request is over
+    def fail(self, message: str, outcome: Outcome) -> None: ...  # an error, and the request is over
     def end(self) -> None: ...                        # over without a response (cancelled)
     def is_cancelled(self) -> bool: ...
 
@@ -86,8 +87,8 @@ class QueuedOutput:
     def send(self, response: Response) -> None:
         self.sends.put(self._guarded, self.output.send, response)
 
-    def fail(self, message: str) -> None:
-        self.sends.put(self._guarded, self.output.fail, message)
+    def fail(self, message: str, outcome: Outcome) -> None:
+        self.sends.put(self._guarded, self.output.fail, message, outcome)
 
     def end(self) -> None:
         self.sends.put(self._guarded, self.output.end)
@@ -118,7 +119,7 @@ class Observer(Protocol):
     def inter_token(self, seconds: float, tokens: int) -> None: ...     # gap / tokens, counted per token
     def step(self, tokens: int) -> None: ...                            # tokens one decode step emitted
     def iteration(self, seconds: float) -> None: ...                     # one busy iteration
-    def refused(self, reason: str) -> None: ...
+    def refused(self, outcome: Outcome) -> None: ...
     def cancelled(self) -> None: ...
     def flush(self, idle: bool, running: int, waiting: int) -> None: ... # after every iteration
 
@@ -268,7 +269,8 @@ class DecodeLoop:
         except Exception as error:  # noqa: BLE001 - a dead loop would leave every stream hanging
             for sequence in list(self.live.values()):
                 try:
-                    self._end(sequence, error=f"internal error in the decode loop: {error!r}", reason="backbone")
+                    self._end(sequence, error=f"internal error in the decode loop: {error!r}",
+                              outcome=Outcome.STEP_FAILED)
                 except Exception:  # noqa: BLE001 - its sender is gone; the others still get their word
                     self.live.pop(sequence.request_id, None)
             busy = False  # the loop waits a moment rather than spinning on a repeated error
@@ -280,7 +282,7 @@ class DecodeLoop:
         self._check_cancelled()
         _, expired = self.scheduler.admit()
         for sequence, error in expired:
-            self._end(sequence, error=str(error), reason="queue_timeout")
+            self._end(sequence, error=str(error), outcome=Outcome.QUEUE_TIMEOUT)
         plan = self.scheduler.plan()
         if not plan:
             self.executor.flush_releases()  # idle: free the rows now rather than with the next request
@@ -304,13 +306,13 @@ class DecodeLoop:
             result = self.executor.run_backbone(batch)
         except Exception as error:  # noqa: BLE001 - the iteration's sequences fail, the loop goes on
             for sequence in rows:  # each ends, so its rows are released (a first chunk's too, if it got that far)
-                self._end(sequence, error=str(error), reason="backbone")
+                self._end(sequence, error=str(error), outcome=Outcome.STEP_FAILED)
             return True
         ready = []
         for row, sequence in enumerate(rows):
             if result.failed(row):
                 self._end(sequence, error=_backbone_message(result.status[row], result.messages[row]),
-                          reason="backbone")
+                          outcome=Outcome.STEP_FAILED)
                 continue
             if row >= len(plan.decode):
                 chunk = plan.prefill[row - len(plan.decode)]
@@ -379,7 +381,8 @@ class DecodeLoop:
 
     def _end_failed(self, sequence: LiveSequence, error: Exception) -> None:
         if sequence.request_id in self.live:
-            self._end(sequence, error=f"internal error decoding this request: {error!r}", reason="backbone")
+            self._end(sequence, error=f"internal error decoding this request: {error!r}",
+                      outcome=Outcome.STEP_FAILED)
 
     def _take_inbox(self) -> None:
         with self._wake:
@@ -392,10 +395,10 @@ class DecodeLoop:
         for sequence in submitted:
             refusal = self._admit(sequence)
             if refusal is not None:
-                reason, message = refusal
-                self.observer.refused(reason)
+                outcome, message = refusal
+                self.observer.refused(outcome)
                 try:
-                    sequence.output.fail(message)
+                    sequence.output.fail(message, outcome)
                 except Exception:  # noqa: BLE001 - the client is gone; the other submissions go on
                     pass
                 continue
@@ -407,18 +410,18 @@ class DecodeLoop:
                 self._end(self.live[request_id], cancelled=True)
         if drain is not None:
             for sequence in list(self.live.values()):
-                self._end(sequence, error=drain, reason="shutdown")
+                self._end(sequence, error=drain, outcome=Outcome.SHUTTING_DOWN)
 
-    def _admit(self, sequence: LiveSequence) -> tuple[str, str] | None:
-        """Hands a new request to the scheduler; (refusal reason, message) when it is refused."""
+    def _admit(self, sequence: LiveSequence) -> tuple[Outcome, str] | None:
+        """Hands a new request to the scheduler; (outcome, message) when it is refused."""
         if self._drained is not None:
-            return "shutdown", self._drained
+            return Outcome.SHUTTING_DOWN, self._drained
         try:
             self.scheduler.submit(sequence)
         except CapacityError as error:
-            return "queue_full", str(error)
+            return Outcome.QUEUE_FULL, str(error)
         except InvalidRequest as error:
-            return "too_large", str(error)
+            return Outcome.TOO_LARGE, str(error)
         return None
 
     def _check_cancelled(self) -> None:
@@ -431,15 +434,15 @@ class DecodeLoop:
                     self._end(sequence, cancelled=True)
 
     def _end(self, sequence: LiveSequence, error: str | None = None, cancelled: bool = False,
-             reason: str = "") -> None:
+             outcome: Outcome = Outcome.STEP_FAILED) -> None:
         """Frees everything the sequence holds; a request that did not finish gets its last word."""
         if self.live.pop(sequence.request_id, None) is None:
             return
         if self.scheduler.finish(sequence):  # its blocks came back, once: now its storage goes too
             self.executor.release(sequence.request_id)
         if error is not None:
-            self.observer.refused(reason)
-            sequence.output.fail(error)
+            self.observer.refused(outcome)
+            sequence.output.fail(error, outcome)
         elif cancelled:
             self.observer.cancelled()
             sequence.output.end()

@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 
 from dualend.engine.kv_blocks import blocks_for, dense_blocks
 
+from .outcomes import REFUSALS as REFUSALS_BY_OUTCOME
+from .outcomes import Outcome
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-REFUSAL_REASONS = ("queue_full", "queue_timeout", "too_large", "shutdown", "backbone")
+REFUSAL_REASONS = tuple(outcome.value for outcome in REFUSALS_BY_OUTCOME)  # the `reason` label
 
 COUNTERS = {"dualend_output_tokens": "Tokens streamed to clients",
             "dualend_decode_steps": "Backbone decode steps",
@@ -111,8 +114,8 @@ class PhaseMetrics:
     def iteration(self, seconds: float) -> None:
         self.histograms["dualend_iteration_seconds"].observe(seconds)
 
-    def refused(self, reason: str) -> None:
-        self.refusals[reason if reason in self.refusals else "backbone"] += 1
+    def refused(self, outcome: Outcome) -> None:
+        self.refusals[outcome.value if outcome.value in self.refusals else Outcome.STEP_FAILED.value] += 1
 
     def cancelled(self) -> None:
         self.counters["dualend_requests_cancelled"] += 1

@@ -21,6 +21,7 @@ from dualend.engine.tokenizer import TextTokenizer
 
 from .contract import PreparedRequest, Response
 from .loop import DecodeLoop, Executor
+from .outcomes import Outcome, tagged
 
 PREFILL_CHUNK = 1 << 20  # latents per iteration: a whole prompt in one backbone call, as the reference prefills
 
@@ -43,8 +44,8 @@ class _Collected:
         self.responses.append(response)
         self.done = response.finish_reason is not None
 
-    def fail(self, message: str) -> None:
-        self.error, self.done = message, True
+    def fail(self, message: str, outcome: Outcome) -> None:
+        self.error, self.done = tagged(outcome, message), True
 
     def end(self) -> None:
         self.done = True

@@ -22,6 +22,7 @@ from .control import CANCEL, DRAIN, read_control
 from .keys import PipelineGuard, latents_token
 from .loop import Backbone, DecodeLoop, Executor, Output, QueuedOutput, SendThread
 from .metrics import PhaseMetrics
+from .outcomes import Outcome
 from .repository import DeploymentConfig
 
 SHUTDOWN_MESSAGE = "the server is shutting down; the stream ends here, retry"
@@ -55,7 +56,7 @@ class DecodeService:
             token = latents_token(self.guard.secret, _params(inputs), inputs["prompt_latents"])
         refusal = self.guard.refuses(inputs["pipeline_key"], token)
         if refusal:  # a control request takes the secret alone; a generation, the compressor's token
-            output.fail(refusal)
+            output.fail(refusal, Outcome.NOT_ALLOWED)
             return
         try:
             if control:
@@ -66,7 +67,7 @@ class DecodeService:
                 raise InvalidRequest("a generation needs prompt_latents and request_params")
             prepared = PreparedRequest.from_json(_params(inputs))
         except (InvalidRequest, KeyError, TypeError, ValueError) as error:
-            output.fail(f"malformed request: {error}")
+            output.fail(f"malformed request: {error}", Outcome.BAD_REQUEST)
             return
         self.loop.submit(request_id, prepared, inputs["prompt_latents"], QueuedOutput(output, self.sends))
 

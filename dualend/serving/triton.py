@@ -12,6 +12,7 @@ from dualend.engine.onnx_engine import BackboneResult, SequenceStatus
 from .contract import Response
 from .keys import response_token
 from .metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSAL_REASONS, REFUSALS, PhaseMetrics
+from .outcomes import DISPOSITIONS, Outcome, outcome_of, tagged
 
 
 def input_arrays(pb_utils, request, names) -> dict:
@@ -24,9 +25,10 @@ def tensors(pb_utils, arrays: dict) -> list:
     return [pb_utils.Tensor(name, array) for name, array in arrays.items()]
 
 
-def error_response(pb_utils, message: str, invalid_argument: bool = False):
-    code = (pb_utils.TritonError.INVALID_ARG,) if invalid_argument else ()
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, *code))
+def error_response(pb_utils, outcome: Outcome, message: str):
+    """An error response whose message leads with the outcome's code (outcomes.tagged)."""
+    code = (pb_utils.TritonError.INVALID_ARG,) if DISPOSITIONS[outcome].invalid_argument else ()
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(tagged(outcome, message), *code))
 
 
 class BLSBackbone:
@@ -49,7 +51,7 @@ class BLSBackbone:
         response = pb.InferenceRequest(model_name=self.model_name, inputs=tensors(pb, inputs),
                                        requested_output_names=["logits", "hidden", "status", "messages"]).exec()
         if response.has_error():
-            raise RuntimeError(f"{self.model_name}: {response.error().message()}")
+            raise RuntimeError(f"{self.model_name}: {outcome_of(response.error().message())[1]}")
         out = {name: pb.get_output_tensor_by_name(response, name).as_numpy()
                for name in ("logits", "hidden", "status", "messages")}
         return BackboneResult(out["logits"], out["hidden"], [SequenceStatus(s) for s in out["status"].tolist()],
@@ -72,8 +74,8 @@ class ResponseSenderOutput:
         self.sender.send(self.pb_utils.InferenceResponse(tensors(self.pb_utils, arrays)),
                          flags=self.final if response.finish_reason else 0)
 
-    def fail(self, message: str) -> None:
-        self.sender.send(error_response(self.pb_utils, message), flags=self.final)
+    def fail(self, message: str, outcome: Outcome) -> None:
+        self.sender.send(error_response(self.pb_utils, outcome, message), flags=self.final)
 
     def end(self) -> None:
         self.sender.send(flags=self.final)

@@ -15,7 +15,9 @@ from dualend.engine.engines import open_engine
 from dualend.engine.onnx_engine import BackboneBatch, BackboneRunner, kv_cache
 from dualend.serving.keys import PipelineGuard
 from dualend.serving.metrics import PoolMetrics
+from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import DeploymentConfig, version_components
+from dualend.serving.triton import error_response
 
 INPUTS = ("sequence_ids", "latents", "new_latents", "reserve_slots", "release_ids")
 
@@ -51,14 +53,14 @@ class TritonPythonModel:
         for request in requests:
             refusal = self.guard.refuses(_input(request, "pipeline_key"))
             if refusal:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal)))
+                responses.append(error_response(pb_utils, Outcome.NOT_ALLOWED, refusal))
                 continue
             ids, latents, counts, reserves, releases = (_input(request, name) for name in INPUTS)
             try:
                 result = self.runner.run_batch(BackboneBatch(ids.tolist(), latents, counts.tolist(), reserves.tolist(),
                                                              [] if releases is None else releases.tolist()))
             except Exception as error:  # noqa: BLE001 - a malformed batch fails alone
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))))
+                responses.append(error_response(pb_utils, Outcome.STEP_FAILED, str(error)))
                 continue
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("logits", result.logits), pb_utils.Tensor("hidden", result.hidden),

@@ -9,6 +9,7 @@ import triton_python_backend_utils as pb_utils
 from dualend.engine.engines import open_engine
 from dualend.serving.contract import PreparedRequest
 from dualend.serving.keys import PipelineGuard, latents_token, request_token
+from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import DeploymentConfig, version_components
 from dualend.serving.triton import error_response, input_arrays, tensors
 
@@ -30,11 +31,11 @@ class TritonPythonModel:
         params = bytes(inputs["request_params"][0])
         refusal = self.guard.refuses(inputs["pipeline_key"], request_token(self.guard.secret, params))
         if refusal:
-            return error_response(pb_utils, refusal)
+            return error_response(pb_utils, Outcome.NOT_ALLOWED, refusal)
         try:
             prompt = PreparedRequest.from_json(params)
         except (KeyError, TypeError, ValueError) as error:  # only a caller holding the secret gets here
-            return error_response(pb_utils, f"malformed request_params: {error}", invalid_argument=True)
+            return error_response(pb_utils, Outcome.BAD_REQUEST, f"malformed request_params: {error}")
         latents = self.session.run(None, {"tokens": prompt.prompt_pairs(self.pair_size, self.pad_id)})[0]  # [n, D]
         key = latents_token(self.guard.secret, params, latents).encode()
         return pb_utils.InferenceResponse(tensors(pb_utils, {

@@ -12,6 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 from dualend.serving.control import cancel_request
 from dualend.serving.keys import PipelineGuard, response_token
+from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import DeploymentConfig, version_components
 from dualend.serving.triton import error_response, input_arrays, tensors
 
@@ -37,7 +38,7 @@ class TritonPythonModel:
         else:
             refusal = self.guard.refuses(inputs["pipeline_key"], response_token(self.guard.secret, request_id, ids))
         if refusal:
-            return error_response(pb_utils, refusal)
+            return error_response(pb_utils, Outcome.NOT_ALLOWED, refusal)
         if request.is_cancelled():
             self._forward_cancel(request_id)
         text = self.tokenizer.decode(ids.tolist()).encode()

@@ -3,9 +3,10 @@ prompt's token ids among them, with a token the compressor checks (`serving.keys
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.engine.decode import InvalidRequest
+from dualend.engine.decode import ContextLengthExceeded, InvalidRequest
 from dualend.serving.contract import REQUEST_INPUTS, Limits, prepare_request
 from dualend.serving.keys import pipeline_secret, request_token
+from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import DeploymentConfig, version_components
 from dualend.serving.triton import error_response, input_arrays, tensors
 
@@ -25,7 +26,8 @@ class TritonPythonModel:
         try:
             prepared = prepare_request(self.tokenizer, self.limits, **input_arrays(pb_utils, request, REQUEST_INPUTS))
         except InvalidRequest as error:
-            return error_response(pb_utils, f"invalid request: {error}", invalid_argument=True)
+            outcome = Outcome.CONTEXT_LENGTH_EXCEEDED if isinstance(error, ContextLengthExceeded) else Outcome.BAD_REQUEST
+            return error_response(pb_utils, outcome, f"invalid request: {error}")
         params = prepared.to_json().encode()
         return pb_utils.InferenceResponse(tensors(pb_utils, {
             "request_params": np.asarray([params], dtype=object),

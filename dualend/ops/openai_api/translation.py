@@ -3,8 +3,8 @@
 Pure functions, no I/O: a `/v1/completions` or `/v1/chat/completions` body becomes a `Generation`
 (checked field by field, a wrong one refused naming it), a Generation becomes the ensemble's inputs,
 and Triton's counters and finish reasons become OpenAI's bodies, chunks and usage. Every refusal is an
-`ApiError` in OpenAI's error shape; `triton_error` maps the deployment's own messages to the status a
-client retries on.
+`ApiError` in OpenAI's error shape; `triton_error` maps a deployment's error to the status a client
+retries on by the outcome code it carries (dualend.serving.outcomes), never by its words.
 """
 from __future__ import annotations
 
@@ -16,23 +16,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dualend.serving.outcomes import DISPOSITIONS, Outcome, disposition
+
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}  # OpenAI's default for completions; chat has none here
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 TRITON_FIELDS = {"text_input": "prompt", "random_seed": "seed", "stop_words": "stop", "max_tokens": "max_tokens",
                  "temperature": "temperature", "top_p": "top_p"}  # Triton input -> OpenAI field
 IGNORED = {"user", "logit_bias", "presence_penalty", "frequency_penalty", "suffix", "service_tier", "store",
            "metadata", "parallel_tool_calls"}  # accepted and without effect, as other servers do
-# Retry-After (seconds) on the refusals a client retries: a 429's place frees as soon as one request
-# ends (or the rate's bucket refills); a 503's failed step is restored, or its server answers again, in seconds
-RETRY_AFTER_S = {429: 1, 503: 2}
+# Retry-After (seconds) on the refusals a client retries, by status (outcomes.DISPOSITIONS): a 429's place
+# frees as soon as one request ends; a 503's failed step is restored, or its server answers again, in seconds
+RETRY_AFTER_S = {d.http_status: d.retry_after_s for d in DISPOSITIONS.values() if d.retry_after_s}
 MAX_JSON_DEPTH = 32  # OpenAI's bodies nest 4 deep (messages[i].content[j].text)
 
 
 class ApiError(Exception):
     """A refusal in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with `status`."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -226,22 +229,20 @@ def triton_inputs(request: Generation) -> dict[str, np.ndarray]:
 
 
 def triton_error(message: str, request: Generation | None = None) -> ApiError:
-    """The deployment's message as an ApiError: busy 429, shutting down or unreachable 503, else 400
-    naming the OpenAI field the message names."""
-    lowered = message.lower()
-    if "server busy" in lowered or "retry later" in lowered:
-        return ApiError(429, message, code="server_busy")
-    if any(s in lowered for s in ("shutting down", "drain", "unavailable", "not ready", "failed to connect",
-                                  "connection refused", "socket closed", "the stream ends here")):
-        return ApiError(503, message, code="retry")
-    if "is not found" in lowered or "unknown model" in lowered:
-        return ApiError(404, message, "model", "model_not_found")
-    prompt_field = "messages" if request is not None and request.kind == "chat" else "prompt"
-    too_long = "context_length_exceeded" if "raw_context_limit" in message else None
-    if re.match(r"(prompt|text_input)\b", message.rpartition("invalid request: ")[2]):  # the prompt's length or text
-        return ApiError(400, message, prompt_field, too_long)
-    named = next((field for triton, field in TRITON_FIELDS.items() if re.search(rf"\b{triton}\b", message)), None)
-    return ApiError(400, message, prompt_field if named == "prompt" else named, too_long)
+    """The deployment's error as an ApiError: status and code by its outcome (outcomes.DISPOSITIONS),
+    an untagged one being tritonserver's own (503, retry). A 400 names the OpenAI field the message
+    is about, for people; the message goes on without the code."""
+    outcome, found, text = disposition(message)
+    param = None
+    if found.http_status == 400:
+        prompt_field = "messages" if request is not None and request.kind == "chat" else "prompt"
+        if outcome == Outcome.CONTEXT_LENGTH_EXCEEDED or re.match(r"(prompt|text_input)\b",
+                                                                   text.rpartition("invalid request: ")[2]):
+            param = prompt_field
+        else:
+            named = next((f for triton, f in TRITON_FIELDS.items() if re.search(rf"\b{triton}\b", text)), None)
+            param = prompt_field if named == "prompt" else named
+    return ApiError(found.http_status, text, param, found.openai_code)
 
 
 def usage(counters: dict[str, int], dual_end: bool) -> dict:

@@ -1,0 +1,31 @@
+"""benchmarks.conversion_recipes on hand-written run folders: gaps to the teacher, the table, the plot."""
+import json
+
+from benchmarks.conversion_recipes import main
+
+
+def run_folder(root, name, records, lora_rank=16, lr=5e-4):
+    folder = root / name
+    (folder / "adapters").mkdir(parents=True)
+    (folder / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "adapters" / "adapters.json").write_text(json.dumps(
+        {"spec": {"lora_rank": lora_rank}, "recipe": {"lr": lr, "hidden_weight": 0.0, "autocast": "none",
+                                                      "batch_size": 4, "seq_tokens": 256}}))
+    return folder
+
+
+def record(step, tokens, minutes, nll_t1, nll_t2, agree, speed=None):
+    return {"step": step, "tokens": tokens, "minutes": minutes, "tokens_per_s": speed, "nll_t1": nll_t1,
+            "nll_t2": nll_t2, "teacher_nll_t1": 2.0, "teacher_nll_t2": 2.5, "agree_t1": agree, "agree_t2": agree / 2}
+
+
+def test_each_run_is_reported_by_its_gap_to_the_teacher_and_plotted(tmp_path, capsys):
+    lora = run_folder(tmp_path, "lora", [record(0, 0, 0.0, 6.0, 9.0, 0.2), record(10, 10240, 5.0, 4.0, 6.5, 0.4, 34.0)])
+    full = run_folder(tmp_path, "full", [record(0, 0, 0.0, 6.0, 9.0, 0.2), record(8, 8192, 5.0, 3.5, 6.0, 0.45, 27.0)],
+                      lora_rank=0, lr=1e-4)
+    main([str(lora), str(full), "--out", str(tmp_path / "report")])
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "| lora | lora_rank 16, lr 0.0005" in report and "| 2.000 (from 4.000) | 4.000 (from 6.500) |" in report
+    assert "| full | lora_rank 0, lr 0.0001" in report and "| 1.500 (from 4.000) | 3.500 (from 6.500) |" in report
+    assert (tmp_path / "report" / "curves.png").stat().st_size > 10_000
+    assert "| 8 | 8192 | 5.0 | 27 |" in capsys.readouterr().out

@@ -95,6 +95,19 @@ def test_serves_identity_model_and_stops_cleanly(identity_repository, tmp_path):
     assert port_is_free("127.0.0.1", http_port)
 
 
+def test_the_admin_key_is_in_no_log_line(identity_repository, tmp_path, caplog):
+    """tritonserver takes the key as an argument (it is there), and the launcher's line that starts it
+    shows it replaced; tritonserver's own log does not print it either."""
+    key = "k" * 32
+    server = TritonServer(identity_repository, model_control_mode="explicit", load_models=["identity"],
+                          log_file=tmp_path / "tritonserver.log", startup_timeout=60, admin_key=key)
+    with caplog.at_level("INFO", logger="dualend.ops.launch"), server:
+        assert any(key in part for part in server.command(tmp_path))  # the home folder only places files
+    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("starting ")]
+    assert started and "<admin key>" in started[0] and key not in started[0]
+    assert key not in (tmp_path / "tritonserver.log").read_text()
+
+
 def test_start_failure_reports_log_tail(identity_repository, tmp_path):
     server = TritonServer(
         identity_repository,

@@ -362,6 +362,13 @@ class TritonServer:
             args += [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
         return args + self.extra_args
 
+    def printable(self, command: list[str]) -> list[str]:
+        """`command` as the log shows it: the admin key replaced (tritonserver 2.51 takes it only as an
+        argument, so `ps` still shows it to local users: docs/operations.md#closed-by-default)."""
+        if not self.admin_key:
+            return command
+        return [part.replace(self.admin_key, "<admin key>") for part in command]
+
     # lifecycle
 
     def start(self) -> "TritonServer":
@@ -383,7 +390,7 @@ class TritonServer:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
 
         command = self.command(home)
-        log.info("starting %s", " ".join(command))
+        log.info("starting %s", " ".join(self.printable(command)))
         with open(self.log_file, "ab") as log_handle:
             # Own session: a terminal's Ctrl-C reaches only us, and stop() can kill the whole
             # group (server and Python stubs) if the server does not exit by itself.

@@ -95,3 +95,16 @@ def malformed_bodies(model: str, prompt_field: str) -> list[tuple[str, bytes, bo
             if json.dumps(body, allow_nan=True) != json.dumps(valid):
                 bodies.append((f"{field_name}={value!r}"[:60], json.dumps(body, allow_nan=True).encode(), False))
     return bodies
+
+
+# Prompts of the SmolLM2 parity tests (against transformers, and served against the in-process engine)
+SMOLLM2_PROMPTS = [
+    "The capital of France is", "def quicksort(arr):\n", "Once upon a time, in a small village,",
+    "The three primary colors are", "import numpy as np\n\n", "Water boils at a temperature of",
+    "The first president of the United States was", "class Stack:\n    def __init__(self):\n",
+    "Photosynthesis is the process by which", "The largest planet in our solar system is",
+    "To make a cup of tea, first", "SELECT name FROM users WHERE", "The French word for cat is",
+    "In 1969, Neil Armstrong", "A haiku about autumn:\n", "The sum of 17 and 25 is",
+    "for (int i = 0; i < n; i++) {", "Machine learning is", "The Eiffel Tower is located in",
+    "<|im_start|>user\nName three fruits.<|im_end|>\n<|im_start|>assistant\n",
+]

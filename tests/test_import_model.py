@@ -19,11 +19,16 @@ gguf = pytest.importorskip("gguf")
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
+from conftest import SMOLLM2_PROMPTS  # noqa: E402
+
 from builder import import_model as importer  # noqa: E402
+from builder.export import export_checkpoint  # noqa: E402
 from dualend.engine.checkpoint import load_checkpoint  # noqa: E402
 from dualend.engine.decode import SamplingParams  # noqa: E402
+from dualend.engine.onnx_engine import OnnxComponents  # noqa: E402
 from dualend.engine.reference import TorchComponents, reference_text  # noqa: E402
 from dualend.engine.tokenizer import TextTokenizer  # noqa: E402
+from dualend.serving.offline import generate_text  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -382,16 +387,6 @@ def smollm2(tmp_path_factory):
     return checkpoint, hf_model, hf_tok
 
 
-SMOLLM2_PROMPTS = [
-    "The capital of France is", "def quicksort(arr):\n", "Once upon a time, in a small village,",
-    "The three primary colors are", "import numpy as np\n\n", "Water boils at a temperature of",
-    "The first president of the United States was", "class Stack:\n    def __init__(self):\n",
-    "Photosynthesis is the process by which", "The largest planet in our solar system is",
-    "To make a cup of tea, first", "SELECT name FROM users WHERE", "The French word for cat is",
-    "In 1969, Neil Armstrong", "A haiku about autumn:\n", "The sum of 17 and 25 is",
-    "for (int i = 0; i < n; i++) {", "Machine learning is", "The Eiffel Tower is located in",
-    "<|im_start|>user\nName three fruits.<|im_end|>\n<|im_start|>assistant\n",
-]
 
 
 @pytest.mark.slow
@@ -420,6 +415,33 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2):
     matches = _greedy_matches_batch(model, hf_model, [ours.encode_prompt(p) for p in SMOLLM2_PROMPTS], 64)
     print(f"SmolLM2 greedy 64-token continuations identical: {sum(matches)}/{len(matches)}")
     assert all(matches), [p for p, same in zip(SMOLLM2_PROMPTS, matches) if not same]
+
+
+@pytest.mark.slow
+def test_smollm2_on_onnx_runtime_matches_transformers(smollm2, tmp_path):
+    """The fp32 export the server runs: last-position logits within 1e-2 of transformers', and the
+    decode loop's greedy 64-token continuations (in-process, as served) equal to transformers' for all
+    20 prompts (tests/test_smollm2_served.py holds the served text equal to this engine's)."""
+    checkpoint, hf_model, _ = smollm2
+    ours, eos = checkpoint.tokenizer, checkpoint.config.eos_id
+    export_checkpoint(checkpoint, tmp_path / "export")
+    engine = OnnxComponents(tmp_path / "export", max_sequences=1)
+    worst = 0.0
+    for text in SMOLLM2_PROMPTS[:4] + [HELD_OUT[1]]:
+        ids = ours.encode_prompt(text)
+        last = engine.open_backbone().prefill(engine.compress(np.asarray(ids)[:, None]), len(ids) + 1).logits
+        worst = max(worst, float(np.abs(last - _hf_logits(hf_model, ids)[-1].numpy()).max()))
+    print(f"SmolLM2 on ONNX Runtime, max |logit diff| vs transformers: {worst:.2e}")
+    assert worst <= 1e-2
+    differing = []
+    for prompt in SMOLLM2_PROMPTS:
+        continuation, _ = _greedy_matches(checkpoint.model, hf_model, ours.encode_prompt(prompt), 64)
+        expected = continuation[:-1] if continuation[-1:] == [eos] else continuation  # EOS ends, is not text
+        generated = generate_text(engine, ours, prompt, SamplingParams(max_tokens=64), 1.0)
+        if generated.tokens != expected or (generated.finish_reason == "eos") != (continuation[-1:] == [eos]):
+            differing.append(prompt)
+    print(f"SmolLM2 on ONNX Runtime, greedy 64-token continuations identical: {20 - len(differing)}/20")
+    assert not differing
 
 
 @pytest.mark.slow

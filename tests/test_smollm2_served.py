@@ -8,7 +8,7 @@ prompt is rendered with the template the served tokenizer component carries, as 
 import importlib.util
 
 import pytest
-from conftest import wait_for
+from conftest import SMOLLM2_PROMPTS, wait_for
 
 from builder.assemble import main as assemble_main
 from client.api import RequestError, metric_value, stream_grpc
@@ -48,10 +48,15 @@ def in_process_text(server, prompt: str, max_tokens: int) -> str:
 
 
 def test_served_greedy_text_equals_the_in_process_engine(server):
-    for prompt in PROMPTS:
-        served = stream_grpc(server.grpc_url, "smollm2", prompt, 24, exclude_input_in_output=True)
-        assert served.text == in_process_text(server, prompt, 24), prompt
+    """20 prompts x 64 tokens; the in-process engine's equal transformers' (tests/test_import_model.py)."""
+    differing = []
+    for prompt in SMOLLM2_PROMPTS:
+        served = stream_grpc(server.grpc_url, "smollm2", prompt, 64, exclude_input_in_output=True)
+        if served.text != in_process_text(server, prompt, 64):
+            differing.append(prompt)
         assert served.counters["num_prompt_latents"] == served.counters["num_prompt_tokens"]  # token-level
+    print(f"served smollm2, greedy 64-token continuations equal to the in-process engine's: {20 - len(differing)}/20")
+    assert not differing
 
 
 def test_a_chat_rendered_question_gets_paris_as_the_engine_says(server, capsys):

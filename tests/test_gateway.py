@@ -7,7 +7,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import malformed_bodies
+from conftest import malformed_bodies, wait_for
 
 from builder.assemble import DEFAULTS
 from builder.assemble import main as assemble_main
@@ -300,6 +300,15 @@ def test_malformed_bodies_on_the_triton_http_routes_are_4xx_and_the_next_request
             assert status < 500 and (400 <= status or not unusable), (what, route, status, answer[:200])
         status, answer = http(stack, "/v2/models/baseline/generate", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 2}')
         assert status == 200 and "text_output" in answer, (what, status, answer[:200])
+
+
+def test_a_log_past_its_bound_moves_aside_and_nginx_writes_a_new_one(stack):
+    access = stack.prefix / "access.log"
+    assert http(stack, "/v2/models/baseline/generate", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 1}')[0] == 200
+    assert access in stack.rotate_logs(max_bytes=1) and (stack.prefix / "access.log.1").stat().st_size > 1
+    assert http(stack, "/v2/models/baseline/generate", b'{"text_input": "Q: 2+2\\nA:", "max_tokens": 1}')[0] == 200
+    assert wait_for(lambda: access.exists() and "/v2/models/baseline/generate" in access.read_text(), 5)
+    assert stack.rotate_logs(max_bytes=1 << 30) == []  # under the bound: left alone
 
 
 def test_a_client_over_its_rate_is_refused_with_429(stack):

@@ -58,6 +58,9 @@ GRPC_METHODS = ("ModelStreamInfer", "ModelInfer", "ModelMetadata", "ModelReady",
                 "ServerMetadata")
 
 
+LOG_MAX_BYTES = 64 * 2**20  # each nginx log, before the launcher moves it aside (Gateway.rotate_logs)
+
+
 class GatewayError(RuntimeError):
     pass
 
@@ -395,6 +398,17 @@ class Gateway:
                 raise GatewayError(f"nginx (pid {master}) did not switch its workers to the new split within "
                                    f"{timeout_s:g} s; see {self.prefix / 'error.log'}")
             time.sleep(0.02)
+
+    def rotate_logs(self, max_bytes: int = LOG_MAX_BYTES) -> list[Path]:
+        """Each of nginx's logs past `max_bytes` moves to NAME.1 (the one there before is dropped) and
+        nginx reopens its logs (SIGUSR1), so the gateway's logs stay under 2 x max_bytes each."""
+        logs = [self.prefix / name for name in ("error.log", "access.log")]
+        rotated = [path for path in logs if path.exists() and path.stat().st_size > max_bytes]
+        for path in rotated:
+            os.replace(path, path.with_name(path.name + ".1"))
+        if rotated:
+            os.kill(int((self.prefix / "nginx.pid").read_text()), signal.SIGUSR1)
+        return rotated
 
     def stop(self) -> None:
         process, self.process = self.process, None

@@ -81,6 +81,7 @@ DEFAULT_REPOSITORY = PROJECT_ROOT / "build" / "model_repository"
 ADMIN_KEY_ENV = "DUALEND_ADMIN_KEY"
 DEFAULT_ADMIN_KEY_FILE = PROJECT_ROOT / "build" / "gateway" / "admin_key"
 RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"  # tritonserver API groups behind the admin key
+LOG_CHECK_S = 10.0  # how often the gateway's logs are checked for rotation
 
 log = logging.getLogger(__name__)
 
@@ -650,7 +651,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             watching = Watchdog(server, gateway.prefix / "down" if gateway else None,
                                 services=(api,) if api else ()).start()
         print("Ctrl-C or SIGTERM stops it.", flush=True)
+        next_rotation = time.monotonic()
         while server.poll() is None:
+            if gateway is not None and time.monotonic() >= next_rotation:
+                gateway.rotate_logs()
+                next_rotation += LOG_CHECK_S
             time.sleep(0.5)
         print(
             f"error: tritonserver exited with code {server.poll()}; last lines of "

@@ -26,7 +26,8 @@ from dualend.ops.repository_api import RepositoryAPI
 
 pytestmark = pytest.mark.server
 PROMPTS = ["Q: 3+4-2\nA:", " ab:12 cd:34 ef:56\nget cd:"]
-ALICE, BOB, HOG = "a1" * 16, "b2" * 16, "c3" * 16
+ALICE, BOB, HOG, QUOTA = "a1" * 16, "b2" * 16, "c3" * 16, "d4" * 16
+DAILY_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,10 @@ def api(tmp_path_factory):
                                 "--export-dir", str(root / "export"), "--raw-context-limit", "2304",
                                 "--max-new-tokens", "2048", "--max-concurrent-requests", "16",
                                 "--deployments", "dualend", "baseline"])
-    (root / "keys").write_text(f"alice {ALICE} max_requests=2\nbob {BOB}\nhog {HOG} max_requests=8\n")
-    with served_through_v1(repository, root, "--api-keys", str(root / "keys")) as triton:
+    (root / "keys").write_text(f"alice {ALICE} max_requests=2\nbob {BOB}\nhog {HOG} max_requests=8\n"
+                               f"quota {QUOTA} daily_tokens={DAILY_TOKENS}\n")
+    with served_through_v1(repository, root, "--api-keys", str(root / "keys"), "--usage-db",
+                           str(root / "usage.sqlite")) as triton:
         yield triton
 
 
@@ -224,6 +227,26 @@ def test_a_model_is_retrieved_by_its_id_and_an_unknown_one_is_a_404(api):
     with pytest.raises(openai.NotFoundError) as refused:
         client(api).models.retrieve("gpt-4")
     assert refused.value.code == "model_not_found" and "gpt-4" in refused.value.message
+
+
+def test_a_key_over_its_daily_tokens_gets_429_and_its_usage_is_kept_on_disk(api):
+    """Requests answered until the day's tokens reach the quota, the next one refused; the SQLite file,
+    read by another process as after a restart, holds exactly what the answers' usage said."""
+    answered = []
+    for _ in range(20):
+        status, body = post(api, "/v1/completions", {"model": "baseline", "prompt": PROMPTS[0], "max_tokens": 4},
+                            key=QUOTA)
+        if status != 200:
+            break
+        answered.append(body["usage"]["total_tokens"])
+    assert (status, body["error"]["code"]) == (429, "quota_exceeded") and "daily_tokens quota is 40" in body["error"]["message"]
+    assert sum(answered) >= DAILY_TOKENS > sum(answered[:-1])  # refused exactly once the quota was reached
+    assert post(api, "/v1/completions", {"model": "baseline", "prompt": PROMPTS[0], "max_tokens": 2})[0] == 200
+    printed = subprocess.run([sys.executable, "-m", "dualend.ops.usage", "--db", str(api.root / "usage.sqlite")],
+                             capture_output=True, text=True, check=True).stdout
+    day, _, requests, prompt, cached, completion = next(line.split() for line in printed.splitlines()
+                                                        if line.split()[1:2] == ["quota"])
+    assert (int(requests), int(prompt) + int(completion), int(cached)) == (len(answered), sum(answered), 0)
 
 
 def test_a_missing_or_wrong_key_is_a_401_and_keys_match_exactly(api):

@@ -1,9 +1,11 @@
-"""The clients' API keys: a file of `name key [max_requests=N]` lines, read by the gateway and the
-OpenAI-compatible service.
+"""The clients' API keys: a file of `name key [max_requests=N] [daily_tokens=N]` lines, read by the
+gateway and the OpenAI-compatible service.
 
 Only sha256 hashes of the keys leave this module (the gateway's rendered config holds hashes, and a
 presented key is hashed and compared exactly). `max_requests` caps what one key may have running and
-waiting at once (default `DEFAULT_MAX_REQUESTS`), so one client cannot take every decode slot.
+waiting at once (default `DEFAULT_MAX_REQUESTS`), so one client cannot take every decode slot;
+`daily_tokens` the prompt + completion tokens it may use a day (UTC) on the /v1 routes (dualend.ops.usage;
+default: no quota).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class ApiKey:
     name: str
     key_sha256: str     # hex
     max_requests: int   # running + waiting, per key
+    daily_tokens: int | None = None  # prompt + completion tokens a day (UTC); None: no quota
 
 
 def key_hash(key: str) -> str:
@@ -35,8 +38,8 @@ def key_hash(key: str) -> str:
 
 
 def read_keys(path: Path, default_max_requests: int = DEFAULT_MAX_REQUESTS) -> dict[str, ApiKey]:
-    """{sha256 of the key: ApiKey} from lines `name key [max_requests=N]`; blank lines and # comments
-    ignored."""
+    """{sha256 of the key: ApiKey} from lines `name key [max_requests=N] [daily_tokens=N]`; blank lines
+    and # comments ignored."""
     keys = {}
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -44,17 +47,18 @@ def read_keys(path: Path, default_max_requests: int = DEFAULT_MAX_REQUESTS) -> d
             continue
         parts = line.split()
         where = f"{path}:{number}"
-        if len(parts) not in (2, 3) or len(parts[1]) < 16 or not parts[1].isalnum() or not parts[0].isidentifier():
-            raise KeysFileError(f"{where}: expected `name key [max_requests=N]` with a name of letters, digits and _ "
-                                "and an alphanumeric key of 16+ characters")
-        max_requests = default_max_requests
-        if len(parts) == 3:
-            setting, _, value = parts[2].partition("=")
-            if setting != "max_requests" or not value.isdigit() or int(value) < 1:
-                raise KeysFileError(f"{where}: the third field must be max_requests=N with N >= 1, not {parts[2]!r}")
-            max_requests = int(value)
+        if len(parts) < 2 or len(parts[1]) < 16 or not parts[1].isalnum() or not parts[0].isidentifier():
+            raise KeysFileError(f"{where}: expected `name key [max_requests=N] [daily_tokens=N]` with a name of "
+                                "letters, digits and _ and an alphanumeric key of 16+ characters")
+        settings = {"max_requests": default_max_requests, "daily_tokens": None}
+        for field in parts[2:]:
+            setting, _, value = field.partition("=")
+            if setting not in settings or not value.isdigit() or int(value) < 1:
+                raise KeysFileError(f"{where}: after the key come max_requests=N and daily_tokens=N, each N >= 1, "
+                                    f"not {field!r}")
+            settings[setting] = int(value)
         digest = key_hash(parts[1])
-        keys[digest] = ApiKey(parts[0], digest, max_requests)
+        keys[digest] = ApiKey(parts[0], digest, **settings)
     if not keys:
         raise KeysFileError(f"{path} holds no API key")
     return keys

@@ -17,7 +17,7 @@ the `X-Dualend-Deployment` header:
 Everything else (repository and model control, internal models over HTTP, statistics, traces)
 answers 404. While the launcher's watchdog restores a failed component of a deployment (a file
 `<prefix>/down/<deployment>`), that deployment's HTTP routes and readiness answer 503 (gRPC carries
-no model name nginx can read). Keys come from a file of `name key [max_requests=N]` lines
+no model name nginx can read). Keys come from a file of `name key [max_requests=N] [daily_tokens=N]` lines
 (`dualend.ops.api_keys`); clients send `Authorization: Bearer <key>` (over gRPC, the `authorization`
 metadata), matched exactly against the keys' sha256 hashes (njs; no file the gateway writes holds a
 key). `max_requests` also caps the requests one key has open at once on the Triton routes (an HTTP

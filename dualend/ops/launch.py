@@ -562,7 +562,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="tokens per API key name (Prometheus), served by the OpenAI-compatible service")
     parser.add_argument("--no-openai-api", action="store_true", help="no /v1/ routes")
     parser.add_argument("--api-keys", type=Path, default=None,
-                        help="gateway API keys, `name key [max_requests=N]` per line (default build/gateway/api_keys, "
+                        help="gateway API keys, `name key [max_requests=N] [daily_tokens=N]` per line (default build/gateway/api_keys, "
                              "created with one new key when missing)")
     parser.add_argument("--baseline-percent", type=float, default=10.0,
                         help="share of the gateway's `llm` requests sent to the baseline (canary)")
@@ -631,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gateway is not None and not args.no_openai_api:
             api = ApiService(ServiceSettings(server.grpc_url, Path(args.model_repository).resolve(), DEFAULT_HOST,
                                              args.openai_port, gateway.settings.keys_file, gateway.prefix,
-                                             args.baseline_percent),
+                                             args.baseline_percent, usage_db=gateway.prefix / "usage.sqlite"),
                              args.host, args.usage_metrics_port, server.log_file.with_suffix(".openai.log")).start()
             gateway.settings.openai_api = api.url
         if gateway is not None:

@@ -20,19 +20,22 @@ def main(argv=None) -> int:
     parser.add_argument("--model-repository", type=Path, default=DEFAULTS.model_repository)
     parser.add_argument("--host", default=DEFAULTS.host)
     parser.add_argument("--port", type=int, default=DEFAULTS.port)
-    parser.add_argument("--api-keys", type=Path, help="`name key [max_requests=N]` lines; none: no key check")
+    parser.add_argument("--api-keys", type=Path, help="`name key [max_requests=N] [daily_tokens=N]` lines; none: no key check")
     parser.add_argument("--gateway-prefix", type=Path, help="the gateway's folder: down marks, canary weight")
     parser.add_argument("--baseline-percent", type=float, default=DEFAULTS.baseline_percent)
     parser.add_argument("--metrics-host", default=DEFAULTS.host)
     parser.add_argument("--metrics-port", type=int,
                         help="also serve /metrics (tokens by API key name) on this port, for Prometheus")
+    parser.add_argument("--usage-db", type=Path, help="tokens per key and day, kept in this SQLite file "
+                                                     "(dualend.ops.usage); with it, daily_tokens quotas apply")
     parser.add_argument("--stall-s", type=float, default=DEFAULTS.stall_s,
                         help="a request of a failed deployment without a response this long ends with 503")
     args = parser.parse_args(argv)
     import uvicorn
 
     service = Service(ServiceSettings(args.triton_grpc, args.model_repository.resolve(), args.host, args.port,
-                                      args.api_keys, args.gateway_prefix, args.baseline_percent, args.stall_s))
+                                      args.api_keys, args.gateway_prefix, args.baseline_percent, args.stall_s,
+                                      usage_db=args.usage_db))
     if args.metrics_port:
         from prometheus_client import start_http_server
 

@@ -38,6 +38,7 @@ from dualend.engine.tokenizer import TextTokenizer
 from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served_generation
 
 from ..api_keys import ApiKey, client_of, read_keys
+from ..usage import UsageStore, seconds_to_next_day
 from .front import DownMarks, KeyCaps, Progress, Readiness
 from .translation import (ApiError, Generation, chunk_body, finish_reason, parse_body, parse_chat,
                           parse_completion, response_body, triton_error, triton_inputs, usage, usage_chunk)
@@ -57,11 +58,12 @@ class ServiceSettings:
     model_repository: Path
     host: str = "127.0.0.1"
     port: int = 18080
-    keys_file: Path | None = None          # `name key [max_requests=N]`; None: anyone, as `anonymous`, no cap
+    keys_file: Path | None = None          # api_keys lines; None: anyone, as `anonymous`, no cap or quota
     gateway_prefix: Path | None = None     # the watchdog's down marks and the canary weight live there
     baseline_percent: float = 10.0         # the canary's share, unless the gateway's settings say otherwise
     stall_s: float = 1.0                   # no response this long while the deployment is (was) down: 503
     max_body_bytes: int = 1 << 20
+    usage_db: Path | None = None           # tokens per key and day (dualend.ops.usage); None: not kept
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Service:
                                          labels, registry=self.registry)
         self.requests = Counter("dualend_api_requests", "requests answered, by API key name and status",
                                 (*labels, "status"), registry=self.registry)
+        self.usage = UsageStore(settings.usage_db) if settings.usage_db else None
         self.client = None
         self._canary = (None, settings.baseline_percent)
 
@@ -253,9 +256,22 @@ class Service:
     # the routes
 
     def count(self, client: ApiKey, model: str, counters: dict, status: int) -> None:
-        self.prompt_tokens.labels(client.name, model).inc(counters.get("num_prompt_tokens", 0))
-        self.completion_tokens.labels(client.name, model).inc(counters.get("num_output_tokens", 0))
+        prompt, completion = counters.get("num_prompt_tokens", 0), counters.get("num_output_tokens", 0)
+        self.prompt_tokens.labels(client.name, model).inc(prompt)
+        self.completion_tokens.labels(client.name, model).inc(completion)
         self.requests.labels(client.name, model, str(status)).inc()
+        if self.usage is not None:
+            self.usage.record(client.name, prompt, 0, completion)
+
+    def check_quota(self, client: ApiKey) -> None:
+        """429 `quota_exceeded` once the key's tokens today (UTC) reached its daily_tokens."""
+        if client.daily_tokens is None or self.usage is None:
+            return
+        used = self.usage.tokens(client.name)
+        if used >= client.daily_tokens:
+            raise ApiError(429, f"API key {client.name!r} used {used} tokens today (UTC), its daily_tokens quota is "
+                                f"{client.daily_tokens}; it renews at 00:00 UTC", code="quota_exceeded",
+                           retry_after_s=seconds_to_next_day())
 
     async def models(self, request: Request) -> Response:
         try:
@@ -281,6 +297,7 @@ class Service:
         kind = "chat" if request.url.path.endswith("/chat/completions") else "completions"
         try:
             client = self.authorize(request)
+            self.check_quota(client)
             body = await request.body()
             if len(body) > self.settings.max_body_bytes:
                 raise ApiError(413, f"request body over {self.settings.max_body_bytes} bytes", code="too_large")

@@ -40,6 +40,8 @@ class ApiService:
             args += ["--api-keys", str(s.keys_file)]
         if s.gateway_prefix:
             args += ["--gateway-prefix", str(s.gateway_prefix)]
+        if s.usage_db:
+            args += ["--usage-db", str(s.usage_db)]
         if self.metrics_port:
             args += ["--metrics-host", self.metrics_host, "--metrics-port", str(self.metrics_port)]
         return args

@@ -37,18 +37,19 @@ class ApiError(Exception):
              404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
              503: "service_unavailable"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s if retry_after_s is not None else RETRY_AFTER_S.get(status)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        """Retry-After on a refusal worth retrying (429, 503); none on the others."""
-        seconds = RETRY_AFTER_S.get(self.status)
-        return {} if seconds is None else {"Retry-After": str(seconds)}
+        """Retry-After on a refusal worth retrying (429, 503, or as given); none on the others."""
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
 
 @dataclass

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from builder import assemble, evaluate_conversion
-from builder.evaluate_conversion import THRESHOLDS, calibrate, prefix_agreement
+from builder.evaluate_conversion import TASK_MARGIN, THRESHOLDS, answered_right, calibrate, prefix_agreement
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.tokenizer import BOS, EOS, PAD, TextTokenizer
 from dualend.train import conversion
@@ -34,6 +34,24 @@ def test_calibration_takes_the_fastest_threshold_whose_higher_ones_all_hold_the_
     # a failing kind bounds it too
     text = _table({**{t: 0.6 for t in THRESHOLDS}, 0.5: 0.5}, speed)
     assert calibrate({"chat": chat, "text": text}, gate=0.02) == 0.7
+
+
+def test_no_threshold_is_kept_whose_chat_answers_fall_below_the_absolute_floor():
+    speed = {t: 2.0 - i * 0.1 for i, t in enumerate(THRESHOLDS)}
+    # within the gate of drafting off everywhere, but drafting off itself agrees only 0.3 with the base
+    chat = _table({t: 0.3 for t in THRESHOLDS}, speed)
+    text = _table({t: 0.9 for t in THRESHOLDS}, speed)
+    assert calibrate({"chat": chat, "text": text}, gate=0.02) == -1.0
+    assert calibrate({"chat": chat, "text": text}, gate=0.02, agreement_floor=0.5) == 1.0
+    chat = _table({**{t: 0.3 for t in THRESHOLDS}, 0.7: 0.6, 0.9: 0.6, 1.0: 0.6}, speed)
+    assert calibrate({"chat": chat, "text": text}, gate=0.02, agreement_floor=0.5) == 0.7
+
+
+@pytest.mark.parametrize("answer, right", [
+    ("The capital of France is Paris.", True), ("paris, of course", True), ("Parisian food", False),
+    ("It has 8 legs.", True), ("It has 18 legs.", False), ("eight", True), ("", False)])
+def test_an_answer_is_right_when_it_holds_an_accepted_string_as_whole_words(answer, right):
+    assert answered_right(answer, ["Paris", "8", "eight"]) == right
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +90,7 @@ def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_ste
     report = evaluate_conversion.main([
         "--dualend", str(converted / "merged"), "--baseline", str(converted / "base"), "--name", "tiny",
         "--reports", str(tmp_path), "--chat-prompts", "2", "--text-prompts", "2", "--prompt-tokens", "12",
-        "--answer-tokens", "6", "--text-rows", "2", "--text-tokens", "24"])
+        "--answer-tokens", "6", "--text-rows", "2", "--text-tokens", "24", "--task-tokens", "4"])
     assert report["threshold"] in THRESHOLDS
     for split in ("calibration", "report"):
         text = report[split]["text"]
@@ -80,7 +98,11 @@ def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_ste
         # every draft accepted, EOS ignored: 6 tokens in 3 steps per prompt
         assert text["-1.0"]["tokens_per_step_no_eos"] == 2.0 and text["-1.0"]["acceptance_rate"] == 1.0
         assert all(0.0 <= row["agreement"] <= 1.0 for kind in report[split].values() for row in kind.values())
-    assert set(report["verdict"]["met"]) == set(evaluate_conversion.TARGETS)
+    assert set(report["verdict"]["met"]) == set(evaluate_conversion.TARGETS) | {"task_answers"}
+    task = report["task"]
+    assert task["questions"] == len(task["answers"]) >= 40
+    assert report["verdict"]["targets"]["task_answers"] == task["baseline_right"] - TASK_MARGIN
+    assert task["dualend_right_of_baselines"] <= min(task["baseline_right"], task["dualend_right"])
     assert report["verdict"]["passed"] == all(report["verdict"]["met"].values())
     assert json.loads((tmp_path / "quality_tiny.json").read_text())["threshold"] == report["threshold"]
     assert "NOT PASSED" in (tmp_path / "quality_tiny.md").read_text() or report["verdict"]["passed"]

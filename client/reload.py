@@ -32,7 +32,8 @@ from pathlib import Path
 from client.api import RequestError, metric_in, metrics_page, stream_grpc
 from dualend.engine.manifest import MANIFEST, ManifestError, verify_component, verify_siblings
 from dualend.ops.launch import DEFAULT_REPOSITORY, INTERNAL_GRPC_PORT, admin_key
-from dualend.ops.repository_api import RepositoryAPI, config_checkpoint, ensemble_pipeline
+from dualend.ops.repository_api import RepositoryAPI
+from dualend.serving.model_config import ModelConfigError, config_checkpoint, ensemble_pipeline, read_model_config
 from dualend.serving.repository import generation_of, pipeline_name, prune_generations
 
 INTERNAL_STEPS = ("backbone", "mtp_verify", "compressor", "preprocessing", "postprocessing")
@@ -45,17 +46,12 @@ class ReloadError(RuntimeError):
 def repository_checkpoint(repository: Path, deployment: str) -> tuple[str, str, dict]:
     """(checkpoint id, pipeline, ensemble config) of what the deployment's ensemble uses on disk,
     read once; ManifestError if its components disagree."""
-    from google.protobuf import json_format, text_format
-    from tritonclient.grpc import model_config_pb2
-
     try:
-        config = json_format.MessageToDict(text_format.Parse(
-            (repository / deployment / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()),
-            preserving_proto_field_name=True)
+        config = read_model_config(repository / deployment / "config.pbtxt")
     except OSError:
         config = {}
-    except text_format.ParseError as error:
-        raise ManifestError(f"{deployment}/config.pbtxt: {error}") from None
+    except ModelConfigError as error:
+        raise ManifestError(str(error)) from None
     pipeline = ensemble_pipeline(config)
     if pipeline is None or generation_of(f"{pipeline}_backbone", deployment) is None:
         raise ManifestError(f"{repository} holds no ensemble {deployment!r}")

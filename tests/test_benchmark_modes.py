@@ -189,7 +189,7 @@ def test_dummy_refuses_a_tokenizer_larger_than_the_vocabulary(exported, tmp_path
 def test_the_launcher_reads_the_notices_of_the_served_generation(tmp_path):
     config = replace(CONFIG, deployment="dualend", pipeline="dualend_v3", synthetic_acceptance=0.9)
     (tmp_path / "dualend").mkdir()
-    (tmp_path / "dualend" / "config.pbtxt").write_text('step [ { model_name: "dualend_v3_preprocessing" } ]')
+    (tmp_path / "dualend" / "config.pbtxt").write_text('ensemble_scheduling { step [ { model_name: "dualend_v3_preprocessing" } ] }')
     (tmp_path / "dualend_v3_mtp_verify").mkdir()
     (tmp_path / "dualend_v3_mtp_verify" / "config.pbtxt").write_text(config.pbtxt())
     assert served_benchmark_notices(tmp_path, "dualend") == config.benchmark_notices()

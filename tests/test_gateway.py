@@ -382,7 +382,7 @@ def test_tritonservers_repository_api_needs_the_admin_key(stack):
     assert status == 200 and "dualend_v1_backbone" in body
 
 
-def test_the_public_inputs_are_read_from_the_served_ensemble_and_an_unreadable_layout_is_refused(stack, tmp_path):
+def test_the_public_inputs_are_read_from_the_served_ensemble_in_any_layout_and_a_broken_one_is_refused(stack, tmp_path):
     from dualend.ops.gateway import GatewayError, public_inputs
 
     inputs = public_inputs(stack.repository)
@@ -391,6 +391,8 @@ def test_the_public_inputs_are_read_from_the_served_ensemble_and_an_unreadable_l
     assert inputs["random_seed"]["type"] == "TYPE_UINT64" and len(inputs) == 11
     (tmp_path / "dualend").mkdir()
     config = (stack.repository / "dualend" / "config.pbtxt").read_text()
-    (tmp_path / "dualend" / "config.pbtxt").write_text(config.replace('dims: [ 1 ] },', 'dims: [1] },', 1))
-    with pytest.raises(GatewayError, match="11 inputs, 10 in the one-line layout"):
+    (tmp_path / "dualend" / "config.pbtxt").write_text(config.replace('dims: [ 1 ] },', 'dims: [1]\n },', 1))
+    assert public_inputs(tmp_path) == inputs  # read as tritonserver reads it, not by its line layout
+    (tmp_path / "dualend" / "config.pbtxt").write_text(config.replace("input [", "input [ {", 1))
+    with pytest.raises(GatewayError, match="the gateway reads the public inputs from .*config.pbtxt"):
         public_inputs(tmp_path)

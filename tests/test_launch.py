@@ -187,7 +187,7 @@ def test_generations_no_ensemble_serves_are_pruned_before_the_source_check(tmp_p
         else:
             (folder / "model.py").write_text(source)
     (tmp_path / "dualend").mkdir()
-    (tmp_path / "dualend" / "config.pbtxt").write_text('step [ { model_name: "dualend_v2_preprocessing" } ]')
+    (tmp_path / "dualend" / "config.pbtxt").write_text('ensemble_scheduling { step [ { model_name: "dualend_v2_preprocessing" } ] }')
     assert prune_unserved_generations(tmp_path) == ["dualend_v1"]
     assert not (tmp_path / "dualend_v1_mtp_verify").exists()
     assert check_repository(tmp_path) == tmp_path
@@ -197,7 +197,7 @@ def test_loading_a_deployment_loads_its_backbone_which_its_ensemble_does_not_nam
     from dualend.ops.launch import models_to_load
 
     (tmp_path / "smollm2").mkdir()
-    (tmp_path / "smollm2" / "config.pbtxt").write_text('step [ { model_name: "smollm2_v3_preprocessing" } ]')
+    (tmp_path / "smollm2" / "config.pbtxt").write_text('ensemble_scheduling { step [ { model_name: "smollm2_v3_preprocessing" } ] }')
     assert models_to_load(tmp_path, ["smollm2", "other_model"]) == ["smollm2", "smollm2_v3_backbone", "other_model"]
     assert models_to_load(tmp_path, ["*"]) == ["*"]
     assert models_to_load(tmp_path, ["smollm2", "smollm2_v3_backbone"]) == ["smollm2", "smollm2_v3_backbone"]

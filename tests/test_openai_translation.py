@@ -251,7 +251,7 @@ def repository_of(root, *deployments):
     """Ensembles as the service finds them: each names its generation 1's first step."""
     for name in deployments:
         (root / name).mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(f'step [ {{ model_name: "{name}_v1_preprocessing" }} ]')
+        (root / name / "config.pbtxt").write_text(f'ensemble_scheduling {{ step [ {{ model_name: "{name}_v1_preprocessing" }} ] }}')
     return root
 
 
@@ -308,7 +308,7 @@ def served_repository(root, tiny_tokenizer, chat_template):
     from tokenizers import Tokenizer
 
     (root / "dualend").mkdir(parents=True)
-    (root / "dualend" / "config.pbtxt").write_text('step [ { model_name: "dualend_v1_preprocessing" } ]')
+    (root / "dualend" / "config.pbtxt").write_text('ensemble_scheduling { step [ { model_name: "dualend_v1_preprocessing" } ] }')
     folder = root / "dualend_v1_preprocessing" / "1" / "tokenizer"
     folder.mkdir(parents=True)
     (folder / "manifest.json").write_text(json.dumps({"settings": {"pair_size": 2}}))

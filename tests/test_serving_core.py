@@ -192,7 +192,7 @@ def test_generations_are_read_from_internal_model_names_of_that_deployment_only(
         assert generation_of(other, "dualend") is None, other
     for name in ("dualend_v2_backbone", "dualend_v10_backbone", "baseline_v7_backbone", "dualend"):
         (tmp_path / name).mkdir()
-    (tmp_path / "dualend" / "config.pbtxt").write_text('step [ { model_name: "dualend_v10_preprocessing" } ]')
+    (tmp_path / "dualend" / "config.pbtxt").write_text('ensemble_scheduling { step [ { model_name: "dualend_v10_preprocessing" } ] }')
     assert generations(tmp_path, "dualend") == [2, 10]
     assert served_generation(tmp_path, "dualend") == 10
     assert served_generation(tmp_path, "baseline") is None

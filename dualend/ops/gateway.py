@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -43,6 +42,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from dualend.serving.model_config import ModelConfigError, read_model_config
 from dualend.serving.repository import PUBLIC_DEPLOYMENTS
 
 from .api_keys import read_keys
@@ -92,14 +92,14 @@ def public_inputs(model_repository: Path) -> dict[str, dict]:
     config = next((c for c in configs if c.exists()), None)
     if config is None:
         raise GatewayError(f"{model_repository} holds no public ensemble ({', '.join(PUBLIC_DEPLOYMENTS)})")
-    inputs = config.read_text(encoding="utf-8").split("input [", 1)[1].split("]\noutput", 1)[0]
-    pattern = r'name: "(\w+)" data_type: (TYPE_\w+) dims: \[ (-?\d+) \]( optional: true)?'
-    found = {name: {"type": dtype, "many": dims == "-1", "required": not optional}
-             for name, dtype, dims, optional in re.findall(pattern, inputs)}
-    if len(found) != inputs.count("name:"):
-        raise GatewayError(f"{config}: {inputs.count('name:')} inputs, {len(found)} in the one-line layout "
-                           "`{ name: ... data_type: ... dims: [ n ] [optional: true] }` this gateway reads")
-    return found
+    try:
+        inputs = read_model_config(config).get("input", [])
+    except ModelConfigError as error:
+        raise GatewayError(f"the gateway reads the public inputs from {error}") from None
+    if not inputs:
+        raise GatewayError(f"{config}: the ensemble declares no input")
+    return {i["name"]: {"type": i["data_type"], "many": i.get("dims") == ["-1"], "required": not i.get("optional")}
+            for i in inputs}
 
 
 def render(settings: GatewaySettings, prefix: Path) -> str:

@@ -11,20 +11,10 @@ from __future__ import annotations
 import json
 import time
 
+from dualend.serving.model_config import ensemble_pipeline
+
 ADMIN_HEADER = "dualend-admin-key"
 GRPC_PROTOCOL_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # how tritonserver reads a restricted gRPC key
-
-
-def ensemble_pipeline(config: dict) -> str | None:
-    """The pipeline an ensemble config (as JSON, from the server or parsed from disk) runs, e.g.
-    "dualend_v2"; None when it is not an ensemble."""
-    steps = config.get("ensemble_scheduling", {}).get("step", [])
-    return steps[0]["model_name"].rsplit("_", 1)[0] if steps else None
-
-
-def config_checkpoint(config: dict) -> str | None:
-    """The checkpoint id a model config names (its `checkpoint_id` parameter)."""
-    return config.get("parameters", {}).get("checkpoint_id", {}).get("string_value")
 
 
 class RepositoryAPI:

@@ -11,6 +11,8 @@ from pathlib import Path
 from dualend.engine.onnx_engine import ExportedModel
 from dualend.engine.tokenizer import TextTokenizer
 
+from .model_config import read_model_config, shared_model_config
+
 # The deployments the builder assembles by default and the gateway serves by name: the shipped pair
 # (the canary splits between them) and SmolLM2, imported from its package at build time.
 PUBLIC_DEPLOYMENTS = ("dualend", "baseline", "smollm2", "smollm2_dualend")
@@ -120,8 +122,8 @@ def generation_of(model: str, deployment: str) -> int | None:
 def served_generation(repository: Path, deployment: str) -> int | None:
     """The generation of internal models the deployment's ensemble uses, None if there is none."""
     config = repository / deployment / "config.pbtxt"
-    match = re.search(r'model_name: "(\w+)"', config.read_text()) if config.exists() else None
-    return generation_of(match.group(1), deployment) if match else None
+    steps = shared_model_config(config).get("ensemble_scheduling", {}).get("step", []) if config.exists() else []
+    return generation_of(steps[0]["model_name"], deployment) if steps else None
 
 
 def served_tokenizer(repository: Path, deployment: str) -> TextTokenizer:
@@ -144,9 +146,7 @@ def served_benchmark_notices(repository: Path, deployment: str) -> list[str]:
     config = repository / model / "config.pbtxt"
     if not config.exists():
         return []
-    parameters = re.findall(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}', config.read_text())
-    model_config = {"parameters": {name: {"string_value": value} for name, value in parameters}}
-    return DeploymentConfig.from_args({"model_name": model, "model_config": json.dumps(model_config)}
+    return DeploymentConfig.from_args({"model_name": model, "model_config": json.dumps(read_model_config(config))}
                                       ).benchmark_notices()
 
 

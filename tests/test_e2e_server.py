@@ -324,7 +324,7 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
         data[len(data) // 2] ^= 0xFF
         onnx.write_bytes(bytes(data))
         with pytest.raises(ReloadError, match="repository is inconsistent.*mtp.*sha256"):
-            reload(triton.grpc_url, triton.metrics_url, "dualend", repository, drain_timeout_s=180)  # 5 x 4000 tokens on 2 cores
+            reload(triton.grpc_url, triton.metrics_url, "dualend", repository)
         assert served_checkpoint(api, "dualend") == nudged_id
         assert stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24).text == served_text
 
@@ -333,7 +333,7 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
         broken.write_text(broken.read_text().replace("    def initialize(self, args):\n",
                                                      "    def initialize(self, args):\n        raise MemoryError\n"))
         with pytest.raises(ReloadError, match="loading failed; dualend keeps serving .*_compressor"):
-            reload(triton.grpc_url, triton.metrics_url, "dualend", repository, drain_timeout_s=180)  # 5 x 4000 tokens on 2 cores
+            reload(triton.grpc_url, triton.metrics_url, "dualend", repository)
         assert served_checkpoint(api, "dualend") == nudged_id and loaded_pipelines(api, "dualend") == [
             f"dualend_v{generation}"]  # the bad generation's models were unloaded again
         assert stream_grpc(triton.grpc_url, "dualend", PROMPTS[0], 24).text == served_text
@@ -383,7 +383,7 @@ def test_long_http_and_grpc_streams_finish_across_a_reload(tmp_path):
             swapped = pool.submit(running_at_swap)
             try:
                 assert wait_for(lambda: metric(triton, "dualend_running_sequences", "dualend_v1_mtp_verify") >= 12, 30)
-                reload(triton.grpc_url, triton.metrics_url, "dualend", repository, drain_timeout_s=180)  # 5 x 4000 tokens on 2 cores
+                reload(triton.grpc_url, triton.metrics_url, "dualend", repository)
                 results = [stream.result() for stream in streams]
             finally:
                 stop.set()

@@ -400,14 +400,15 @@ class Gateway:
             time.sleep(0.02)
 
     def rotate_logs(self, max_bytes: int = LOG_MAX_BYTES) -> list[Path]:
-        """Each of nginx's logs past `max_bytes` moves to NAME.1 (the one there before is dropped) and
-        nginx reopens its logs (SIGUSR1), so the gateway's logs stay under 2 x max_bytes each."""
+        """Each of nginx's logs past `max_bytes` is copied to NAME.1 (the one there before is dropped)
+        and emptied in place: nginx appends to it (O_APPEND) and needs no signal, which its worker could
+        not act on where it may not open files under a private prefix (it runs as nobody). The logs
+        stay under 2 x max_bytes each; lines written between the copy and the emptying are lost."""
         logs = [self.prefix / name for name in ("error.log", "access.log")]
         rotated = [path for path in logs if path.exists() and path.stat().st_size > max_bytes]
         for path in rotated:
-            os.replace(path, path.with_name(path.name + ".1"))
-        if rotated:
-            os.kill(int((self.prefix / "nginx.pid").read_text()), signal.SIGUSR1)
+            shutil.copyfile(path, path.with_name(path.name + ".1"))
+            os.truncate(path, 0)
         return rotated
 
     def stop(self) -> None:

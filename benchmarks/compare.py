@@ -85,9 +85,8 @@ class Workload:
 
 
 # A run counts as measured on an idle machine when the 1-minute load average, before the first cell,
-# is at most IDLE_LOAD: a busy machine slows the targets unequally (peers measured at a load average of
-# 2.4 on two cores ran at half their speed). A starting server leaves load behind, so the run waits
-# up to IDLE_WAIT_S for it to settle.
+# is at most IDLE_LOAD: a busy machine slows the targets unequally (docs/benchmarks.md#smollm2-against-its-peers).
+# A starting server leaves load behind, so the run waits up to IDLE_WAIT_S for it to settle.
 IDLE_LOAD, IDLE_WAIT_S = 0.5, 300.0
 
 WORKLOADS = {"prompt-heavy": Workload(700, 128), "decode-heavy": Workload(60, 256),
@@ -618,7 +617,7 @@ def main(argv: list[str] | None = None) -> dict:
     written = plots(cells, order, args.concurrency, args.workloads, args.out)
     busy = "" if env["idle"] else (
         f"**NOT VALID: the machine was busy** (1-minute load average {env['load_average_before_cells']:.2f} "
-        f"before the first cell, idle is <= {IDLE_LOAD}; run with --allow-busy).\n\n")
+        f"before the first cell, idle is <= {IDLE_LOAD}; it ran with --allow-busy).\n\n")
     header = (f"# Serving comparison, one client, interleaved\n\n{busy}{env['started']}; {env['cpu']}, {env['cores']} "
               f"cores, load average {env['load_average_at_start'][0]:.2f} at start, "
               f"{env['load_average_before_cells']:.2f} before the first cell; commit {env['git_commit'][:12]}"

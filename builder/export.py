@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from builder.quantize import LM_HEAD_BITS, quantize_weights
+from builder.quantize import RULES as QUANT_RULES
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.manifest import write_manifest
 from dualend.engine.model import LanguageModel
@@ -50,8 +51,6 @@ QUANT_BLOCK_SIZE = 32  # weights along the input dimension that share one scale 
 # multiplies on its integer dot-product units; ONNX Runtime's CPU kernels have no fast path on fp32
 # activations for these weights (reports/weight_precision_nll.txt).
 QUANT_ACCURACY_LEVEL = 4
-# How a bit width stores its blocks (builder.quantize).
-QUANT_RULES = {4: "asymmetric, float block minimum", 8: "symmetric"}
 
 
 class CompressorGraph(nn.Module):

@@ -23,6 +23,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 ASYMMETRIC_BITS, SYMMETRIC_BITS = 4, 8
+RULES = {ASYMMETRIC_BITS: "asymmetric, float block minimum", SYMMETRIC_BITS: "symmetric"}  # as manifests name them
 LM_HEAD_BITS = 8
 
 

@@ -380,7 +380,8 @@ def cmd_convert(args) -> None:
     window = {"parts": {}, "steps": 0, "tokens": 0, "seconds": 0.0}
 
     def record_and_save() -> None:
-        digests = replicas.digests(conversion.trainable_state(student))  # every replica takes part
+        # every replica takes part; one process alone has nobody to be in step with
+        digests = replicas.digests(conversion.trainable_state(student)) if replicas.world > 1 else None
         if not replicas.main:
             return
         student.eval()
@@ -391,7 +392,7 @@ def cmd_convert(args) -> None:
         record = {"step": step, "tokens": tokens, "minutes": round(elapsed / 60, 2),
                   "tokens_per_s": round(window["tokens"] / window["seconds"], 1) if window["seconds"] else None,
                   **{k: round(v / window["steps"], 4) for k, v in window["parts"].items()}, **figures}
-        if replicas.world > 1:
+        if digests is not None:
             record["replica_digests"] = digests
         with log_path.open("a") as f:
             f.write(json.dumps(record) + "\n")

@@ -1,5 +1,6 @@
 """How a request ended other than by finishing, as a value: the one enum every layer passes on, and
-the one table that maps it to what each kind of client is told.
+the one table that maps it to what each kind of client is told (the HTTP status and OpenAI code of
+/v1, Retry-After, and Triton's INVALID_ARG; Triton's own routes carry the code in the message).
 
 On Triton's routes an error response carries only a message (a decoupled stream's error has no
 status), so the code travels at the head of it: `[queue_full] server busy: ...`. `outcome_of` reads
@@ -27,24 +28,23 @@ class Outcome(str, Enum):
 @dataclass(frozen=True)
 class Disposition:
     http_status: int
-    grpc_status: str            # grpc.StatusCode's name
     openai_code: str | None     # the OpenAI error body's `code`
     retry_after_s: int | None   # Retry-After, on the refusals a client retries
     invalid_argument: bool      # Triton's INVALID_ARG on the error response
 
 
 DISPOSITIONS = {
-    Outcome.BAD_REQUEST: Disposition(400, "INVALID_ARGUMENT", None, None, True),
-    Outcome.CONTEXT_LENGTH_EXCEEDED: Disposition(400, "INVALID_ARGUMENT", "context_length_exceeded", None, True),
-    Outcome.TOO_LARGE: Disposition(400, "INVALID_ARGUMENT", "too_large", None, True),
-    Outcome.QUEUE_FULL: Disposition(429, "RESOURCE_EXHAUSTED", "server_busy", 1, False),
-    Outcome.QUEUE_TIMEOUT: Disposition(503, "UNAVAILABLE", "retry", 2, False),
-    Outcome.SHUTTING_DOWN: Disposition(503, "UNAVAILABLE", "retry", 2, False),
-    Outcome.STEP_FAILED: Disposition(503, "UNAVAILABLE", "retry", 2, False),
-    Outcome.NOT_ALLOWED: Disposition(403, "PERMISSION_DENIED", "not_allowed", None, False),
+    Outcome.BAD_REQUEST: Disposition(400, None, None, True),
+    Outcome.CONTEXT_LENGTH_EXCEEDED: Disposition(400, "context_length_exceeded", None, True),
+    Outcome.TOO_LARGE: Disposition(400, "too_large", None, True),
+    Outcome.QUEUE_FULL: Disposition(429, "server_busy", 1, False),
+    Outcome.QUEUE_TIMEOUT: Disposition(503, "retry", 2, False),
+    Outcome.SHUTTING_DOWN: Disposition(503, "retry", 2, False),
+    Outcome.STEP_FAILED: Disposition(503, "retry", 2, False),
+    Outcome.NOT_ALLOWED: Disposition(403, "not_allowed", None, False),
 }
 # tritonserver's own errors (no code of ours): a model being restored or a step's process gone
-UNTAGGED = Disposition(503, "UNAVAILABLE", "retry", 2, False)
+UNTAGGED = Disposition(503, "retry", 2, False)
 # what the decode loop counts as refused (metric label `reason`)
 REFUSALS = (Outcome.QUEUE_FULL, Outcome.QUEUE_TIMEOUT, Outcome.TOO_LARGE, Outcome.SHUTTING_DOWN, Outcome.STEP_FAILED)
 

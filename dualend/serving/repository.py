@@ -11,7 +11,7 @@ from pathlib import Path
 from dualend.engine.onnx_engine import ExportedModel
 from dualend.engine.tokenizer import TextTokenizer
 
-from .model_config import read_model_config, shared_model_config
+from .model_config import shared_model_config
 
 # The deployments the builder assembles by default and the gateway serves by name: the shipped pair
 # (the canary splits between them) and SmolLM2, imported from its package at build time.
@@ -146,7 +146,7 @@ def served_benchmark_notices(repository: Path, deployment: str) -> list[str]:
     config = repository / model / "config.pbtxt"
     if not config.exists():
         return []
-    return DeploymentConfig.from_args({"model_name": model, "model_config": json.dumps(read_model_config(config))}
+    return DeploymentConfig.from_args({"model_name": model, "model_config": json.dumps(shared_model_config(config))}
                                       ).benchmark_notices()
 
 

@@ -102,7 +102,9 @@ def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_ste
     task = report["task"]
     assert task["questions"] == len(task["answers"]) >= 40
     assert report["verdict"]["targets"]["task_answers"] == task["baseline_right"] - TASK_MARGIN
-    assert task["dualend_right_of_baselines"] <= min(task["baseline_right"], task["dualend_right"])
+    asked = [q for q, _ in json.loads(evaluate_conversion.DEFAULTS["questions"].read_text())["questions"]]
+    assert [a["question"] for a in task["answers"]] == asked  # every question of the file, in its order
+    assert task["dualend_right_of_baselines"] == sum(a["baseline_right"] and a["dualend_right"] for a in task["answers"])
     assert report["verdict"]["passed"] == all(report["verdict"]["met"].values())
     assert json.loads((tmp_path / "quality_tiny.json").read_text())["threshold"] == report["threshold"]
     assert "NOT PASSED" in (tmp_path / "quality_tiny.md").read_text() or report["verdict"]["passed"]

@@ -319,6 +319,19 @@ def native_bf16(device: torch.device) -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
+def start_from_adapters(student, directory: str, base_id: str, spec: conversion.ConversionSpec) -> int:
+    """Loads a run's (or the shipped) adapters into the student; returns the tokens they were trained on."""
+    adapters, meta = conversion.load_adapters(directory)
+    if (meta["base"]["checkpoint_id"], meta["spec"]) != (base_id, asdict(spec)):
+        sys.exit(f"{directory} converts base {meta['base']['checkpoint_id']} with {meta['spec']}, "
+                 f"not {base_id} with {asdict(spec)}")
+    unknown = sorted(set(adapters) - set(conversion.trainable_state(student)))
+    if unknown:
+        sys.exit(f"{directory} holds weights this student does not train: {unknown[:3]}")
+    student.load_state_dict(adapters, strict=False)
+    return int(meta["recipe"].get("tokens", 0))
+
+
 def cmd_convert(args) -> None:
     """LoRA conversion of a pretrained token-level checkpoint, distilled from it (the frozen teacher).
     Under torchrun, each replica trains on its own batches and their gradients are averaged
@@ -358,6 +371,10 @@ def cmd_convert(args) -> None:
             data_rng.seed(data_seed + step)
         torch.set_rng_state(state["torch_rng"])
         print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
+    elif args.init_adapters:
+        tokens = start_from_adapters(student, args.init_adapters, base_ref["checkpoint_id"], spec)
+        if replicas.main:
+            print(f"started from {args.init_adapters} ({tokens} tokens of training)")
     chat_train, chat_eval = chat_data(args, run, teacher, tokenizer, base_ref["checkpoint_id"], replicas)
     references = {}
     if replicas.main:
@@ -497,6 +514,8 @@ def main(argv=None) -> None:
     for key, value in CONVERT_DEFAULTS.items():
         convert.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     convert.add_argument("--baseline", required=True, help="the token-level checkpoint to convert (the teacher)")
+    convert.add_argument("--init-adapters", help="start from these adapters (a run's, or the shipped ones); "
+                         "ignored when the run folder holds a state to resume")
     convert.add_argument("--run", "--run-dir", dest="run", required=True,
                          help="the run folder (under torchrun write --run-dir: torchrun reads --run as its --run-path)")
     for name in ("tokenizer", "baseline", "dualend"):

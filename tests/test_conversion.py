@@ -200,3 +200,21 @@ def test_chat_rows_are_the_teachers_greedy_answers_under_its_chat_template(base,
     assert answer == greedy[0].completion and 1 <= len(answer) <= 6
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 1 and "chat_nll_t1" in log[-1] and "chat_agree_t2" in log[-1]
+
+
+def test_a_new_run_started_from_adapters_begins_where_they_ended(base, tmp_path):
+    """--init-adapters: the new run's first evaluation is the old run's last (same weights, same
+    held-out rows), and it counts on from the old run's tokens."""
+    base.save(tmp_path / "base")
+    options = ["convert", "--baseline", str(tmp_path / "base"), "--lora-rank", "4", "--batch-size", "2",
+               "--seq-tokens", "32", "--eval-rows", "2", "--eval-every", "3", "--steps", "3", "--chat-prompts", "0",
+               "--autocast", "none"]
+    train.main([*options, "--run", str(tmp_path / "first")])
+    train.main([*options, "--run", str(tmp_path / "second"), "--init-adapters", str(tmp_path / "first" / "adapters")])
+    first, second = ([json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+                     for name in ("first", "second"))
+    assert second[0]["nll_t1"] == first[-1]["nll_t1"] != first[0]["nll_t1"]
+    assert second[0]["tokens"] == first[-1]["tokens"] > 0
+    with pytest.raises(SystemExit, match="lora_rank"):
+        train.main([*options[:3], "--lora-rank", "8", *options[5:], "--run", str(tmp_path / "third"),
+                    "--init-adapters", str(tmp_path / "first" / "adapters")])

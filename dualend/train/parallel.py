@@ -75,5 +75,8 @@ class Replicas:
             dist.barrier()
 
     def close(self) -> None:
+        """Leave together: a replica that tears down its group while another is still saving aborts
+        in gloo's teardown (SIGABRT, 'terminate called without an active exception')."""
         if self.world > 1:
+            dist.barrier()
             dist.destroy_process_group()

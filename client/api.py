@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dualend.serving.contract import COUNTERS, merge_counters
 from dualend.serving.outcomes import Outcome, outcome_of
 
 API_KEY_ENV = "DUALEND_API_KEY"
-COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps", "num_prompt_tokens",
-            "num_prompt_latents")
 PARAM_TYPES = {"temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32), "top_p": ("FP32", np.float32),
                "random_seed": ("UINT64", np.uint64), "acceptance_threshold": ("FP32", np.float32),
                "exclude_input_in_output": ("BOOL", np.bool_), "stream": ("BOOL", np.bool_),
@@ -57,10 +56,7 @@ class Result:
         if self.on_text is not None and text:
             self.on_text(text)
         self.arrivals.append((time.perf_counter(), counters.get("num_output_tokens", 0)))
-        for name in ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps"):
-            self.counters[name] += counters.get(name, 0)
-        for name in ("num_prompt_tokens", "num_prompt_latents"):
-            self.counters[name] = counters.get(name, self.counters[name])
+        merge_counters(self.counters, counters)
         self.finish_reason = finish_reason or self.finish_reason
 
     @property

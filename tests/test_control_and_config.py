@@ -18,7 +18,8 @@ from dualend.serving.triton import BLSBackbone, ResponseSenderOutput
 CONFIG = DeploymentConfig(
     deployment="dualend", pipeline="dualend_v3", pair_size=2, acceptance_threshold=0.35, raw_context_limit=512,
     max_new_tokens=256, max_concurrent_requests=16, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_latents=32,
-    kv_block_size=16, kv_capacity_blocks=1024, idle_timeout_s=60.0, engine="onnxruntime",
+    kv_block_size=16, kv_capacity_blocks=1024, idle_timeout_s=60.0, prefix_cache_entries=4, prefix_cache_ttl_s=600.0,
+    engine="onnxruntime",
     engine_threads=2, compressor_engine="onnxruntime", compressor_threads=1)
 
 

@@ -14,7 +14,7 @@ from dualend.ops.openai_api.translation import (MAX_JSON_DEPTH, ApiError, chunk_
 from dualend.serving.outcomes import DISPOSITIONS, Outcome, outcome_of, tagged
 
 COUNTERS = {"num_output_tokens": 5, "num_drafts": 3, "num_accepted_drafts": 2, "num_steps": 3,
-            "num_prompt_tokens": 7, "num_prompt_latents": 4}
+            "num_prompt_tokens": 7, "num_prompt_latents": 4, "num_cached_tokens": 6}
 
 
 def test_a_completion_becomes_the_ensembles_streamed_inputs():
@@ -141,10 +141,11 @@ def test_every_outcome_has_a_disposition_and_its_code_reads_back():
     assert outcome_of("x [queue_full] y") == (None, "x [queue_full] y")
 
 
-def test_usage_carries_latents_and_drafts_for_a_dual_end_deployment():
-    assert usage(COUNTERS, False) == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
-    assert usage(COUNTERS, True) | {} == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
-                                         "prompt_latents": 4, "drafts": 3, "drafts_accepted": 2}
+def test_usage_carries_cached_tokens_and_latents_and_drafts_for_a_dual_end_deployment():
+    cached = {"prompt_tokens_details": {"cached_tokens": 6}}
+    assert usage(COUNTERS, False) == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12} | cached
+    assert usage(COUNTERS, True) == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+                                     "prompt_latents": 4, "drafts": 3, "drafts_accepted": 2} | cached
 
 
 def test_bodies_and_chunks_have_openais_shape():

@@ -143,7 +143,7 @@ def test_non_streaming_sends_one_response_with_totals_and_the_prompt_first():
     assert nothing_yet == [None, None]
     assert only.output_ids == [1, 5, 6, 7, 8, 9] and only.finish_reason == "eos"
     assert only.counters == {"num_output_tokens": 3, "num_drafts": 2, "num_accepted_drafts": 1, "num_steps": 3,
-                             "num_prompt_tokens": 3, "num_prompt_latents": 2}
+                             "num_prompt_tokens": 3, "num_prompt_latents": 2, "num_cached_tokens": 0}
 
 
 def test_a_huge_prompt_is_refused_by_its_size_before_tokenizing(tiny_tokenizer, monkeypatch):

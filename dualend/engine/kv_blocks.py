@@ -16,7 +16,7 @@ ones fill the budget with many rows, one long request narrows it for as long as 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 
 
 def blocks_for(slots: int, block_size: int) -> int:
@@ -34,21 +34,33 @@ class KVBlockManager:
     def __init__(self, capacity_blocks: int, block_size: int):
         self.capacity_blocks, self.block_size = capacity_blocks, block_size
         self._held: dict[Hashable, int] = {}  # sequence -> its blocks
+        self._copies: dict[Hashable, int] = {}  # a copy kept outside the rows (the prefix cache's) -> its blocks
 
     def blocks_for(self, slots: int) -> int:
         return blocks_for(slots, self.block_size)
 
     @property
     def used_blocks(self) -> int:
-        """What the running sequences can come to occupy: rows x the widest reservation."""
-        return dense_blocks(list(self._held.values()))
+        """What the running sequences can come to occupy (rows x the widest reservation), and the
+        kept copies, each its own size."""
+        return dense_blocks(list(self._held.values())) + sum(self._copies.values())
 
     @property
     def free_blocks(self) -> int:
         return self.capacity_blocks - self.used_blocks
 
-    def fits(self, slots: int) -> bool:
-        return dense_blocks([*self._held.values(), self.blocks_for(slots)]) <= self.capacity_blocks
+    def fits(self, slots: int, freeing: Collection[Hashable] = ()) -> bool:
+        """Whether `slots` more fit, once the holders in `freeing` gave theirs back."""
+        held = [blocks for holder, blocks in self._held.items() if holder not in freeing]
+        copies = sum(blocks for holder, blocks in self._copies.items() if holder not in freeing)
+        return dense_blocks([*held, self.blocks_for(slots)]) + copies <= self.capacity_blocks
+
+    def fits_copy(self, slots: int) -> bool:
+        return self.used_blocks + self.blocks_for(slots) <= self.capacity_blocks
+
+    def allocate_copy(self, holder: Hashable, slots: int) -> None:
+        """Charges a copy of `slots` kept outside the rows; the caller checked `fits_copy`."""
+        self._copies[holder] = self.blocks_for(slots)
 
     def allocate(self, sequence: Hashable, slots: int) -> None:
         """Gives `sequence` the blocks for `slots` slots; the caller checked `fits`."""
@@ -59,8 +71,8 @@ class KVBlockManager:
         self._held[sequence] = self.blocks_for(slots)
 
     def free(self, sequence: Hashable) -> bool:
-        """Takes the sequence's blocks back; True the one time it held some."""
-        return self._held.pop(sequence, None) is not None
+        """Takes the sequence's (or copy's) blocks back; True the one time it held some."""
+        return self._held.pop(sequence, None) is not None or self._copies.pop(sequence, None) is not None
 
     def __contains__(self, sequence: Hashable) -> bool:
         return sequence in self._held

@@ -18,6 +18,11 @@ tokens). Whether it may is decided before, by the one account of KV blocks
 only what it physically cannot do (no row left, a step beyond a reservation), with a typed error.
 Sequences idle past `idle_timeout_s` are evicted, a safety net for a caller that vanished (its
 account went with it); a later step of one says it was evicted (`EvictedSequence`).
+
+The prefix cache's rows (`keep`, `adopt`) are copies of ended sequences' keys and values, held
+outside the rows (so a decode step, which runs over every row in use, never computes them), until
+a new sequence starts from one (copied into its row) or the caller releases it; a copy not taken
+within `kept_timeout_s` is dropped, the same safety net.
 """
 from __future__ import annotations
 
@@ -69,9 +74,12 @@ class KVCache:
     remembered_evictions = 1024  # evicted sequence ids kept, so their next step says so
 
     def __init__(self, layers: int, heads: int, head_dim: int, max_sequences: int, idle_timeout_s: float = 60.0,
-                 bucket: int = bucket_default, budget_slots: int | None = None, clock=time.monotonic):
+                 bucket: int = bucket_default, budget_slots: int | None = None, clock=time.monotonic,
+                 kept_timeout_s: float = 600.0):
         self.layers, self.heads, self.head_dim, self.max_sequences = layers, heads, head_dim, max_sequences
         self.idle_timeout_s, self.bucket, self.clock = idle_timeout_s, bucket, clock
+        self.kept_timeout_s = kept_timeout_s
+        self.kept: dict[int, tuple[list[np.ndarray], list[np.ndarray], float]] = {}  # seq -> keys, values, kept at
         self.sequences: dict[int, _Sequence] = {}
         self.evicted: OrderedDict[int, None] = OrderedDict()
         self.row_owner: list[int] = []  # sequence id of each row in use
@@ -108,6 +116,40 @@ class KVCache:
             self.sequences[seq_id] = _Sequence(row, slots, last_used=self.clock())
             self.evicted.pop(seq_id, None)
             return row
+
+    def keep(self, seq_id: int) -> bool:
+        """Releases the sequence's row but keeps a copy of its keys and values (the prefix cache's),
+        outside the rows the engine reads, until `adopt` or `release` takes it; False when the
+        sequence holds no row."""
+        with self._lock:
+            sequence = self.sequences.get(seq_id)
+            if sequence is None:
+                return False
+            length = int(self.lengths[sequence.row])
+            self.kept[seq_id] = ([k[sequence.row, :, :length].copy() for k in self.keys],
+                                 [v[sequence.row, :, :length].copy() for v in self.values], self.clock())
+            return self._release_locked(seq_id)
+
+    def adopt(self, seq_id: int, donor_id: int, keep: int, slots: int) -> int:
+        """Gives the sequence a row and `slots` slots whose first `keep` hold the kept copy of
+        `donor_id` (`keep`); the copy is gone after. Returns the row."""
+        with self._lock:
+            kept = self.kept.get(donor_id)
+            if kept is None:
+                raise UnknownSequence(f"the kept prefix of sequence {donor_id} is gone (released, or kept "
+                                      f"longer than {self.kept_timeout_s:.0f} s)")
+            if not 0 < keep <= min(kept[0][0].shape[1], slots):
+                raise ValueError(f"cannot reuse {keep} slots of sequence {donor_id} ({kept[0][0].shape[1]} kept) "
+                                 f"in a reservation of {slots}")
+        row = self.reserve(seq_id, slots)
+        self.make_room([row], keep)
+        for arrays, copies in ((self.keys, kept[0]), (self.values, kept[1])):
+            for array, copy in zip(arrays, copies):
+                array[row, :, :keep] = copy[:, :keep]
+        self.lengths[row] = keep
+        with self._lock:
+            del self.kept[donor_id]
+        return row
 
     def row(self, seq_id: int) -> int:
         sequence = self.sequences.get(seq_id)
@@ -169,6 +211,8 @@ class KVCache:
 
     def release(self, seq_id: int) -> bool:
         with self._lock:
+            if self.kept.pop(seq_id, None) is not None:
+                return True
             return self._release_locked(seq_id)
 
     def evict_idle(self) -> list[int]:
@@ -195,6 +239,8 @@ class KVCache:
 
     def _evict_idle_locked(self) -> list[int]:
         now = self.clock()
+        for seq_id in [k for k, (_, _, at) in self.kept.items() if now - at > self.kept_timeout_s]:
+            del self.kept[seq_id]  # its owner, the loop's prefix cache, would have used or released it by now
         idle = [k for k, s in self.sequences.items() if now - s.last_used > self.idle_timeout_s]
         for seq_id in idle:
             self._release_locked(seq_id)

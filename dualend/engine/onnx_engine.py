@@ -7,7 +7,7 @@ views of the cache rows (no copy) and writes back only its new keys and values.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
 
@@ -104,12 +104,25 @@ class BackboneBatch:
     A segment with `reserve_slots` > 0 starts its sequence (its first prefill chunk); a decode
     step is a segment of one latent. `releases`: sequences whose blocks the caller's account
     (`kv_blocks.KVBlockManager`) freed; their rows are released before anything runs.
+    `keeps`: sequences that ended whose keys and values the cache keeps for the prefix cache
+    (`KVCache.keep`), before the releases. `reuse_ids` / `reuse_slots` (empty: none): per sequence,
+    a starting one may begin with that many slots of a kept sequence's copy (its id, 0: none; a
+    prefix-cache hit); its segment then continues from there.
     """
     sequence_ids: list[int]
     latents: np.ndarray          # [sum(counts), D], the segments one after the other
     counts: list[int]            # new latents per sequence
     reserve_slots: list[int]     # per sequence: KV slots to reserve at its start, else 0
     releases: list[int]
+    keeps: list[int] = field(default_factory=list)
+    reuse_ids: list[int] = field(default_factory=list)
+    reuse_slots: list[int] = field(default_factory=list)
+
+    def reuse(self, index: int) -> tuple[int, int]:
+        """(kept sequence, slots of it to reuse) for sequence `index`; (0, 0) when it reuses nothing."""
+        if not self.reuse_slots or not self.reuse_slots[index]:
+            return 0, 0
+        return self.reuse_ids[index], self.reuse_slots[index]
 
 
 class SequenceStatus(IntEnum):
@@ -120,6 +133,7 @@ class SequenceStatus(IntEnum):
     NO_ROOM = 3           # no cache row left, or a step beyond its reservation
     ALREADY_STARTED = 4   # a first chunk for a sequence that holds a cache
     ENGINE_FAILED = 5     # the engine call it was in raised
+    PREFIX_GONE = 6       # the kept prefix it was to reuse is gone: nothing was reserved, start it afresh
 
 
 _KV_ERRORS = ((EvictedSequence, SequenceStatus.EVICTED), (UnknownSequence, SequenceStatus.UNKNOWN_SEQUENCE),
@@ -174,6 +188,8 @@ class BackboneRunner:
         """Every single-latent segment in one engine call over all cache rows; each longer prefill
         chunk in its own. A sequence that fails (unknown, evicted, no room) fails alone, with its
         status and message."""
+        for seq_id in batch.keeps:
+            self.cache.keep(seq_id)
         for seq_id in batch.releases:
             self.cache.release(seq_id)
         self.cache.compact()
@@ -184,7 +200,15 @@ class BackboneRunner:
         singles, chunks, started, rows = [], [], [], {}
         for index, (seq_id, reserve) in enumerate(zip(batch.sequence_ids, batch.reserve_slots)):
             try:
-                if reserve > 0:
+                donor, keep = batch.reuse(index)
+                if reserve > 0 and keep:
+                    try:
+                        rows[index] = self.cache.adopt(seq_id, donor, keep, max(reserve, keep + batch.counts[index]))
+                    except UnknownSequence as error:
+                        result.fail(index, SequenceStatus.PREFIX_GONE, str(error).strip("'\""))
+                        continue
+                    started.append(index)
+                elif reserve > 0:
                     rows[index] = self.cache.reserve(seq_id, max(reserve, batch.counts[index]))
                     started.append(index)
                 else:

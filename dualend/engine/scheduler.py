@@ -8,7 +8,11 @@ Engine-free and clock-injected, so it is tested without a server, as vLLM keeps 
   sequences still prefilling in arrival order, so a long prompt never stalls the decoding ones;
 - decode: every sequence past its prefill takes one step in every iteration.
 A sequence takes its KV blocks from the scheduler's `kv_blocks.KVBlockManager` when it is admitted
-and gives them back in `finish`: the one account of KV blocks. The caches (`kv_pool.KVCache`) hold
+and gives them back in `finish`: the one account of KV blocks. With a `prefix_cache.PrefixCache`, an
+ended sequence's row may be kept (`keep`, charged to the account at its length); an admitted
+sequence whose prompt begins with a kept row's pairs takes that row over (`reuse`, `prefilled` set to
+the slots it reuses), and kept rows are evicted, oldest first, whenever a sequence needs their room:
+the loop releases the rows `evicted_rows` hands it. The caches (`kv_pool.KVCache`) hold
 the storage and only do what they are told, so a sequence admitted here is never refused there.
 """
 from __future__ import annotations
@@ -18,14 +22,24 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from .decode import CapacityError, InvalidRequest
 from .kv_blocks import KVBlockManager
+from .prefix_cache import PrefixCache
 
 
 class Schedulable(Protocol):
     num_latents: int    # prompt latents to prefill
     reserve_slots: int  # KV slots the whole sequence may use: prompt latents + max new tokens
     prefilled: int      # prompt latents already in the cache
+    prompt_pairs: np.ndarray             # [num_latents, pair_size] token ids, what the prefix cache matches
+    reuse: tuple[int, int] | None        # set at admission: (kept sequence, slots) whose row it takes over
+
+
+def _kept(seq_id: int) -> tuple[str, int]:
+    """A kept row's holder in the KV account."""
+    return ("kept", seq_id)
 
 
 @dataclass
@@ -50,13 +64,15 @@ class Plan:
 
 class Scheduler:
     def __init__(self, max_running: int, max_queue: int, wait_s: float, prefill_chunk: int,
-                 kv_blocks: int, kv_block_size: int, clock=time.monotonic):
+                 kv_blocks: int, kv_block_size: int, clock=time.monotonic, prefix_cache: PrefixCache | None = None):
         self.max_running, self.max_queue, self.wait_s = max_running, max_queue, wait_s
         self.prefill_chunk, self.kv_blocks, self.kv_block_size = prefill_chunk, kv_blocks, kv_block_size
         self.clock = clock
         self.kv = KVBlockManager(kv_blocks, kv_block_size)
         self.waiting: deque[tuple[Schedulable, float]] = deque()  # (sequence, arrival time)
         self.running: list[Schedulable] = []
+        self.prefixes = prefix_cache
+        self._evicted_rows: list[int] = []  # kept rows taken out of the account, for the loop to release
 
     def blocks(self, sequence: Schedulable) -> int:
         return self.kv.blocks_for(sequence.reserve_slots)
@@ -71,8 +87,7 @@ class Scheduler:
         if self.blocks(sequence) > self.kv_blocks:
             raise InvalidRequest(f"the request needs {sequence.reserve_slots} KV slots, more than the whole cache "
                                  f"holds ({self.kv_blocks} blocks of {self.kv_block_size}); lower max_tokens")
-        if not self.waiting and self._fits(sequence):
-            self._run(sequence)
+        if not self.waiting and self._place(sequence):
             return
         if len(self.waiting) >= self.max_queue:
             raise CapacityError(f"server busy: {len(self.running)} requests running and {len(self.waiting)} "
@@ -82,10 +97,8 @@ class Scheduler:
     def admit(self) -> tuple[list[Schedulable], list[tuple[Schedulable, CapacityError]]]:
         """Moves waiting sequences, in arrival order, into free places; returns (admitted, expired)."""
         admitted, expired = [], []
-        while self.waiting and self._fits(self.waiting[0][0]):
-            sequence, _ = self.waiting.popleft()
-            self._run(sequence)
-            admitted.append(sequence)
+        while self.waiting and self._place(self.waiting[0][0]):
+            admitted.append(self.waiting.popleft()[0])
         now = self.clock()
         while self.waiting and now - self.waiting[0][1] >= self.wait_s:
             sequence, _ = self.waiting.popleft()
@@ -96,12 +109,60 @@ class Scheduler:
                 f"retry later or lower max_tokens")))
         return admitted, expired
 
-    def _fits(self, sequence: Schedulable) -> bool:
-        return len(self.running) < self.max_running and self.kv.fits(sequence.reserve_slots)
-
-    def _run(self, sequence: Schedulable) -> None:
+    def _place(self, sequence: Schedulable) -> bool:
+        """Runs the sequence if it has a place and its blocks fit, evicting kept rows (oldest first)
+        as far as it needs; with a prefix hit it takes that kept row over."""
+        if len(self.running) >= self.max_running:
+            return False
+        kept = [] if self.prefixes is None else self.prefixes.kept()
+        if not self.kv.fits(sequence.reserve_slots, freeing={_kept(k) for k in kept}):
+            return False
+        match = None if self.prefixes is None else self.prefixes.match(sequence.prompt_pairs)
+        donor = None if match is None else match[0]
+        while not self.kv.fits(sequence.reserve_slots, freeing={_kept(donor)} if match else ()):
+            self._evict(self.prefixes.oldest(sparing=donor))
+        if match is not None:
+            self.prefixes.take(donor)
+            self.kv.free(_kept(donor))
+            sequence.reuse, sequence.prefilled = match, match[1]
         self.kv.allocate(sequence, sequence.reserve_slots)
         self.running.append(sequence)
+        return True
+
+    def keep(self, seq_id: int, pairs: np.ndarray) -> bool:
+        """Keeps the row of a sequence that ended (after `finish`) for its prefix; False when it is
+        not kept (no prefix cache, too short, or no room), and its row is to be released."""
+        if self.prefixes is None or not self.kv.fits_copy(len(pairs)):
+            return False
+        evicted = self.prefixes.keep(seq_id, pairs)
+        for gone in evicted:
+            if gone != seq_id:
+                self.kv.free(_kept(gone))
+                self._evicted_rows.append(gone)
+        if seq_id in evicted:
+            return False
+        self.kv.allocate_copy(_kept(seq_id), len(pairs))
+        return True
+
+    def evicted_rows(self) -> list[int]:
+        """Kept rows taken out since the last call (evicted for room, or kept past their time): the
+        loop releases them."""
+        if self.prefixes is not None:
+            for seq_id in self.prefixes.expired():
+                self.kv.free(_kept(seq_id))
+                self._evicted_rows.append(seq_id)
+        rows, self._evicted_rows = self._evicted_rows, []
+        return rows
+
+    def forget_kept(self) -> None:
+        """Evicts every kept row (a drained loop serves nothing more)."""
+        while self.prefixes is not None and len(self.prefixes):
+            self._evict(self.prefixes.oldest())
+
+    def _evict(self, seq_id: int) -> None:
+        self.prefixes.take(seq_id)
+        self.kv.free(_kept(seq_id))
+        self._evicted_rows.append(seq_id)
 
     def plan(self) -> Plan:
         plan, budget = Plan(), self.prefill_chunk

@@ -12,8 +12,9 @@ from dualend.engine.tokenizer import TextTokenizer
 
 REQUEST_INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
                   "exclude_input_in_output", "acceptance_threshold", "ignore_eos")  # prepare_request's
-COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps",
-            "num_prompt_tokens", "num_prompt_latents")
+STEP_COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps")  # per response, summed
+REQUEST_COUNTERS = ("num_prompt_tokens", "num_prompt_latents", "num_cached_tokens")    # per request, repeated
+COUNTERS = STEP_COUNTERS + REQUEST_COUNTERS  # every response's counter outputs, in this order
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,14 @@ class Response:
         return out
 
 
+def merge_counters(total: dict[str, int], piece: dict[str, int]) -> None:
+    """Adds one streamed response's counters into a request's running totals."""
+    for name in STEP_COUNTERS:
+        total[name] = total.get(name, 0) + piece.get(name, 0)
+    for name in REQUEST_COUNTERS:
+        total[name] = piece.get(name, total.get(name, 0))
+
+
 class ResponseStream:
     """One request's chunks -> its responses: one per chunk when streaming, otherwise one with
     everything when the last chunk arrives. The prompt, unless excluded, leads the first response;
@@ -153,8 +162,13 @@ class ResponseStream:
     def __init__(self, request: PreparedRequest, num_prompt_latents: int):
         self.stream = request.stream
         self.prompt_echo = [] if request.exclude_input_in_output else list(request.prompt_ids)
-        self.fixed = {"num_prompt_tokens": len(request.prompt_ids), "num_prompt_latents": num_prompt_latents}
-        self.total = Response([], {name: 0 for name in COUNTERS[:4]} | self.fixed, None)
+        self.fixed = {"num_prompt_tokens": len(request.prompt_ids), "num_prompt_latents": num_prompt_latents,
+                      "num_cached_tokens": 0}  # prompt tokens whose KV a prefix-cache hit reused
+        self.total = Response([], dict.fromkeys(STEP_COUNTERS, 0) | self.fixed, None)
+
+    def cached(self, tokens: int) -> None:
+        """How many prompt tokens' KV a prefix-cache hit reused (known when its prefill starts)."""
+        self.fixed["num_cached_tokens"] = self.total.counters["num_cached_tokens"] = tokens
 
     def add(self, chunk: Chunk) -> Response | None:
         part = {"num_output_tokens": len(chunk.tokens), "num_drafts": chunk.drafts,

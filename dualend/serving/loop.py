@@ -114,6 +114,7 @@ class Observer(Protocol):
 
     def response(self, response: Response) -> None: ...                 # counters of a sent response
     def queued(self, seconds: float) -> None: ...                       # submit -> first prefill chunk
+    def prefix_cache(self, latents: int, reused: int) -> None: ...      # a prompt's latents, how many were reused
     def prefilled(self, seconds: float) -> None: ...                    # first chunk -> prompt in cache
     def first_token(self, seconds: float) -> None: ...                  # submit -> first token released
     def inter_token(self, seconds: float, tokens: int) -> None: ...     # gap / tokens, counted per token
@@ -135,6 +136,7 @@ class Executor:
     def __init__(self, backbone: Backbone, local: MTPComponent, d_model: int):
         self.backbone, self.local, self.d_model = backbone, local, d_model
         self.releases: list[int] = []  # sequences whose backbone rows go with the next call
+        self.keeps: list[int] = []     # ... and those whose rows the backbone keeps a copy of first
 
     @classmethod
     def in_process(cls, engine: OnnxComponents) -> "Executor":
@@ -142,23 +144,28 @@ class Executor:
 
     def run_backbone(self, batch: BackboneBatch) -> BackboneResult:
         batch.releases, self.releases = self.releases + batch.releases, []
+        batch.keeps, self.keeps = self.keeps, []
         try:
             return self.backbone.run_batch(batch)
         except Exception:
-            self.releases += batch.releases  # the call may not have got to them (releasing twice is harmless)
+            # the call may not have got to them (releasing twice is harmless); rows not kept are released
+            self.releases += batch.releases + batch.keeps
             raise
 
-    def release(self, seq_id: int) -> None:
+    def release(self, seq_id: int, keep_backbone: bool = False) -> None:
+        """Frees the sequence's MTP cache now and its backbone row with the next backbone call; with
+        keep_backbone the backbone first keeps a copy for the prefix cache (released when evicted)."""
         if self.local.mtp is not None:
             self.local.mtp.cache.release(seq_id)
-        self.releases.append(seq_id)
+        (self.keeps if keep_backbone else self.releases).append(seq_id)
 
     def flush_releases(self) -> None:
         """Frees the queued backbone rows now (the loop is idle)."""
-        if self.releases:
-            releases, self.releases = self.releases, []
+        if self.releases or self.keeps:
+            releases, keeps, self.releases, self.keeps = self.releases, self.keeps, [], []
             try:
-                self.backbone.run_batch(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], releases))
+                self.backbone.run_batch(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], releases,
+                                                      keeps))
             except Exception:  # noqa: BLE001 - the backbone's idle eviction frees them instead
                 pass
 
@@ -184,7 +191,11 @@ class LiveSequence:
     text: TextStream
     responses: ResponseStream
     output: Output
+    prompt_pairs: np.ndarray = None  # [n, pair_size] the prompt's token ids, one row per latent
     prefilled: int = 0          # prompt latents already in the backbone's cache
+    reuse: tuple[int, int] | None = None  # (kept sequence, slots) whose backbone row it takes over
+    started: bool = False       # the backbone holds a row for it
+    fed_pairs: list = field(default_factory=list)  # the pairs its decode steps fed the backbone
     drafting: bool = False      # the MTP head holds a cache for it
     submitted_at: float = 0.0
     started_at: float = 0.0      # its first prefill chunk ran
@@ -235,7 +246,7 @@ class DecodeLoop:
             SequenceDecoder(self.pair_size, self.pad_id, self.eos_id, self.bos_id, request.params, threshold,
                             len(prompt_latents), synthetic_acceptance=self.synthetic_acceptance),
             TextStream(self.tokenizer, request.params.stop_words), ResponseStream(request, len(prompt_latents)),
-            output)
+            output, request.prompt_pairs(self.pair_size, self.pad_id))
         with self._wake:
             self._inbox.submitted.append(sequence)
             self._wake.notify()
@@ -283,6 +294,8 @@ class DecodeLoop:
         _, expired = self.scheduler.admit()
         for sequence, error in expired:
             self._end(sequence, error=str(error), outcome=Outcome.QUEUE_TIMEOUT)
+        for seq_id in self.scheduler.evicted_rows():
+            self.executor.release(seq_id)
         plan = self.scheduler.plan()
         if not plan:
             self.executor.flush_releases()  # idle: free the rows now rather than with the next request
@@ -291,17 +304,25 @@ class DecodeLoop:
         parts = []
         if plan.decode:
             pairs = np.asarray([s.decoder.next_pair for s in plan.decode], dtype=np.int64)  # [b, pair_size]
+            for sequence, pair in zip(plan.decode, pairs):
+                sequence.fed_pairs.append(pair)
             parts.append(self.executor.compress(pairs))
         parts += [chunk.sequence.prompt_latents[chunk.start:chunk.stop] for chunk in plan.prefill]
+        starting = [c.sequence.reuse if not c.sequence.started and c.sequence.reuse else (0, 0) for c in plan.prefill]
         batch = BackboneBatch(
             [s.request_id for s in rows], np.concatenate(parts), [1] * len(plan.decode)
             + [c.stop - c.start for c in plan.prefill],
-            [0] * len(plan.decode) + [0 if c.start else c.sequence.reserve_slots for c in plan.prefill], [])
+            [0] * len(plan.decode) + [0 if c.sequence.started else c.sequence.reserve_slots for c in plan.prefill], [])
+        if any(slots for _, slots in starting):
+            batch.reuse_ids = [0] * len(plan.decode) + [donor for donor, _ in starting]
+            batch.reuse_slots = [0] * len(plan.decode) + [slots for _, slots in starting]
         started = self.clock()
         for chunk in plan.prefill:
-            if chunk.start == 0:
+            if not chunk.sequence.started:
                 chunk.sequence.started_at = started
                 self.observer.queued(started - chunk.sequence.submitted_at)
+                self.observer.prefix_cache(chunk.sequence.num_latents, chunk.start)
+                chunk.sequence.responses.cached(int((chunk.sequence.prompt_pairs[:chunk.start] != self.pad_id).sum()))
         try:
             result = self.executor.run_backbone(batch)
         except Exception as error:  # noqa: BLE001 - the iteration's sequences fail, the loop goes on
@@ -310,13 +331,16 @@ class DecodeLoop:
             return True
         ready = []
         for row, sequence in enumerate(rows):
+            if result.status[row] == SequenceStatus.PREFIX_GONE:  # its kept row went: prefill it all
+                sequence.reuse, sequence.prefilled = None, 0
+                continue
             if result.failed(row):
                 self._end(sequence, error=_backbone_message(result.status[row], result.messages[row]),
                           outcome=Outcome.STEP_FAILED)
                 continue
             if row >= len(plan.decode):
                 chunk = plan.prefill[row - len(plan.decode)]
-                sequence.prefilled = chunk.stop
+                sequence.prefilled, sequence.started = chunk.stop, True
                 if not chunk.completes_prompt:
                     continue
                 self.observer.prefilled(self.clock() - sequence.started_at)
@@ -411,6 +435,7 @@ class DecodeLoop:
         if drain is not None:
             for sequence in list(self.live.values()):
                 self._end(sequence, error=drain, outcome=Outcome.SHUTTING_DOWN)
+            self.scheduler.forget_kept()
 
     def _admit(self, sequence: LiveSequence) -> tuple[Outcome, str] | None:
         """Hands a new request to the scheduler; (outcome, message) when it is refused."""
@@ -438,8 +463,12 @@ class DecodeLoop:
         """Frees everything the sequence holds; a request that did not finish gets its last word."""
         if self.live.pop(sequence.request_id, None) is None:
             return
+        if sequence.reuse and not sequence.started:  # the kept row it was to take over is nobody's now
+            self.executor.release(sequence.reuse[0])
         if self.scheduler.finish(sequence):  # its blocks came back, once: now its storage goes too
-            self.executor.release(sequence.request_id)
+            kept = error is None and sequence.started and self.scheduler.keep(sequence.request_id,
+                                                                              _backbone_pairs(sequence))
+            self.executor.release(sequence.request_id, keep_backbone=kept)
         if error is not None:
             self.observer.refused(outcome)
             sequence.output.fail(error, outcome)
@@ -451,6 +480,12 @@ class DecodeLoop:
         """Ends every request still here with `message`, at once (the loop's thread has stopped)."""
         self.drain(message)
         self._take_inbox()
+
+
+def _backbone_pairs(sequence: LiveSequence) -> np.ndarray:
+    """The pairs whose keys and values the sequence's backbone row holds, in order."""
+    fed = np.asarray(sequence.fed_pairs, dtype=np.int64).reshape(-1, sequence.prompt_pairs.shape[1])
+    return np.concatenate([sequence.prompt_pairs[:sequence.prefilled], fed])
 
 
 def _backbone_message(status: SequenceStatus, message: str) -> str:

@@ -25,7 +25,9 @@ COUNTERS = {"dualend_output_tokens": "Tokens streamed to clients",
             "dualend_drafts_accepted": "MTP drafts accepted by the confidence gate",
             "dualend_prompt_raw_tokens": "Prompt tokens as users count them",
             "dualend_prompt_latents": "Prompt latents the backbone held",
-            "dualend_requests_cancelled": "Requests cancelled by the client"}
+            "dualend_requests_cancelled": "Requests cancelled by the client",
+            "dualend_prefix_cache_queries": "Prompt latents looked up in the prefix cache (as vLLM's prefix_cache_queries)",
+            "dualend_prefix_cache_hits": "Prompt latents whose KV the prefix cache held (as vLLM's prefix_cache_hits)"}
 HISTOGRAMS = {"dualend_queue_seconds": ("Wait from arrival to the first prefill chunk", LATENCY_BUCKETS),
               "dualend_prefill_seconds": ("First prefill chunk to prompt in the KV cache", LATENCY_BUCKETS),
               "dualend_ttft_seconds": ("Arrival to the first token decoded and released, streamed or not (server side)", LATENCY_BUCKETS),
@@ -95,6 +97,10 @@ class PhaseMetrics:
         if response.finish_reason is not None:
             self.counters["dualend_prompt_raw_tokens"] += c["num_prompt_tokens"]
             self.counters["dualend_prompt_latents"] += c["num_prompt_latents"]
+
+    def prefix_cache(self, latents: int, reused: int) -> None:
+        self.counters["dualend_prefix_cache_queries"] += latents
+        self.counters["dualend_prefix_cache_hits"] += reused
 
     def queued(self, seconds: float) -> None:
         self.histograms["dualend_queue_seconds"].observe(seconds)

@@ -36,6 +36,8 @@ class DeploymentConfig:
     kv_block_size: int            # slots; also the step by which a cache's layout grows
     kv_capacity_blocks: int       # the KV memory budget, in blocks (each cache holds this many slots)
     idle_timeout_s: float
+    prefix_cache_entries: int     # ended sequences whose KV is kept for the next turn (0: no prefix cache)
+    prefix_cache_ttl_s: float     # ... for at most this long
     engine: str                   # the backbone's
     engine_threads: int
     compressor_engine: str
@@ -91,7 +93,8 @@ class DeploymentConfig:
     def kv_cache_options(self) -> dict:
         """A KV cache's sizing from this config: the budget in slots, laid out in steps of a block."""
         return {"budget_slots": self.kv_capacity_blocks * self.kv_block_size, "bucket": self.kv_block_size,
-                "idle_timeout_s": self.idle_timeout_s}
+                "idle_timeout_s": self.idle_timeout_s,
+                "kept_timeout_s": self.prefix_cache_ttl_s + 60}  # the loop releases them first
 
     def pbtxt(self) -> str:
         """The config.pbtxt `parameters` lines that `from_args` reads back."""

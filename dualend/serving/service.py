@@ -15,6 +15,7 @@ import numpy as np
 
 from dualend.engine.decode import InvalidRequest
 from dualend.engine.onnx_engine import ExportedModel, MTPComponent
+from dualend.engine.prefix_cache import PrefixCache
 from dualend.engine.scheduler import Scheduler
 
 from .contract import PreparedRequest
@@ -37,7 +38,9 @@ class DecodeService:
         self.scheduler = Scheduler(
             max_running=config.max_concurrent_requests, max_queue=config.max_queue_size, wait_s=config.queue_wait_s,
             prefill_chunk=config.prefill_chunk_latents, kv_blocks=config.kv_capacity_blocks,
-            kv_block_size=config.kv_block_size)
+            kv_block_size=config.kv_block_size,
+            prefix_cache=PrefixCache(config.prefix_cache_entries, config.prefix_cache_ttl_s)
+            if config.prefix_cache_entries else None)
         executor = Executor(backbone, local, exported.settings["d_model"])
         metrics.synthetic_acceptance(config.synthetic_rate)
         self.loop = DecodeLoop(executor, exported.tokenizer(), self.scheduler, config.acceptance_threshold, metrics,

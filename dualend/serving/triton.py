@@ -48,6 +48,11 @@ class BLSBackbone:
                   "pipeline_key": self.pipeline_key}
         if batch.releases:
             inputs["release_ids"] = np.asarray(batch.releases, dtype=np.int64)
+        if batch.keeps:
+            inputs["keep_ids"] = np.asarray(batch.keeps, dtype=np.int64)
+        if batch.reuse_slots:
+            inputs["reuse_ids"] = np.asarray(batch.reuse_ids, dtype=np.int64)
+            inputs["reuse_slots"] = np.asarray(batch.reuse_slots, dtype=np.int32)
         response = pb.InferenceRequest(model_name=self.model_name, inputs=tensors(pb, inputs),
                                        requested_output_names=["logits", "hidden", "status", "messages"]).exec()
         if response.has_error():

@@ -2,7 +2,9 @@
 
 A request is one iteration of its deployment's mtp_verify loop: the new latents of several
 sequences, one segment each (`sequence_ids`, `new_latents`), with `reserve_slots` > 0 on a
-sequence's first prefill chunk and `release_ids` to free first. The KV cache here holds storage
+sequence's first prefill chunk, `release_ids` to free first and, for a prefix-cache hit,
+`keep_ids` (ended sequences whose keys and values to keep a copy of, the prefix cache's) and
+`reuse_ids` / `reuse_slots` (a kept copy a starting sequence begins with, and how many of its slots). The KV cache here holds storage
 only: mtp_verify's scheduler owns the block account and sends only what fits. It answers the
 logits and hidden state at each segment's last latent, a per-sequence `status`
 (`onnx_engine.SequenceStatus`) and a message for humans ("" when OK). Its caller must carry the
@@ -19,7 +21,8 @@ from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import DeploymentConfig, version_components
 from dualend.serving.triton import error_response
 
-INPUTS = ("sequence_ids", "latents", "new_latents", "reserve_slots", "release_ids")
+INPUTS = ("sequence_ids", "latents", "new_latents", "reserve_slots", "release_ids", "keep_ids", "reuse_ids",
+          "reuse_slots")
 
 
 class TritonPythonModel:
@@ -55,10 +58,12 @@ class TritonPythonModel:
             if refusal:
                 responses.append(error_response(pb_utils, Outcome.NOT_ALLOWED, refusal))
                 continue
-            ids, latents, counts, reserves, releases = (_input(request, name) for name in INPUTS)
+            ids, latents, counts, reserves, releases, keeps, reuse_ids, reuse_slots = (_input(request, n)
+                                                                                     for n in INPUTS)
             try:
-                result = self.runner.run_batch(BackboneBatch(ids.tolist(), latents, counts.tolist(), reserves.tolist(),
-                                                             [] if releases is None else releases.tolist()))
+                result = self.runner.run_batch(BackboneBatch(
+                    ids.tolist(), latents, counts.tolist(), reserves.tolist(), _list(releases), _list(keeps),
+                    _list(reuse_ids), _list(reuse_slots)))
             except Exception as error:  # noqa: BLE001 - a malformed batch fails alone
                 responses.append(error_response(pb_utils, Outcome.STEP_FAILED, str(error)))
                 continue
@@ -73,6 +78,10 @@ class TritonPythonModel:
 def _input(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
+
+
+def _list(array) -> list:
+    return [] if array is None else array.tolist()
 
 
 def _family(name, description, kind):

@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dualend.engine.tokenizer import TextTokenizer
+from dualend.serving.contract import COUNTERS, merge_counters
 from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served_generation
 
 from ..api_keys import ApiKey, client_of, read_keys
@@ -45,8 +46,6 @@ from .translation import (ApiError, Generation, chunk_body, finish_reason, parse
 
 CANARY_MODEL = "llm"
 CANARY_PAIR = ("dualend", "baseline")  # `llm` goes to the baseline by the canary weight, else to dualend
-COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps", "num_prompt_tokens",
-            "num_prompt_latents")
 TICK_S = 0.1  # how often a waiting request checks its deployment's marks
 READY_TTL_S = 1.0  # how long tritonserver's answer on whether a deployment is ready is reused
 READY_TIMEOUT_S = 2.0
@@ -261,7 +260,7 @@ class Service:
         self.completion_tokens.labels(client.name, model).inc(completion)
         self.requests.labels(client.name, model, str(status)).inc()
         if self.usage is not None:
-            self.usage.record(client.name, prompt, 0, completion)
+            self.usage.record(client.name, prompt, counters.get("num_cached_tokens", 0), completion)
 
     def check_quota(self, client: ApiKey) -> None:
         """429 `quota_exceeded` once the key's tokens today (UTC) reached its daily_tokens."""
@@ -342,7 +341,7 @@ class Service:
             try:
                 async for piece, piece_counters, piece_reason in self.triton_stream(generation, deployment, progress):
                     text += piece
-                    merge(counters, piece_counters)
+                    merge_counters(counters, piece_counters)
                     reason = piece_reason or reason
             except ApiError as error:
                 failure = error
@@ -391,7 +390,7 @@ class Service:
                 is_first = True
                 while piece is not None:
                     text, piece_counters, reason = piece
-                    merge(counters, piece_counters)
+                    merge_counters(counters, piece_counters)
                     if text or reason or is_first:
                         yield sse(chunk_body(generation, generation.model, text, finish_reason(reason), is_first))
                         is_first = False
@@ -464,13 +463,6 @@ class DisconnectAwareStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.close()
-
-
-def merge(total: dict, piece: dict) -> None:
-    for name in ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps"):
-        total[name] += piece.get(name, 0)
-    for name in ("num_prompt_tokens", "num_prompt_latents"):
-        total[name] = piece.get(name, total[name])
 
 
 def sse(payload: dict) -> bytes:

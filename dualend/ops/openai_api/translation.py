@@ -249,7 +249,8 @@ def triton_error(message: str, request: Generation | None = None) -> ApiError:
 def usage(counters: dict[str, int], dual_end: bool) -> dict:
     """OpenAI's usage, plus the prompt latents and drafts for a dual-end deployment."""
     body = {"prompt_tokens": counters["num_prompt_tokens"], "completion_tokens": counters["num_output_tokens"],
-            "total_tokens": counters["num_prompt_tokens"] + counters["num_output_tokens"]}
+            "total_tokens": counters["num_prompt_tokens"] + counters["num_output_tokens"],
+            "prompt_tokens_details": {"cached_tokens": counters.get("num_cached_tokens", 0)}}
     if dual_end:
         body |= {"prompt_latents": counters["num_prompt_latents"], "drafts": counters["num_drafts"],
                  "drafts_accepted": counters["num_accepted_drafts"]}

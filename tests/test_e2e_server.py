@@ -174,6 +174,25 @@ def test_sse_error_is_reported(server):
         stream_http(server.http_url, "baseline", "", 8)
 
 
+@pytest.mark.parametrize("transport", ["grpc", "generate"])
+def test_a_follow_up_turn_reuses_the_kept_history_and_answers_as_the_engine_does(server, engines, transport):
+    """The second turn re-sends the first turn's prompt and answer: the baseline's prefix cache holds
+    them (it counts at least the first prompt but its last token, which may merge with the answer's
+    first characters), and the answer is the in-process engine's, which has no prefix cache."""
+    call = stream_grpc if transport == "grpc" else generate_http
+    url = server.grpc_url if transport == "grpc" else server.http_url
+    hits_before = metric(server, "dualend_prefix_cache_hits", "baseline_v1_mtp_verify") or 0
+    first = call(url, "baseline", PROMPTS[2], 24, exclude_input_in_output=True)
+    follow = PROMPTS[2] + first.text + "\n" + PROMPTS[3]
+    second = call(url, "baseline", follow, 24, exclude_input_in_output=True)
+    assert second.text == engine_text(server, engines, "baseline", follow, 24).text
+    cached = second.counters["num_cached_tokens"]
+    assert first.counters["num_prompt_tokens"] - 1 <= cached < second.counters["num_prompt_tokens"]
+    assert first.counters["num_cached_tokens"] < first.counters["num_prompt_tokens"]
+    assert wait_for(lambda: metric(server, "dualend_prefix_cache_hits", "baseline_v1_mtp_verify")
+                    >= hits_before + cached)
+
+
 def test_cancelled_stream_stops_generating_and_frees_its_kv(server):
     steps_before = metric(server, "dualend_decode_steps", "dualend_v1_mtp_verify") or 0
     cancelled_before = metric(server, "dualend_requests_cancelled", "dualend_v1_mtp_verify") or 0

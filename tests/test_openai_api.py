@@ -232,13 +232,14 @@ def test_a_model_is_retrieved_by_its_id_and_an_unknown_one_is_a_404(api):
 def test_a_key_over_its_daily_tokens_gets_429_and_its_usage_is_kept_on_disk(api):
     """Requests answered until the day's tokens reach the quota, the next one refused; the SQLite file,
     read by another process as after a restart, holds exactly what the answers' usage said."""
-    answered = []
+    answered, cached_tokens = [], 0
     for _ in range(20):
         status, body = post(api, "/v1/completions", {"model": "baseline", "prompt": PROMPTS[0], "max_tokens": 4},
                             key=QUOTA)
         if status != 200:
             break
         answered.append(body["usage"]["total_tokens"])
+        cached_tokens += body["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert (status, body["error"]["code"]) == (429, "quota_exceeded") and "daily_tokens quota is 40" in body["error"]["message"]
     assert sum(answered) >= DAILY_TOKENS > sum(answered[:-1])  # refused exactly once the quota was reached
     assert post(api, "/v1/completions", {"model": "baseline", "prompt": PROMPTS[0], "max_tokens": 2})[0] == 200
@@ -246,7 +247,18 @@ def test_a_key_over_its_daily_tokens_gets_429_and_its_usage_is_kept_on_disk(api)
                              capture_output=True, text=True, check=True).stdout
     day, _, requests, prompt, cached, completion = next(line.split() for line in printed.splitlines()
                                                         if line.split()[1:2] == ["quota"])
-    assert (int(requests), int(prompt) + int(completion), int(cached)) == (len(answered), sum(answered), 0)
+    assert (int(requests), int(prompt) + int(completion), int(cached)) == (len(answered), sum(answered), cached_tokens)
+    assert cached_tokens > 0  # the same prompt again: the prefix cache held all of it but its last token
+
+
+def test_a_follow_up_reuses_the_conversation_and_says_so_in_its_usage(api):
+    """The next turn re-sends the conversation: its usage counts as cached at least the first
+    turn's prompt but its last token (which may merge with the answer's first characters)."""
+    first = client(api).completions.create(model="baseline", prompt=PROMPTS[1], max_tokens=8)
+    follow = PROMPTS[1] + first.choices[0].text + "\nget ab:"
+    again = client(api).completions.create(model="baseline", prompt=follow, max_tokens=8)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 1 <= cached < again.usage.prompt_tokens
 
 
 def test_a_missing_or_wrong_key_is_a_401_and_keys_match_exactly(api):

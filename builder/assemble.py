@@ -92,8 +92,8 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
                              "NAME=P for one (repeatable; default: %(default)s)",
             kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)",
             prefix_cache_entries="ended requests whose KV a deployment keeps so that a request extending one (the "
-                                 "next turn of a chat) prefills only the rest; 0 turns the prefix cache off "
-                                 "(default: %(default)s)",
+                                 "next turn of a chat) prefills only the rest (N for every deployment, NAME=N for "
+                                 "one; repeatable); 0 turns the prefix cache off (default: %(default)s)",
             prefix_cache_ttl_s="how long such a request's KV is kept at most (default: %(default)s)")
 DEPLOYMENTS = PUBLIC_DEPLOYMENTS
 # Deployments imported at build time from an installed package: name -> (pip name, module, file in it).
@@ -108,7 +108,7 @@ QUALITY_REPORTS = {"dualend": ROOT / "reports" / "quality.json",
 # Per-deployment defaults where one size does not fit all. SmolLM2 at 45 KiB of KV a token: 2048
 # tokens (its checkpoint says 8192) keep a request's reservation at 90 MiB, so 1536 MiB admits
 # 16 requests at the limits and far more of ordinary length.
-PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision")
+PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefix_cache_entries")
 EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for precision in WEIGHT_BITS}
 DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536} for name in ("smollm2", "smollm2_dualend")}
 # Triton model suffix -> (source folder, components copied into its version folder)
@@ -374,7 +374,7 @@ def trained_context(checkpoint_dir: Path) -> int:
 
 def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, threshold: float,
                       raw_context_limit: int, kv_cache_mb: int, synthetic_acceptance: float = -1.0,
-                      weights: str = "trained") -> dict:
+                      weights: str = "trained", prefix_cache_entries: int = DEFAULTS["prefix_cache_entries"]) -> dict:
     """Template values: the deployment config (each field, and all of them as `parameters` lines)
     and the tensor dims. max_new_tokens defaults to the whole limit (prompt + max_tokens <=
     raw_context_limit is checked per request)."""
@@ -391,7 +391,7 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
         kv_block_size=args.kv_block_size,
         kv_capacity_blocks=kv_budget_blocks(settings, kv_cache_mb, args.kv_block_size, sequence_slots),
         idle_timeout_s=args.idle_timeout_s,
-        prefix_cache_entries=args.prefix_cache_entries, prefix_cache_ttl_s=args.prefix_cache_ttl_s,
+        prefix_cache_entries=prefix_cache_entries, prefix_cache_ttl_s=args.prefix_cache_ttl_s,
         engine=args.engine, engine_threads=args.engine_threads,
         compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
         synthetic_acceptance=synthetic_acceptance, weights=weights,
@@ -445,7 +445,8 @@ def assemble(args) -> Path:
         values = deployment_values(name, pipeline_name(name, generation), exported, args,
                                    deployment_threshold(args, name, source, pair_size), limit, kv_cache_mb,
                                    deployment_synthetic_rate(rates, name, pair_size),
-                                   "dummy" if dummy_weights(checkpoint_dir) else "trained")
+                                   "dummy" if dummy_weights(checkpoint_dir) else "trained",
+                                   setting(args, "prefix_cache_entries", name, source))
         render_deployment(name, exported, staging, values)
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
         print(f"{name}: checkpoint {exported.checkpoint_id}" + (f" (a variant of {source})" if name != source else "")

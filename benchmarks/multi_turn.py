@@ -1,0 +1,187 @@
+"""Multi-turn chat through /v1/chat/completions: time to first token by turn, with the prefix cache
+and without it, in one run.
+
+    python -m benchmarks.multi_turn --base-url http://127.0.0.1:8000/v1 \\
+        --cached smollm2 --uncached smollm2_nocache --out reports/multi_turn_smollm2
+
+`--cached` and `--uncached` name two deployments of the same model, built alike but for
+`--prefix-cache-entries` (benchmarks/multi_turn_smollm2.sh builds and serves them). A conversation
+has `--turns` turns; each user message is a different piece of held-out standard-library source of
+`--message-tokens` tokens ("What does this code do?"), each answer greedy, at most `--max-tokens`
+tokens, and the next turn re-sends the whole conversation, as chat clients do: the history grows by
+about message + answer tokens a turn. `--conversations` conversations run at once, one client each.
+
+In each of `--rounds` rounds both deployments run the same conversations, one after the other (the
+order alternates by round). Per request: TTFT = first chunk with text - request sent, the usage's
+prompt_tokens and prompt_tokens_details.cached_tokens. The report gives, per turn, each deployment's
+median TTFT (over conversations and rounds), the cached / uncached TTFT ratio (per round, median and
+min-max across rounds: the claim), the cached tokens, and whether both deployments gave the same
+answers (greedy: they must). Waits for an idle machine like benchmarks.compare (`--allow-busy` runs
+anyway and marks the report NOT VALID). Writes results.json and report.md to `--out`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from client.api import API_KEY_ENV, median_and_spread
+from dualend.engine.tokenizer import TextTokenizer
+from dualend.train.data import stdlib_chunks
+
+from .compare import IDLE_LOAD, IDLE_WAIT_S, aiohttp, completions_url, cut_prompts, environment, settled_load
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULTS = dict(base_url="http://127.0.0.1:8000/v1", conversations=4, turns=5, message_tokens=250, max_tokens=48,
+                rounds=3, out=ROOT / "reports" / "multi_turn", tokenizer=ROOT / "build" / "checkpoints" / "smollm2",
+                timeout_s=600.0, seed=11)
+QUESTION = "What does this code do?\n\n"
+
+
+async def turn_request(session, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    sent, first, text, usage, error = time.perf_counter(), None, "", None, None
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            return {"error": f"HTTP {response.status}: {(await response.text())[:300]}"}
+        async for raw in response.content:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[len("data:"):])
+            if "error" in payload:
+                error = str(payload["error"])
+                continue
+            usage = payload.get("usage") or usage
+            for choice in payload.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and first is None:
+                    first = time.perf_counter()
+                text += piece
+    if error or usage is None or first is None:
+        return {"error": error or "no text or no usage in the stream"}
+    return {"ttft_s": first - sent, "text": text, "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "completion_tokens": usage["completion_tokens"]}
+
+
+async def run_conversations(url: str, model: str, headers: dict, messages_by_turn: list[list[str]],
+                            max_tokens: int, timeout_s: float) -> list[list[dict]]:
+    """Every conversation at once, each its turns in order; [conversation][turn] records."""
+    async def conversation(user_messages: list[str]) -> list[dict]:
+        history, records = [], []
+        for message in user_messages:
+            history.append({"role": "user", "content": message})
+            record = await turn_request(session, url, model, history, max_tokens)
+            records.append(record)
+            if "error" in record:
+                break
+            history.append({"role": "assistant", "content": record["text"]})
+        return records
+
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        return await asyncio.gather(*(conversation(messages) for messages in messages_by_turn))
+
+
+def summarize(rounds: list[dict], labels: tuple[str, str], turns: int) -> dict:
+    """Per turn: each label's median TTFT and cached tokens, the cached/uncached ratio per round
+    (median, min, max), and how many answers differ between the two."""
+    cached, uncached = labels
+    rows = []
+    for turn in range(turns):
+        def values(label, key, run):
+            return [c[turn][key] for c in run[label] if len(c) > turn and "error" not in c[turn]]
+
+        ratios = [statistics.median(values(cached, "ttft_s", run)) / statistics.median(values(uncached, "ttft_s", run))
+                  for run in rounds if values(cached, "ttft_s", run) and values(uncached, "ttft_s", run)]
+        differ = sum(a.get("text") != b.get("text") for run in rounds
+                     for conv_a, conv_b in zip(run[cached], run[uncached]) if len(conv_a) > turn and len(conv_b) > turn
+                     for a, b in [(conv_a[turn], conv_b[turn])])
+        row = {"turn": turn + 1, "ratio": median_and_spread(ratios) if ratios else None, "answers_differ": differ}
+        for label in labels:
+            every = [v for run in rounds for v in values(label, "ttft_s", run)]
+            row[label] = {"ttft_s": statistics.median(every) if every else None,
+                          "prompt_tokens": statistics.median(v for run in rounds for v in values(label, "prompt_tokens", run)),
+                          "cached_tokens": statistics.median(v for run in rounds for v in values(label, "cached_tokens", run))}
+        rows.append(row)
+    return {"turns": rows,
+            "errors": {label: [r["error"] for run in rounds for c in run[label] for r in c if "error" in r]
+                       for label in labels}}
+
+
+def report(summary: dict, labels: tuple[str, str], settings: dict, valid: bool) -> str:
+    cached, uncached = labels
+    lines = ([] if valid else ["**NOT VALID: the machine was busy (--allow-busy)**", ""]) + [
+        "# Multi-turn chat: TTFT by turn with and without the prefix cache", "",
+        f"`{' '.join(settings['command'][2:])}`, {settings['started']}, load average at start "
+        f"{settings['load_average_at_start'][0]:.2f}, commit {settings['git_commit'][:10]}"
+        + (" (dirty)" if settings["git_dirty"] else ""), "",
+        f"| turn | prompt tokens | cached tokens ({cached}) | TTFT {cached} (s) | TTFT {uncached} (s) | "
+        f"ratio cached/uncached [min-max] | answers that differ |", "|---|---|---|---|---|---|---|"]
+    for row in summary["turns"]:
+        ratio = row["ratio"]
+        ratio_text = "n/a" if ratio is None else f"{ratio[0]:.2f} [{ratio[1]:.2f}-{ratio[2]:.2f}]"
+        lines.append(f"| {row['turn']} | {row[uncached]['prompt_tokens']:.0f} | {row[cached]['cached_tokens']:.0f} | "
+                     f"{row[cached]['ttft_s']:.3f} | {row[uncached]['ttft_s']:.3f} | {ratio_text} | "
+                     f"{row['answers_differ']} |")
+    errors = {label: len(found) for label, found in summary["errors"].items()}
+    lines += ["", f"Failed requests: {errors}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default=DEFAULTS["base_url"])
+    parser.add_argument("--cached", required=True, help="the deployment with the prefix cache")
+    parser.add_argument("--uncached", required=True, help="the same model built with --prefix-cache-entries 0")
+    parser.add_argument("--api-key", default=None, help=f"default: ${API_KEY_ENV}")
+    for key in ("conversations", "turns", "message_tokens", "max_tokens", "rounds", "seed"):
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=DEFAULTS[key])
+    parser.add_argument("--timeout-s", type=float, default=DEFAULTS["timeout_s"])
+    parser.add_argument("--tokenizer", type=Path, default=DEFAULTS["tokenizer"])
+    parser.add_argument("--out", type=Path, default=DEFAULTS["out"])
+    parser.add_argument("--allow-busy", action="store_true")
+    args = parser.parse_args(argv)
+    if aiohttp is None:
+        raise SystemExit("the HTTP client needs aiohttp: pip install -e '.[benchmark]'")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    tokenizer = TextTokenizer.from_json((args.tokenizer / "tokenizer.json").read_text(encoding="utf-8"))
+    count = args.conversations * args.turns
+    pieces = cut_prompts(tokenizer, stdlib_chunks("report", args.message_tokens * 6 + 64, args.seed),
+                         args.message_tokens, count)
+    messages = [[QUESTION + pieces[c * args.turns + t] for t in range(args.turns)] for c in range(args.conversations)]
+    load = settled_load(IDLE_LOAD, IDLE_WAIT_S)
+    valid = load <= IDLE_LOAD
+    if not valid and not args.allow_busy:
+        raise SystemExit(f"the 1-minute load average is {load:.2f} (> {IDLE_LOAD}): stop what runs, or --allow-busy")
+    labels = (args.cached, args.uncached)
+    url = completions_url(args.base_url, chat=True)
+    rounds = []
+    for r in range(args.rounds):
+        run = {}
+        for label in (labels if r % 2 == 0 else labels[::-1]):
+            run[label] = asyncio.run(run_conversations(url, label, headers, messages, args.max_tokens, args.timeout_s))
+            print(f"round {r + 1}, {label}: turn TTFTs (s) of the first conversation "
+                  f"{[round(t.get('ttft_s', float('nan')), 3) for t in run[label][0]]}", flush=True)
+        rounds.append(run)
+    settings = environment(argv, []) | {"command": [sys.executable, "-m", "benchmarks.multi_turn", *argv]}
+    summary = summarize(rounds, labels, args.turns)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps({"settings": settings, "summary": summary, "rounds": rounds},
+                                                      indent=1), encoding="utf-8")
+    text = report(summary, labels, settings, valid)
+    (args.out / "report.md").write_text(text, encoding="utf-8")
+    print(text)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

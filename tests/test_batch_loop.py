@@ -276,8 +276,8 @@ def test_the_phases_add_up_over_known_requests(exported, tiny_tokenizer):
                        for o in outputs)
     assert sum(n for _, n in calls["inter_token"]) + first_tokens == tokens
     assert len(calls["step"]) == steps and sum(n for (n,) in calls["step"]) == tokens
-    assert max(waiting for _, _, waiting in calls["flush"]) == 3  # 5 requests, 2 places
-    assert calls["flush"][-1] == (True, 0, 0)  # idle at the end, nothing running or waiting
+    assert max(waiting for _, _, waiting, _, _ in calls["flush"]) == 3  # 5 requests, 2 places
+    assert calls["flush"][-1] == (True, 0, 0, 0.0, 0)  # idle at the end: nothing running, waiting or held
     assert all(s >= 0 for (s,) in calls["queued"]) and "refused" not in calls
 
 
@@ -303,7 +303,7 @@ def test_metrics_accumulate_as_prometheus_histograms_and_hand_out_deltas():
         metrics.first_token(seconds)
     metrics.inter_token(0.004, 3)
     metrics.iteration(0.01)
-    metrics.flush(False, 5, 2)
+    metrics.flush(False, 5, 2, 0.25, 3)
     delta = metrics.take()
     ttft = delta.histograms["dualend_ttft_seconds"]
     bounds = ttft.bounds
@@ -312,6 +312,7 @@ def test_metrics_accumulate_as_prometheus_histograms_and_hand_out_deltas():
     assert abs(ttft.total - 60.206) < 1e-9
     assert delta.histograms["dualend_inter_token_seconds"].counts[-1] == 3
     assert delta.gauges == {"dualend_running_sequences": 5, "dualend_waiting_requests": 2,
+                            "dualend_kv_cache_usage": 0.25, "dualend_prefix_cache_entries": 3,
                             "dualend_synthetic_acceptance_rate": -1.0}  # off: the gate decides
     again = metrics.take()
     assert again.histograms["dualend_ttft_seconds"].counts[-1] == 0 and again.gauges == {}

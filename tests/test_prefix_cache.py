@@ -165,6 +165,9 @@ def test_each_turn_reuses_the_conversation_so_far_and_decodes_the_same(exported,
             assert reused[turn] == before["num_prompt_tokens"] + before["num_output_tokens"] - 1
     assert not engine.backbone.cache.sequences
     assert set(engine.backbone.cache.kept) == set(loop.scheduler.prefixes.kept())  # one owner, in step
+    gauges = loop.observer.gauges
+    assert gauges["dualend_prefix_cache_entries"] == len(loop.scheduler.prefixes) > 0
+    assert gauges["dualend_kv_cache_usage"] == loop.scheduler.used_blocks / loop.scheduler.kv_blocks > 0
 
 
 def test_a_drained_loop_releases_every_kept_row(exported, tiny_tokenizer):

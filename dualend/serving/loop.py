@@ -122,7 +122,7 @@ class Observer(Protocol):
     def iteration(self, seconds: float) -> None: ...                     # one busy iteration
     def refused(self, outcome: Outcome) -> None: ...
     def cancelled(self) -> None: ...
-    def flush(self, idle: bool, running: int, waiting: int) -> None: ... # after every iteration
+    def flush(self, idle: bool, running: int, waiting: int, kv_usage: float, kept: int) -> None: ...  # every iteration
 
 
 class Executor:
@@ -285,7 +285,9 @@ class DecodeLoop:
                 except Exception:  # noqa: BLE001 - its sender is gone; the others still get their word
                     self.live.pop(sequence.request_id, None)
             busy = False  # the loop waits a moment rather than spinning on a repeated error
-        self.observer.flush(not busy, len(self.scheduler.running), len(self.scheduler.waiting))
+        scheduler = self.scheduler
+        self.observer.flush(not busy, len(scheduler.running), len(scheduler.waiting),
+                            scheduler.used_blocks / scheduler.kv_blocks, len(scheduler.prefixes or ()))
         return busy
 
     def _iterate(self) -> bool:

@@ -39,6 +39,9 @@ HISTOGRAMS = {"dualend_queue_seconds": ("Wait from arrival to the first prefill 
                                           (0, 1, 2))}
 GAUGES = {"dualend_running_sequences": "Sequences in the decode loop (prefilling or decoding)",
           "dualend_waiting_requests": "Requests waiting in the admission queue",
+          "dualend_kv_cache_usage": "Share of the KV budget the running requests' reservations and the prefix "
+                                    "cache's kept copies hold, 0 to 1 (as vLLM's kv_cache_usage_perc)",
+          "dualend_prefix_cache_entries": "Ended requests whose KV the prefix cache keeps",
           "dualend_synthetic_acceptance_rate": "Benchmark only: the rate at which a draw, not the confidence gate, "
                                                "accepts drafts; -1 when the gate decides"}
 REFUSALS = ("dualend_requests_refused", "Requests refused or ended with an error, by reason")
@@ -130,9 +133,10 @@ class PhaseMetrics:
         """The deployment's synthetic acceptance rate (None: off, the gate decides)."""
         self.gauges["dualend_synthetic_acceptance_rate"] = -1.0 if rate is None else rate
 
-    def flush(self, idle: bool, running: int, waiting: int) -> None:
+    def flush(self, idle: bool, running: int, waiting: int, kv_usage: float = 0.0, kept: int = 0) -> None:
         """Called after every loop iteration, busy or idle; an exporter pushes `take()` from here."""
         self.gauges["dualend_running_sequences"], self.gauges["dualend_waiting_requests"] = running, waiting
+        self.gauges["dualend_kv_cache_usage"], self.gauges["dualend_prefix_cache_entries"] = kv_usage, kept
 
 
 POOL_GAUGES = {"dualend_kv_blocks_used": "KV cache blocks in use",

@@ -118,8 +118,8 @@ class TritonMetrics(PhaseMetrics):
         self.refusal_metrics = {r: refusals.Metric(labels=labels | {"reason": r}) for r in REFUSAL_REASONS}
         self.pushed = time.monotonic()
 
-    def flush(self, idle: bool, running: int, waiting: int) -> None:
-        super().flush(idle, running, waiting)
+    def flush(self, idle: bool, running: int, waiting: int, kv_usage: float = 0.0, kept: int = 0) -> None:
+        super().flush(idle, running, waiting, kv_usage, kept)
         if not idle and time.monotonic() - self.pushed < self.PUSH_EVERY_S:
             return
         self.pushed = time.monotonic()

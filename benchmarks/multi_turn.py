@@ -18,11 +18,16 @@ median TTFT (over conversations and rounds), the cached / uncached TTFT ratio (p
 min-max across rounds: the claim), the cached tokens, and whether both deployments gave the same
 answers (greedy: they must). Waits for an idle machine like benchmarks.compare (`--allow-busy` runs
 anyway and marks the report NOT VALID). Writes results.json and report.md to `--out`.
+
+`--soak-s S` runs the conversations against `--cached` alone, each over and over for S seconds, every
+`--cancel-every`-th request closed at its first text (a client gone mid-answer), and writes soak.txt:
+requests, answers, cancellations and failures, TTFT by turn.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import statistics
@@ -30,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from client.api import API_KEY_ENV, median_and_spread
+from client.api import API_KEY_ENV, median_and_spread, percentile
 from dualend.engine.tokenizer import TextTokenizer
 from dualend.train.data import stdlib_chunks
 
@@ -43,27 +48,34 @@ DEFAULTS = dict(base_url="http://127.0.0.1:8000/v1", conversations=4, turns=5, m
 QUESTION = "What does this code do?\n\n"
 
 
-async def turn_request(session, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+async def turn_request(session, url: str, model: str, messages: list[dict], max_tokens: int,
+                       cancel: bool = False) -> dict:
+    """One streamed chat turn; `cancel` closes the stream at its first text (the client went away)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     sent, first, text, usage, error = time.perf_counter(), None, "", None, None
-    async with session.post(url, json=body) as response:
-        if response.status != 200:
-            return {"error": f"HTTP {response.status}: {(await response.text())[:300]}"}
-        async for raw in response.content:
-            line = raw.decode("utf-8").strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            payload = json.loads(line[len("data:"):])
-            if "error" in payload:
-                error = str(payload["error"])
-                continue
-            usage = payload.get("usage") or usage
-            for choice in payload.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and first is None:
-                    first = time.perf_counter()
-                text += piece
+    try:
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                return {"error": f"HTTP {response.status}: {(await response.text())[:300]}"}
+            async for raw in response.content:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[len("data:"):])
+                if "error" in payload:
+                    error = str(payload["error"])
+                    continue
+                usage = payload.get("usage") or usage
+                for choice in payload.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece and first is None:
+                        first = time.perf_counter()
+                        if cancel:
+                            return {"cancelled": True, "ttft_s": first - sent}
+                    text += piece
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as failure:
+        return {"error": f"{type(failure).__name__}: {failure}"}
     if error or usage is None or first is None:
         return {"error": error or "no text or no usage in the stream"}
     return {"ttft_s": first - sent, "text": text, "prompt_tokens": usage["prompt_tokens"],
@@ -87,6 +99,49 @@ async def run_conversations(url: str, model: str, headers: dict, messages_by_tur
 
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         return await asyncio.gather(*(conversation(messages) for messages in messages_by_turn))
+
+
+async def soak(url: str, model: str, headers: dict, messages_by_turn: list[list[str]], max_tokens: int,
+               seconds: float, cancel_every: int, timeout_s: float) -> list[dict]:
+    """Every conversation in a loop for `seconds`, starting over after its last turn; every
+    `cancel_every`-th request of a conversation is cancelled at its first text (and its turn dropped)."""
+    deadline = time.perf_counter() + seconds
+
+    async def conversation(index: int, user_messages: list[str]) -> list[dict]:
+        records, sent = [], 0
+        while time.perf_counter() < deadline:
+            history = []
+            for turn, message in enumerate(user_messages):
+                if time.perf_counter() >= deadline:
+                    break
+                sent += 1
+                cancel = cancel_every > 0 and (sent + index) % cancel_every == 0
+                record = await turn_request(session, url, model, history + [{"role": "user", "content": message}],
+                                            max_tokens, cancel)
+                records.append(record | {"turn": turn + 1})
+                if "error" in record:
+                    break
+                if not cancel:
+                    history += [{"role": "user", "content": message}, {"role": "assistant", "content": record["text"]}]
+        return records
+
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        found = await asyncio.gather(*(conversation(i, m) for i, m in enumerate(messages_by_turn)))
+    return [record for records in found for record in records]
+
+
+def soak_report(records: list[dict], seconds: float, conversations: int) -> str:
+    answered = [r for r in records if "ttft_s" in r and not r.get("cancelled")]
+    errors = [r["error"] for r in records if "error" in r]
+    lines = [f"Multi-turn soak: {conversations} conversations for {seconds:.0f} s: {len(records)} requests, "
+             f"{len(answered)} answered, {sum(bool(r.get('cancelled')) for r in records)} cancelled at their first "
+             f"text, {len(errors)} failed" + (f" ({collections.Counter(errors).most_common(3)})" if errors else "")]
+    for turn in sorted({r["turn"] for r in answered}):
+        ttfts = sorted(r["ttft_s"] for r in answered if r["turn"] == turn)
+        cached = statistics.median(r["cached_tokens"] for r in answered if r["turn"] == turn)
+        lines.append(f"  turn {turn}: {len(ttfts)} answers, TTFT p50 {statistics.median(ttfts):.3f} s, "
+                     f"p99 {percentile(ttfts, 99):.3f} s, cached tokens p50 {cached:.0f}")
+    return "\n".join(lines) + "\n"
 
 
 def summarize(rounds: list[dict], labels: tuple[str, str], turns: int) -> dict:
@@ -140,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default=DEFAULTS["base_url"])
     parser.add_argument("--cached", required=True, help="the deployment with the prefix cache")
-    parser.add_argument("--uncached", required=True, help="the same model built with --prefix-cache-entries 0")
+    parser.add_argument("--uncached", help="the same model built with --prefix-cache-entries 0")
     parser.add_argument("--api-key", default=None, help=f"default: ${API_KEY_ENV}")
     for key in ("conversations", "turns", "message_tokens", "max_tokens", "rounds", "seed"):
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=DEFAULTS[key])
@@ -148,6 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokenizer", type=Path, default=DEFAULTS["tokenizer"])
     parser.add_argument("--out", type=Path, default=DEFAULTS["out"])
     parser.add_argument("--allow-busy", action="store_true")
+    parser.add_argument("--soak-s", type=float, default=0.0,
+                        help="instead: the conversations against --cached in a loop for this long (--uncached unused)")
+    parser.add_argument("--cancel-every", type=int, default=5, help="soak: every Nth request is cancelled")
     args = parser.parse_args(argv)
     if aiohttp is None:
         raise SystemExit("the HTTP client needs aiohttp: pip install -e '.[benchmark]'")
@@ -158,12 +216,22 @@ def main(argv: list[str] | None = None) -> dict:
     pieces = cut_prompts(tokenizer, stdlib_chunks("report", args.message_tokens * 6 + 64, args.seed),
                          args.message_tokens, count)
     messages = [[QUESTION + pieces[c * args.turns + t] for t in range(args.turns)] for c in range(args.conversations)]
+    labels = (args.cached, args.uncached)
+    url = completions_url(args.base_url, chat=True)
+    if args.soak_s:
+        records = asyncio.run(soak(url, args.cached, headers, messages, args.max_tokens, args.soak_s,
+                                   args.cancel_every, args.timeout_s))
+        text = soak_report(records, args.soak_s, args.conversations)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "soak.txt").write_text(f"{' '.join(sys.argv)}\n{text}", encoding="utf-8")
+        print(text)
+        return {"records": records}
+    if args.uncached is None:
+        parser.error("--uncached is required (but with --soak-s)")
     load = settled_load(IDLE_LOAD, IDLE_WAIT_S)
     valid = load <= IDLE_LOAD
     if not valid and not args.allow_busy:
         raise SystemExit(f"the 1-minute load average is {load:.2f} (> {IDLE_LOAD}): stop what runs, or --allow-busy")
-    labels = (args.cached, args.uncached)
-    url = completions_url(args.base_url, chat=True)
     rounds = []
     for r in range(args.rounds):
         run = {}

@@ -5,6 +5,7 @@
 # the benchmark refuses to start while the load average stays above 0.5.
 #   bash benchmarks/multi_turn_smollm2.sh                    # -> reports/multi_turn_smollm2/
 #   ROUNDS=1 CONVERSATIONS=2 bash benchmarks/multi_turn_smollm2.sh   # a quicker look
+#   SOAK_S=300 CONVERSATIONS=16 bash benchmarks/multi_turn_smollm2.sh # then the soak, cancellations mixed in
 # Served deployments (build/bench_multi_turn), through the same gateway and /v1 routes:
 #   smollm2          the token-level model, fp32, the prefix cache on (16 entries, the default)
 #   smollm2_nocache  the same, --prefix-cache-entries 0
@@ -29,3 +30,7 @@ for _ in $(seq 600); do
 done
 .venv/bin/python -m benchmarks.multi_turn --cached smollm2 --uncached smollm2_nocache \
     --rounds "${ROUNDS:-3}" --conversations "${CONVERSATIONS:-4}" --out "$out"
+if [ -n "${SOAK_S:-}" ]; then
+    .venv/bin/python -m benchmarks.multi_turn --cached smollm2 --soak-s "$SOAK_S" \
+        --conversations "${CONVERSATIONS:-16}" --out "$out"
+fi

@@ -1,7 +1,7 @@
 """benchmarks.multi_turn's arithmetic on hand-built records (the run itself needs a server)."""
 import pytest
 
-from benchmarks.multi_turn import report, summarize
+from benchmarks.multi_turn import report, soak_report, summarize
 
 
 def record(ttft, text="a", cached=0, prompt=10):
@@ -23,3 +23,12 @@ def test_the_ratio_is_taken_per_round_and_differing_answers_are_counted():
                 "load_average_at_start": (0.1, 0.1, 0.1), "git_commit": "abc", "git_dirty": False}
     assert "| 2 | 10 | 9 | 0.450 | 2.000 | 0.33 [0.15-0.50] | 2 |" in report(summary, ("on", "off"), settings, True)
     assert report(summary, ("on", "off"), settings, False).startswith("**NOT VALID")
+
+
+def test_the_soak_report_counts_answers_cancellations_and_failures_by_turn():
+    records = [record(0.1) | {"turn": 1}, record(0.3, cached=40) | {"turn": 2}, record(0.5, cached=60) | {"turn": 2},
+               {"cancelled": True, "ttft_s": 0.2, "turn": 1}, {"error": "HTTP 503: x", "turn": 3}]
+    text = soak_report(records, 300, 16)
+    assert "5 requests, 3 answered, 1 cancelled at their first text, 1 failed ([('HTTP 503: x', 1)])" in text
+    assert "turn 2: 2 answers, TTFT p50 0.400 s, p99 0.500 s, cached tokens p50 50" in text
+    assert "turn 3" not in text

@@ -1,6 +1,7 @@
 """The batched decode loop without a server: the scheduler's decisions on hand-built cases, and
 the loop on the exported tiny models against the step-by-step reference (`reference_generate`)."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -504,3 +505,46 @@ def test_the_backbones_pool_metrics_report_what_changed(exported):
     metrics.update()
     assert calls == [("dualend_kv_blocks_used", "set", 3), ("dualend_kv_blocks_free", "set", 7),
                      ("dualend_kv_live_sequences", "set", 1)]
+
+
+class HangingBackbone:
+    """The in-process backbone, which hangs (as a stopped process would) while `hang` is set."""
+
+    def __init__(self, runner):
+        self.runner, self.hang, self.go_on = runner, threading.Event(), threading.Event()
+
+    def run_batch(self, batch):
+        if self.hang.is_set():
+            self.go_on.wait(30)
+        return self.runner.run_batch(batch)
+
+
+def test_a_hung_backbone_ends_its_requests_and_refuses_at_once_until_it_answers_again(exported, tiny_tokenizer):
+    _, directory = exported["baseline"]
+    engine = OnnxComponents(directory)
+    backbone = HangingBackbone(engine.backbone)
+    loop = DecodeLoop(Executor(backbone, engine, engine.exported.settings["d_model"], call_timeout_s=0.3),
+                      tiny_tokenizer, Scheduler(max_running=4, max_queue=4, wait_s=30.0, prefill_chunk=4,
+                                                kv_blocks=1000, kv_block_size=16), 1.0)
+    running = submit(loop, engine, tiny_tokenizer, 1, PROMPTS[0], max_tokens=200)
+    for _ in range(6):
+        loop.run_once()
+    backbone.hang.set()
+    started = time.monotonic()
+    loop.run_once()
+    assert 0.3 <= time.monotonic() - started < 2 and "did not answer within 0.3 s (a hung step)" in running.error
+    assert running.outcome == Outcome.STEP_FAILED  # a retryable error
+    refused = submit(loop, engine, tiny_tokenizer, 2, PROMPTS[1])
+    started = time.monotonic()
+    loop.run_once()
+    loop.run_once()
+    assert time.monotonic() - started < 0.2 and "has not answered a call for" in refused.error
+    backbone.hang.clear()
+    backbone.go_on.set()  # the stopped process goes on; its late answer is dropped
+    time.sleep(0.2)
+    served = submit(loop, engine, tiny_tokenizer, 3, PROMPTS[1])
+    run_until_idle(loop)
+    assert served.error is None and served.tokens == reference_text(engine, tiny_tokenizer, PROMPTS[1],
+                                                                    SamplingParams(max_tokens=24), 1.0).tokens
+    loop.executor.flush_releases()
+    assert not engine.backbone.cache.sequences  # the ended requests' rows went with later calls

@@ -15,6 +15,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,6 +30,10 @@ from dualend.engine.tokenizer import TextTokenizer
 from .contract import PreparedRequest, Response, ResponseStream
 from .metrics import PhaseMetrics
 from .outcomes import Outcome
+
+
+class BackboneStalled(RuntimeError):
+    """The backbone did not answer a call in time, or an earlier call is still out."""
 
 
 class Output(Protocol):
@@ -131,12 +137,20 @@ class Executor:
 
     It holds no KV account: the scheduler's block manager frees a sequence's blocks, and the loop
     then tells `release` to free its storage, the MTP head's at once and the backbone's with the
-    next backbone call (released there before anything is reserved), or at once when the loop idles."""
+    next backbone call (released there before anything is reserved), or at once when the loop idles.
 
-    def __init__(self, backbone: Backbone, local: MTPComponent, d_model: int):
+    With `call_timeout_s`, each backbone call runs on a helper thread and the loop waits at most that
+    long for it: a backbone that hangs (a stopped process, a stuck engine) fails the iteration's
+    requests with `BackboneStalled`, and every call after it fails at once while the hung one is
+    still out, so no request waits on it; a late answer is dropped."""
+
+    def __init__(self, backbone: Backbone, local: MTPComponent, d_model: int, call_timeout_s: float | None = None):
         self.backbone, self.local, self.d_model = backbone, local, d_model
         self.releases: list[int] = []  # sequences whose backbone rows go with the next call
         self.keeps: list[int] = []     # ... and those whose rows the backbone keeps a copy of first
+        self.call_timeout_s = call_timeout_s
+        self._caller = ThreadPoolExecutor(1, thread_name_prefix="backbone-call") if call_timeout_s else None
+        self._pending: tuple[Future, float] | None = None  # a call that did not answer in time, and its start
 
     @classmethod
     def in_process(cls, engine: OnnxComponents) -> "Executor":
@@ -146,11 +160,29 @@ class Executor:
         batch.releases, self.releases = self.releases + batch.releases, []
         batch.keeps, self.keeps = self.keeps, []
         try:
-            return self.backbone.run_batch(batch)
+            return self._call(batch)
         except Exception:
             # the call may not have got to them (releasing twice is harmless); rows not kept are released
             self.releases += batch.releases + batch.keeps
             raise
+
+    def _call(self, batch: BackboneBatch) -> BackboneResult:
+        if self._caller is None:
+            return self.backbone.run_batch(batch)
+        if self._pending is not None:
+            pending, started = self._pending
+            if not pending.done():
+                raise BackboneStalled(f"the backbone has not answered a call for {time.monotonic() - started:.0f} s "
+                                      f"(a hung step); the request ends here, retry later")
+            self._pending = None
+        started = time.monotonic()
+        call = self._caller.submit(self.backbone.run_batch, batch)
+        try:
+            return call.result(timeout=self.call_timeout_s)
+        except FutureTimeout:
+            self._pending = (call, started)
+            raise BackboneStalled(f"the backbone did not answer within {self.call_timeout_s:g} s (a hung step); "
+                                  f"the stream ends here, retry") from None
 
     def release(self, seq_id: int, keep_backbone: bool = False) -> None:
         """Frees the sequence's MTP cache now and its backbone row with the next backbone call; with
@@ -164,8 +196,9 @@ class Executor:
         if self.releases or self.keeps:
             releases, keeps, self.releases, self.keeps = self.releases, self.keeps, [], []
             try:
-                self.backbone.run_batch(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], releases,
-                                                      keeps))
+                self._call(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], releases, keeps))
+            except BackboneStalled:
+                self.releases += releases + keeps  # with a later call
             except Exception:  # noqa: BLE001 - the backbone's idle eviction frees them instead
                 pass
 

@@ -27,6 +27,11 @@ from .outcomes import Outcome
 from .repository import DeploymentConfig
 
 SHUTDOWN_MESSAGE = "the server is shutting down; the stream ends here, retry"
+# A backbone call (one iteration: every decoding sequence, at most prefill_chunk_latents of prompt)
+# that takes longer than this is a hung step: its requests end with a retryable error.
+BACKBONE_CALL_TIMEOUT_S = 10.0
+# A shorter shared prefix (a BOS, a chat template's first tokens) is prefilled rather than copied.
+MIN_PREFIX_REUSE = 8
 INPUTS = ("prompt_latents", "request_params", "pipeline_key", "control", "cancel_id")  # mtp_verify's
 
 
@@ -39,9 +44,9 @@ class DecodeService:
             max_running=config.max_concurrent_requests, max_queue=config.max_queue_size, wait_s=config.queue_wait_s,
             prefill_chunk=config.prefill_chunk_latents, kv_blocks=config.kv_capacity_blocks,
             kv_block_size=config.kv_block_size,
-            prefix_cache=PrefixCache(config.prefix_cache_entries, config.prefix_cache_ttl_s)
+            prefix_cache=PrefixCache(config.prefix_cache_entries, config.prefix_cache_ttl_s, MIN_PREFIX_REUSE)
             if config.prefix_cache_entries else None)
-        executor = Executor(backbone, local, exported.settings["d_model"])
+        executor = Executor(backbone, local, exported.settings["d_model"], call_timeout_s=BACKBONE_CALL_TIMEOUT_S)
         metrics.synthetic_acceptance(config.synthetic_rate)
         self.loop = DecodeLoop(executor, exported.tokenizer(), self.scheduler, config.acceptance_threshold, metrics,
                                synthetic_acceptance=config.synthetic_rate)

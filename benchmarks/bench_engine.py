@@ -29,7 +29,8 @@ import torch
 from tqdm import tqdm
 
 from builder.assemble import DEFAULTS as ASSEMBLE_DEFAULTS
-from builder.assemble import QUALITY_REPORTS, calibrated_threshold, up_to_date_export
+from builder import serving_settings
+from builder.assemble import SERVING_SETTINGS, up_to_date_export
 from client.api import median_and_spread
 from dualend.engine.checkpoint import load_checkpoint
 from dualend.engine.decode import SamplingParams, pad_prompt
@@ -157,8 +158,8 @@ def main(argv=None) -> dict:
     if rate is not None and not 0 <= rate <= 1:
         parser.error(f"--synthetic-acceptance must be in [0, 1], got {rate}")
     torch.set_num_threads(args.threads)
-    threshold = args.threshold if args.threshold is not None else calibrated_threshold(
-        QUALITY_REPORTS["dualend"])
+    threshold = args.threshold if args.threshold is not None else serving_settings.threshold(
+        *SERVING_SETTINGS["dualend"])
     checkpoints, exports = Path(args.checkpoints), Path(args.export_dir)
     engines, references = {}, {}
     for name in ("dualend", "baseline"):

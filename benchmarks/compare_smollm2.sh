@@ -16,25 +16,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-reports/compare_smollm2}
 repository=build/bench_repository
-keys=build/bench_gateway/api_keys
 .venv/bin/python -m builder.assemble --out "$repository" --deployments smollm2 smollm2_dualend \
     --variant smollm2_int4=smollm2 --weight-precision smollm2_int4=int4 \
     --variant smollm2_dualend_syn70=smollm2_dualend --synthetic-acceptance smollm2_dualend_syn70=0.7 \
     --variant smollm2_dualend_syn90=smollm2_dualend --synthetic-acceptance smollm2_dualend_syn90=0.9 \
     --variant smollm2_dualend_int8_syn90=smollm2_dualend --synthetic-acceptance smollm2_dualend_int8_syn90=0.9 \
     --weight-precision smollm2_dualend_int8_syn90=int8 --kv-cache-mb 1024 --max-concurrent-requests 16
-mkdir -p "$(dirname "$keys")"
-[ -f "$keys" ] || { echo "bench $(openssl rand -hex 16) max_requests=64" > "$keys"; chmod 600 "$keys"; }
-export DUALEND_API_KEY=$(awk '{print $2}' "$keys")
-.venv/bin/python -m dualend.ops.launch --model-repository "$repository" --api-keys "$keys" \
-    --log-file build/bench_gateway/server.log &
-server=$!
-trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-    curl -sf -H "Authorization: Bearer $DUALEND_API_KEY" localhost:8000/v1/models | grep -q int8_syn90 && break
-    kill -0 $server 2>/dev/null || { echo "the server exited; see build/bench_gateway/server.log" >&2; exit 1; }
-    sleep 2
-done
+source benchmarks/serve_for_benchmark.sh
+serve_for_benchmark "$repository" int8_syn90 build/bench_gateway/server.log
 targets=()
 for model in smollm2 smollm2_int4 smollm2_dualend smollm2_dualend_syn70 smollm2_dualend_syn90 smollm2_dualend_int8_syn90; do
     targets+=(--openai "$model=http://127.0.0.1:8000/v1@$model")

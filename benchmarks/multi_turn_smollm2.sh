@@ -5,7 +5,7 @@
 # the benchmark refuses to start while the load average stays above 0.5.
 #   bash benchmarks/multi_turn_smollm2.sh                    # -> reports/multi_turn_smollm2/
 #   ROUNDS=1 CONVERSATIONS=2 bash benchmarks/multi_turn_smollm2.sh   # a quicker look
-#   SOAK_S=300 CONVERSATIONS=16 bash benchmarks/multi_turn_smollm2.sh # then the soak, cancellations mixed in
+#   SOAK_S=300 bash benchmarks/multi_turn_smollm2.sh  # then a 5-minute soak of 16 conversations (SOAK_CONVERSATIONS), cancellations mixed in
 # Served deployments (build/bench_multi_turn), through the same gateway and /v1 routes:
 #   smollm2          the token-level model, fp32, the prefix cache on (16 entries, the default)
 #   smollm2_nocache  the same, --prefix-cache-entries 0
@@ -13,24 +13,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-reports/multi_turn_smollm2}
 repository=build/bench_multi_turn
-keys=build/bench_gateway/api_keys
 .venv/bin/python -m builder.assemble --out "$repository" --deployments smollm2 \
     --variant smollm2_nocache=smollm2 --prefix-cache-entries smollm2_nocache=0 --max-concurrent-requests 16
-mkdir -p "$(dirname "$keys")"
-[ -f "$keys" ] || { echo "bench $(openssl rand -hex 16) max_requests=64" > "$keys"; chmod 600 "$keys"; }
-export DUALEND_API_KEY=$(awk '{print $2}' "$keys")
-.venv/bin/python -m dualend.ops.launch --model-repository "$repository" --api-keys "$keys" \
-    --log-file build/bench_gateway/multi_turn_server.log &
-server=$!
-trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-    curl -sf -H "Authorization: Bearer $DUALEND_API_KEY" localhost:8000/v1/models | grep -q smollm2_nocache && break
-    kill -0 $server 2>/dev/null || { echo "the server exited; see build/bench_gateway/multi_turn_server.log" >&2; exit 1; }
-    sleep 2
-done
+source benchmarks/serve_for_benchmark.sh
+serve_for_benchmark "$repository" smollm2_nocache build/bench_gateway/multi_turn_server.log
 .venv/bin/python -m benchmarks.multi_turn --cached smollm2 --uncached smollm2_nocache \
     --rounds "${ROUNDS:-3}" --conversations "${CONVERSATIONS:-4}" --out "$out"
 if [ -n "${SOAK_S:-}" ]; then
     .venv/bin/python -m benchmarks.multi_turn --cached smollm2 --soak-s "$SOAK_S" \
-        --conversations "${CONVERSATIONS:-16}" --out "$out"
+        --conversations "${SOAK_CONVERSATIONS:-16}" --out "$out"
 fi

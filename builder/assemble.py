@@ -61,6 +61,7 @@ from dualend.engine.engines import ENGINES
 from dualend.engine.kv_blocks import blocks_for
 from dualend.engine.manifest import ManifestError
 from dualend.engine.onnx_engine import ExportedModel
+from dualend.serving.contract import config_values
 from dualend.serving.keys import PIPELINE_SECRET_FILE
 from dualend.train.conversion import ADAPTERS, ADAPTERS_CONFIG, adapters_sha256, merged_checkpoint
 from dualend.serving.repository import (
@@ -339,7 +340,7 @@ def render_deployment(name: str, exported: ExportedModel, out: Path, values: dic
         version_dir = model_dir / "1"
         version_dir.mkdir(parents=True)
         template = string.Template((SOURCES / source / "config.pbtxt.template").read_text(encoding="utf-8"))
-        (model_dir / "config.pbtxt").write_text(template.substitute(values), encoding="utf-8")
+        (model_dir / "config.pbtxt").write_text(template.substitute(values | config_values()), encoding="utf-8")
         if (SOURCES / source / "model.py").exists():
             shutil.copy2(SOURCES / source / "model.py", version_dir / "model.py")
             # Compiled here, so the stub (whose embedded Python ignores PYTHONDONTWRITEBYTECODE) writes

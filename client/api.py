@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dualend.serving.contract import COUNTERS, merge_counters
+from dualend.serving.contract import COUNTERS, REQUEST_INPUT_TYPES, merge_counters
 from dualend.serving.outcomes import Outcome, outcome_of
 
 API_KEY_ENV = "DUALEND_API_KEY"
-PARAM_TYPES = {"temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32), "top_p": ("FP32", np.float32),
-               "random_seed": ("UINT64", np.uint64), "acceptance_threshold": ("FP32", np.float32),
-               "exclude_input_in_output": ("BOOL", np.bool_), "stream": ("BOOL", np.bool_),
-               "ignore_eos": ("BOOL", np.bool_)}
+NUMPY_TYPES = {"FP32": np.float32, "INT32": np.int32, "UINT64": np.uint64, "BOOL": np.bool_}
+PARAM_TYPES = {name: (kind, NUMPY_TYPES[kind]) for name, (kind, _, _) in REQUEST_INPUT_TYPES.items()
+               if kind in NUMPY_TYPES and name != "max_tokens"}  # the optional scalar parameters
 
 
 class RequestError(RuntimeError):

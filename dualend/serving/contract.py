@@ -10,11 +10,34 @@ import numpy as np
 from dualend.engine.decode import MAX_STOP_WORDS, Chunk, ContextLengthExceeded, InvalidRequest, SamplingParams, pad_prompt
 from dualend.engine.tokenizer import TextTokenizer
 
-REQUEST_INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed", "stop_words",
-                  "exclude_input_in_output", "acceptance_threshold", "ignore_eos")  # prepare_request's
+# The request's inputs with their Triton types: (type, dims, optional); the one declaration, rendered into
+# the model configs by builder.assemble and read by the clients.
+REQUEST_INPUT_TYPES = {
+    "text_input": ("BYTES", (1,), False), "max_tokens": ("INT32", (1,), False), "stream": ("BOOL", (1,), True),
+    "temperature": ("FP32", (1,), True), "top_k": ("INT32", (1,), True), "top_p": ("FP32", (1,), True),
+    "random_seed": ("UINT64", (1,), True), "stop_words": ("BYTES", (-1,), True),
+    "exclude_input_in_output": ("BOOL", (1,), True), "acceptance_threshold": ("FP32", (1,), True),
+    "ignore_eos": ("BOOL", (1,), True)}
+REQUEST_INPUTS = tuple(REQUEST_INPUT_TYPES)  # prepare_request's
 STEP_COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps")  # per response, summed
 REQUEST_COUNTERS = ("num_prompt_tokens", "num_prompt_latents", "num_cached_tokens")    # per request, repeated
-COUNTERS = STEP_COUNTERS + REQUEST_COUNTERS  # every response's counter outputs, in this order
+COUNTERS = STEP_COUNTERS + REQUEST_COUNTERS  # every response's counter outputs (INT32 [1]), in this order
+
+
+def config_tensors(names_and_types: dict[str, tuple[str, tuple[int, ...], bool]]) -> str:
+    """config.pbtxt entries of an input or output list ("BYTES" is config.pbtxt's TYPE_STRING)."""
+    return ",\n".join(f'  {{ name: "{name}" data_type: TYPE_{"STRING" if kind == "BYTES" else kind} '
+                       f'dims: [ {", ".join(map(str, dims))} ]{" optional: true" if optional else ""} }}'
+                       for name, (kind, dims, optional) in names_and_types.items())
+
+
+def config_values() -> dict[str, str]:
+    """The contract's parts of the model config templates: `${request_inputs}`, `${request_input_map}`,
+    `${counter_outputs}`, `${counter_output_map}`."""
+    counters = {name: ("INT32", (1,), False) for name in COUNTERS}
+    return {"request_inputs": config_tensors(REQUEST_INPUT_TYPES), "counter_outputs": config_tensors(counters),
+            "request_input_map": "\n".join(f'      input_map {{ key: "{n}" value: "{n}" }}' for n in REQUEST_INPUTS),
+            "counter_output_map": "\n".join(f'      output_map {{ key: "{n}" value: "{n}" }}' for n in COUNTERS)}
 
 
 @dataclass(frozen=True)

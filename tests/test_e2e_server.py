@@ -677,6 +677,44 @@ def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
     assert not os.path.exists(f"/dev/shm/{region}")  # removed at the stop
 
 
+def test_a_keys_cap_counts_its_requests_on_every_route_together(tmp_path):
+    """A key with max_requests=2 holding two gRPC streams (their client stops reading, so they stay
+    open) is refused a third request on every route (HTTP generate, gRPC, /v1), while another key is
+    served; once its streams end, it is served again."""
+    import threading
+
+    import openai
+
+    capped, other = "c0" * 16, "e1" * 16
+    (tmp_path / "keys").write_text(f"capped {capped} max_requests=2\nother {other}\n")
+    with Launched(tmp_path) as launched:
+        assert launched.key == capped
+        reading = threading.Event()
+        http, grpc_url = f"127.0.0.1:{launched.http_port}", f"127.0.0.1:{launched.grpc_port}"
+        v1 = openai.OpenAI(base_url=f"http://{http}/v1", api_key=capped, max_retries=0)
+        with ThreadPoolExecutor(2) as pool:
+            arrived = []
+
+            def hold(text):
+                arrived.append(text)
+                reading.wait(60)
+
+            held = [pool.submit(launched.stream, 40, ignore_eos=True, on_text=hold) for _ in range(2)]
+            try:
+                assert wait_for(lambda: len(arrived) == 2, 30)  # both streams open, their readers stopped
+                with pytest.raises(RequestError, match="cap of open requests"):
+                    generate_http(http, "dualend", PROMPTS[0], 2, api_key=capped)
+                with pytest.raises(RequestError, match="cap of open streams"):
+                    stream_grpc(grpc_url, "dualend", PROMPTS[0], 2, api_key=capped)
+                with pytest.raises(openai.RateLimitError, match="cap of open requests"):
+                    v1.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2)
+                assert generate_http(http, "dualend", PROMPTS[0], 2, api_key=other).output_tokens == 2
+            finally:
+                reading.set()
+            assert [stream.result(timeout=60).finish_reason for stream in held] == ["length", "length"]
+        assert v1.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2).choices
+
+
 def test_a_killed_compressor_is_restored_while_http_and_grpc_streams_finish(tmp_path):
     """kill -9 of the compressor's stub under 4 HTTP and 4 gRPC streams already decoding, with a newer
     generation already assembled on disk (not swapped in): readiness goes false, the watchdog reloads

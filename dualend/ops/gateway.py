@@ -20,8 +20,9 @@ answers 404. While the launcher's watchdog restores a failed component of a depl
 no model name nginx can read). Keys come from a file of `name key [max_requests=N] [daily_tokens=N]` lines
 (`dualend.ops.api_keys`); clients send `Authorization: Bearer <key>` (over gRPC, the `authorization`
 metadata), matched exactly against the keys' sha256 hashes (njs; no file the gateway writes holds a
-key). `max_requests` also caps the requests one key has open at once on the Triton routes (an HTTP
-request or a gRPC stream each counts one: nginx cannot see the requests inside a stream). Changing the canary weight rewrites the config and
+key). `max_requests` also caps the requests one key has open at once, one count across every route
+(a /v1 or HTTP request, or a gRPC stream, each counts one: nginx cannot see the requests inside a
+stream). Changing the canary weight rewrites the config and
 reloads nginx gracefully: requests in flight finish on the old workers, none is dropped.
 
     python -m dualend.ops.gateway weight --baseline-percent 0 --prefix build/gateway
@@ -131,6 +132,7 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
     v1_location = f"""location /v1/ {{
             {v1_check}
             limit_req zone=per_client burst={settings.burst} nodelay;
+            {cap_limits}
             proxy_pass http://openai_api;
         }}""" if settings.openai_api else ""
     v1_upstream = f"upstream openai_api {{ server {settings.openai_api}; keepalive 32; }}" if settings.openai_api else ""
@@ -248,7 +250,8 @@ http {{
         }}
         location @too_many {{
             {retry_after(429)}
-            {v1_error(429, f"rate limit: over {settings.rate_per_s} requests/s for this API key", "rate_limit_error",
+            {v1_error(429, f"rate limit: over {settings.rate_per_s} requests/s, or over its cap of open requests "
+                           f"(max_requests) across every route, for this API key", "rate_limit_error",
                       "rate_limit_exceeded")}
             return 429 '{{"error":"rate limit: over {settings.rate_per_s} requests/s, or over its cap of open requests (max_requests), for this API key"}}';
         }}

@@ -1,10 +1,13 @@
 """dualend.serving.model_config: config.pbtxt read as tritonserver reads it, once per version of the file."""
 import os
+from pathlib import Path
 
 import pytest
 
 from dualend.serving.model_config import (ModelConfigError, config_checkpoint, ensemble_pipeline, read_model_config,
                                           shared_model_config)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 ENSEMBLE = """
 name: "dualend"
@@ -46,3 +49,30 @@ def test_a_changed_file_is_read_again_and_a_broken_one_named(tmp_path):
         read_model_config(path)
     with pytest.raises(FileNotFoundError):
         read_model_config(tmp_path / "missing" / "config.pbtxt")
+
+
+def test_the_contract_rendered_into_the_templates_reads_back_as_declared(tmp_path):
+    """The ensemble's inputs and counter outputs, preprocessing's inputs and mtp_verify's counters, as
+    tritonserver reads the rendered files, are what serving.contract declares; the ensemble maps each."""
+    import string
+
+    from dualend.serving.contract import COUNTERS, REQUEST_INPUT_TYPES, config_values
+
+    values = {"deployment": "d", "pipeline": "d_v1", "checkpoint_id": "c", "parameters": "", "d_model": 8,
+              "vocab_size": 16, "preprocessing_instances": 1} | config_values()
+    read = {}
+    for model in ("ensemble", "preprocessing", "mtp_verify"):
+        template = (ROOT / "model_repository" / model / "config.pbtxt.template").read_text()
+        (tmp_path / model).write_text(string.Template(template).safe_substitute(values))
+        read[model] = read_model_config(tmp_path / model)
+    types = {"TYPE_STRING": "BYTES"}
+    for model in ("ensemble", "preprocessing"):
+        declared = {i["name"]: (types.get(i["data_type"], i["data_type"].removeprefix("TYPE_")),
+                                tuple(int(d) for d in i["dims"]), bool(i.get("optional"))) for i in read[model]["input"]}
+        assert declared == REQUEST_INPUT_TYPES
+    for model in ("ensemble", "mtp_verify"):
+        outputs = [o["name"] for o in read[model]["output"]]
+        assert [name for name in outputs if name in COUNTERS] == list(COUNTERS)
+    steps = read["ensemble"]["ensemble_scheduling"]["step"]
+    assert steps[0]["input_map"] == {name: name for name in REQUEST_INPUT_TYPES}
+    assert all(steps[2]["output_map"][name] == name for name in COUNTERS)

@@ -309,7 +309,10 @@ def failed_gate(name: str) -> str | None:
     path = folder / serving_settings.FILE
     if not path.exists():
         return f"its quality gate never ran ({path.relative_to(ROOT)} is missing)"
-    settings = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        settings = serving_settings.read(folder, weights_file)
+    except SystemExit:
+        return f"its quality verdict ({path.relative_to(ROOT)}) is for other weights: run the gate again"
     if settings["quality_gate_passed"]:
         return None
     return (f"its quality gate did not pass ({settings['report']}: {', '.join(settings['missed']) or 'no verdict'}); "

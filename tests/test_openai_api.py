@@ -251,6 +251,24 @@ def test_a_key_over_its_daily_tokens_gets_429_and_its_usage_is_kept_on_disk(api)
     assert cached_tokens > 0  # the same prompt again: the prefix cache held all of it but its last token
 
 
+def test_one_keys_kept_prefixes_are_reused_by_that_key_alone(api):
+    """The prefix cache is partitioned by API key (and a body's `cache_salt` within it): another key
+    re-sending the same conversation reuses nothing, nor learns from its usage that it was there."""
+    prompt = PROMPTS[1] + " ab:12 cd:34 ef:56 gh:78\nget ef:"
+    first = client(api, key=ALICE).completions.create(model="baseline", prompt=prompt, max_tokens=4)
+    follow = prompt + first.choices[0].text + "\nget ab:"
+    other = client(api, key=BOB).completions.create(model="baseline", prompt=follow, max_tokens=4)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    salted = client(api, key=ALICE).completions.create(model="baseline", prompt=follow, max_tokens=4,
+                                                       extra_body={"cache_salt": "another conversation"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    again = client(api, key=ALICE).completions.create(model="baseline", prompt=follow, max_tokens=4)
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    assert again.choices[0].text == other.choices[0].text == salted.choices[0].text
+    status, body = post(api, "/v1/completions", {"model": "baseline", "prompt": "x", "cache_salt": 7})
+    assert (status, body["error"]["param"]) == (400, "cache_salt")
+
+
 def test_a_follow_up_reuses_the_conversation_and_says_so_in_its_usage(api):
     """The next turn re-sends the conversation: its usage counts as cached at least the first
     turn's prompt but its last token (which may merge with the answer's first characters)."""

@@ -27,6 +27,7 @@ def test_the_longest_shared_prefix_wins_and_never_the_last_prompt_pair():
     assert cache.match(pairs(1, 2, 9, 7)) == (2, 3)
     assert cache.match(pairs(1, 2, 3, 4)) == (1, 3)  # the same prompt again: its last pair is prefilled for its logits
     assert cache.match(pairs(5, 2, 3)) is None
+    assert cache.match(pairs(1, 2, 3, 4, 5, 6), salt="bob") is None  # another tenant's prefixes are not its
     two = PrefixCache(max_entries=4, ttl_s=60)
     two.keep(1, pairs(1, 2, 3, 4, size=2))
     assert two.match(pairs(1, 2, 3, 5, 6, 7, size=2)) == (1, 1)  # pairs match whole or not at all
@@ -44,7 +45,7 @@ def test_entries_beyond_the_limit_and_past_their_time_go_oldest_first():
 
 class Seq:
     def __init__(self, prompt, max_tokens=8):
-        self.prompt_pairs = pairs(*prompt)
+        self.prompt_pairs, self.cache_salt = pairs(*prompt), ""
         self.num_latents, self.prefilled, self.reuse = len(prompt), 0, None
         self.reserve_slots = self.num_latents + max_tokens
 
@@ -216,3 +217,26 @@ def test_the_backbone_answers_prefix_gone_for_a_copy_it_does_not_hold(exported):
     result = engine.backbone.run_batch(batch)
     assert result.status == [SequenceStatus.PREFIX_GONE] and "kept prefix of sequence 99" in result.messages[0]
     assert not engine.backbone.cache.sequences
+
+
+def test_a_new_copy_that_needs_room_evicts_older_ones_and_keeps_itself():
+    s = prefix_scheduler(kv_blocks=4)
+    assert s.keep(1, pairs(*range(10, 18)))  # two blocks each
+    assert s.keep(2, pairs(*range(20, 28)))
+    assert s.keep(3, pairs(*range(30, 38)))
+    assert s.prefixes.kept() == [2, 3] and s.evicted_rows() == [1]
+
+
+def test_an_adoption_that_finds_no_room_leaves_the_copy_for_its_owner_to_release():
+    cache = KVCache(layers=1, heads=1, head_dim=2, max_sequences=1, bucket=4)
+    cache.reserve(1, 4)
+    cache.make_room([0], 2)
+    cache.write([0], np.ones((1, 1, 1, 2, 2), np.float32), np.ones((1, 1, 1, 2, 2), np.float32))
+    cache.keep(1)
+    cache.reserve(2, 4)  # the one row is taken
+    with pytest.raises(Exception, match="all 1 sequence rows are taken"):
+        cache.adopt(3, donor_id=1, keep=2, slots=4)
+    assert 1 in cache.kept and 3 not in cache.sequences and 2 in cache.sequences
+    with pytest.raises(UnknownSequence, match="cannot reuse 3 slots"):
+        cache.adopt(3, donor_id=1, keep=3, slots=4)
+    assert 1 not in cache.kept  # a copy that cannot serve is dropped

@@ -268,6 +268,9 @@ def test_a_converted_deployment_whose_gate_failed_is_built_only_when_named(monke
     assert assemble.chosen_deployments(["smollm2"], {"fast": "smollm2_dualend"})["fast"] == "smollm2_dualend"
     serving_settings.write(tmp_path, "adapters.safetensors", 0.2, True, [], "reports/quality_smollm2_dualend.md")
     assert "smollm2_dualend" in assemble.chosen_deployments(None)
+    (tmp_path / "adapters.safetensors").write_bytes(b"retrained")  # a verdict on other weights passes nothing
+    assert "smollm2_dualend" not in assemble.chosen_deployments(None)
+    assert "is for other weights" in capsys.readouterr().out
 
 
 def test_serving_settings_of_other_weights_are_refused(tmp_path):

@@ -45,6 +45,10 @@ class EvictedSequence(UnknownSequence):
     """The sequence's cache was evicted after idling."""
 
 
+class PrefixGone(UnknownSequence):
+    """The kept copy a starting sequence was to begin with is gone, or cannot serve it; it holds nothing."""
+
+
 class AlreadyStarted(ValueError):
     """A reservation for a sequence that holds one."""
 
@@ -134,21 +138,30 @@ class KVCache:
         """Gives the sequence a row and `slots` slots whose first `keep` hold the kept copy of
         `donor_id` (`keep`); the copy is gone after. Returns the row."""
         with self._lock:
-            kept = self.kept.get(donor_id)
-            if kept is None:
-                raise UnknownSequence(f"the kept prefix of sequence {donor_id} is gone (released, or kept "
-                                      f"longer than {self.kept_timeout_s:.0f} s)")
-            if not 0 < keep <= min(kept[0][0].shape[1], slots):
-                raise ValueError(f"cannot reuse {keep} slots of sequence {donor_id} ({kept[0][0].shape[1]} kept) "
-                                 f"in a reservation of {slots}")
-        row = self.reserve(seq_id, slots)
-        self.make_room([row], keep)
+            kept = self.kept.pop(donor_id, None)
+        if kept is None:
+            raise PrefixGone(f"the kept prefix of sequence {donor_id} is gone (released, or kept "
+                             f"longer than {self.kept_timeout_s:.0f} s)")
+        if not 0 < keep <= min(kept[0][0].shape[1], slots):
+            raise PrefixGone(f"cannot reuse {keep} slots of sequence {donor_id} ({kept[0][0].shape[1]} kept) in a "
+                             f"reservation of {slots}; the copy is dropped")
+        try:
+            row = self.reserve(seq_id, slots)
+        except Exception:
+            with self._lock:
+                self.kept[donor_id] = kept  # the caller may still release it
+            raise
+        try:
+            self.make_room([row], keep)
+        except Exception:
+            with self._lock:
+                self.kept[donor_id] = kept
+            self.release(seq_id)
+            raise
         for arrays, copies in ((self.keys, kept[0]), (self.values, kept[1])):
             for array, copy in zip(arrays, copies):
                 array[row, :, :keep] = copy[:, :keep]
         self.lengths[row] = keep
-        with self._lock:
-            del self.kept[donor_id]
         return row
 
     def row(self, seq_id: int) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .decode import BackboneOutput, CapacityError
-from .kv_pool import AlreadyStarted, EvictedSequence, KVCache, NoRoom, UnknownSequence
+from .kv_pool import AlreadyStarted, EvictedSequence, KVCache, NoRoom, PrefixGone, UnknownSequence
 from .manifest import Manifest, ManifestError, verify_component, verify_siblings
 from .tokenizer import TextTokenizer
 
@@ -204,7 +204,7 @@ class BackboneRunner:
                 if reserve > 0 and keep:
                     try:
                         rows[index] = self.cache.adopt(seq_id, donor, keep, max(reserve, keep + batch.counts[index]))
-                    except UnknownSequence as error:
+                    except PrefixGone as error:
                         result.fail(index, SequenceStatus.PREFIX_GONE, str(error).strip("'\""))
                         continue
                     started.append(index)

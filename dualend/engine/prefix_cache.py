@@ -20,7 +20,7 @@ import numpy as np
 class PrefixCache:
     def __init__(self, max_entries: int, ttl_s: float, min_reuse: int = 1, clock=time.monotonic):
         self.max_entries, self.ttl_s, self.min_reuse, self.clock = max_entries, ttl_s, min_reuse, clock
-        self._entries: OrderedDict[int, tuple[np.ndarray, float]] = OrderedDict()  # oldest first
+        self._entries: OrderedDict[int, tuple[np.ndarray, str, float]] = OrderedDict()  # oldest first
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -28,28 +28,27 @@ class PrefixCache:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._entries
 
-    def slots(self, seq_id: int) -> int:
-        return len(self._entries[seq_id][0])
-
-    def keep(self, seq_id: int, pairs: np.ndarray) -> list[int]:
-        """Keeps the ended sequence's row, whose slots hold `pairs` ([n, pair_size] token ids);
+    def keep(self, seq_id: int, pairs: np.ndarray, salt: str = "") -> list[int]:
+        """Keeps the ended sequence's row, whose slots hold `pairs` ([n, pair_size] token ids), for
+        requests of the same `salt` (a tenant's: nobody else can reuse it, nor learn it is there);
         returns the sequences evicted to stay within max_entries (their rows are to be released)."""
         if self.max_entries <= 0 or len(pairs) < self.min_reuse + 1:
             return [seq_id]
-        self._entries[seq_id] = (np.array(pairs, dtype=np.int64), self.clock())
+        self._entries[seq_id] = (np.array(pairs, dtype=np.int64), salt, self.clock())
         evicted = []
         while len(self._entries) > self.max_entries:
             evicted.append(self._entries.popitem(last=False)[0])
         return evicted
 
-    def match(self, pairs: np.ndarray) -> tuple[int, int] | None:
-        """The kept sequence sharing the longest prefix with `pairs`, and how many of its slots a
-        request with these prompt pairs can reuse (at most all but its last pair); None below min_reuse."""
+    def match(self, pairs: np.ndarray, salt: str = "") -> tuple[int, int] | None:
+        """The kept sequence of the same salt sharing the longest prefix with `pairs`, and how many of
+        its slots a request with these prompt pairs can reuse (at most all but its last pair); None
+        below min_reuse."""
         pairs = np.asarray(pairs, dtype=np.int64)
         best = None
-        for seq_id, (kept, _) in self._entries.items():
+        for seq_id, (kept, kept_salt, _) in self._entries.items():
             span = min(len(kept), len(pairs) - 1)
-            if span < self.min_reuse:
+            if kept_salt != salt or span < self.min_reuse:
                 continue
             differs = np.flatnonzero((kept[:span] != pairs[:span]).any(axis=1))
             shared = int(differs[0]) if len(differs) else span
@@ -70,7 +69,7 @@ class PrefixCache:
     def expired(self) -> list[int]:
         """Takes out the entries kept longer than ttl_s; returns them (their rows are to be released)."""
         now = self.clock()
-        gone = [seq_id for seq_id, (_, kept_at) in self._entries.items() if now - kept_at > self.ttl_s]
+        gone = [seq_id for seq_id, (_, _, kept_at) in self._entries.items() if now - kept_at > self.ttl_s]
         for seq_id in gone:
             del self._entries[seq_id]
         return gone

@@ -34,6 +34,7 @@ class Schedulable(Protocol):
     reserve_slots: int  # KV slots the whole sequence may use: prompt latents + max new tokens
     prefilled: int      # prompt latents already in the cache
     prompt_pairs: np.ndarray             # [num_latents, pair_size] token ids, what the prefix cache matches
+    cache_salt: str                      # ... among the kept rows of the same salt
     reuse: tuple[int, int] | None        # set at admission: (kept sequence, slots) whose row it takes over
 
 
@@ -117,7 +118,7 @@ class Scheduler:
         kept = [] if self.prefixes is None else self.prefixes.kept()
         if not self.kv.fits(sequence.reserve_slots, freeing={_kept(k) for k in kept}):
             return False
-        match = None if self.prefixes is None else self.prefixes.match(sequence.prompt_pairs)
+        match = None if self.prefixes is None else self.prefixes.match(sequence.prompt_pairs, sequence.cache_salt)
         donor = None if match is None else match[0]
         while not self.kv.fits(sequence.reserve_slots, freeing={_kept(donor)} if match else ()):
             self._evict(self.prefixes.oldest(sparing=donor))
@@ -129,12 +130,16 @@ class Scheduler:
         self.running.append(sequence)
         return True
 
-    def keep(self, seq_id: int, pairs: np.ndarray) -> bool:
+    def keep(self, seq_id: int, pairs: np.ndarray, salt: str = "") -> bool:
         """Keeps the row of a sequence that ended (after `finish`) for its prefix; False when it is
         not kept (no prefix cache, too short, or no room), and its row is to be released."""
-        if self.prefixes is None or not self.kv.fits_copy(len(pairs)):
+        if self.prefixes is None:
             return False
-        evicted = self.prefixes.keep(seq_id, pairs)
+        while not self.kv.fits_copy(len(pairs)) and len(self.prefixes):  # the newest is the likeliest next turn
+            self._evict(self.prefixes.oldest())
+        if not self.kv.fits_copy(len(pairs)):
+            return False
+        evicted = self.prefixes.keep(seq_id, pairs, salt)
         for gone in evicted:
             if gone != seq_id:
                 self.kv.free(_kept(gone))

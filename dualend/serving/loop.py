@@ -184,6 +184,11 @@ class Executor:
             raise BackboneStalled(f"the backbone did not answer within {self.call_timeout_s:g} s (a hung step); "
                                   f"the stream ends here, retry") from None
 
+    def close(self) -> None:
+        """Stops the helper thread without waiting for a call that never returns."""
+        if self._caller is not None:
+            self._caller.shutdown(wait=False, cancel_futures=True)
+
     def release(self, seq_id: int, keep_backbone: bool = False) -> None:
         """Frees the sequence's MTP cache now and its backbone row with the next backbone call; with
         keep_backbone the backbone first keeps a copy for the prefix cache (released when evicted)."""
@@ -197,10 +202,8 @@ class Executor:
             releases, keeps, self.releases, self.keeps = self.releases, self.keeps, [], []
             try:
                 self._call(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], releases, keeps))
-            except BackboneStalled:
-                self.releases += releases + keeps  # with a later call
-            except Exception:  # noqa: BLE001 - the backbone's idle eviction frees them instead
-                pass
+            except Exception:  # noqa: BLE001 - released with a later call (rows left held would fill the cache)
+                self.releases += releases + keeps
 
     def compress(self, pairs: np.ndarray) -> np.ndarray:
         # pairs: [B, pair_size] -> latents [B, D]
@@ -239,6 +242,10 @@ class LiveSequence:
     @property
     def num_latents(self) -> int:
         return len(self.prompt_latents)
+
+    @property
+    def cache_salt(self) -> str:
+        return self.request.cache_salt
 
     @property
     def reserve_slots(self) -> int:
@@ -355,9 +362,6 @@ class DecodeLoop:
         for chunk in plan.prefill:
             if not chunk.sequence.started:
                 chunk.sequence.started_at = started
-                self.observer.queued(started - chunk.sequence.submitted_at)
-                self.observer.prefix_cache(chunk.sequence.num_latents, chunk.start)
-                chunk.sequence.responses.cached(int((chunk.sequence.prompt_pairs[:chunk.start] != self.pad_id).sum()))
         try:
             result = self.executor.run_backbone(batch)
         except Exception as error:  # noqa: BLE001 - the iteration's sequences fail, the loop goes on
@@ -375,6 +379,10 @@ class DecodeLoop:
                 continue
             if row >= len(plan.decode):
                 chunk = plan.prefill[row - len(plan.decode)]
+                if not sequence.started:  # its first chunk went in: where its prefill started is known
+                    self.observer.queued(sequence.started_at - sequence.submitted_at)
+                    self.observer.prefix_cache(sequence.num_latents, chunk.start)
+                    sequence.responses.cached(int((sequence.prompt_pairs[:chunk.start] != self.pad_id).sum()))
                 sequence.prefilled, sequence.started = chunk.stop, True
                 if not chunk.completes_prompt:
                     continue
@@ -501,8 +509,8 @@ class DecodeLoop:
         if sequence.reuse and not sequence.started:  # the kept row it was to take over is nobody's now
             self.executor.release(sequence.reuse[0])
         if self.scheduler.finish(sequence):  # its blocks came back, once: now its storage goes too
-            kept = error is None and sequence.started and self.scheduler.keep(sequence.request_id,
-                                                                              _backbone_pairs(sequence))
+            kept = error is None and sequence.started and self.scheduler.keep(
+                sequence.request_id, _backbone_pairs(sequence), sequence.cache_salt)
             self.executor.release(sequence.request_id, keep_backbone=kept)
         if error is not None:
             self.observer.refused(outcome)

@@ -94,6 +94,7 @@ class DecodeService:
             time.sleep(0.05)
         self.stopping.set()
         self.thread.join(timeout=10)
+        self.loop.executor.close()
         if not self.thread.is_alive():
             self.loop.close(SHUTDOWN_MESSAGE)  # what arrived after the drain
         return self.sends.close(timeout_s=5)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dualend.serving.contract import MAX_CACHE_SALT_CHARS
 from dualend.serving.outcomes import DISPOSITIONS, Outcome, disposition
 
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}  # OpenAI's default for completions; chat has none here
@@ -66,6 +67,7 @@ class Generation:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False      # our extension, for benchmarks (as vLLM's)
+    cache_salt: str = ""          # the prefix cache's partition: the API key's name, or the body's (vLLM's)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -127,6 +129,13 @@ def _integer(body: dict, name: str, low: int, high: int) -> int | None:
     return value
 
 
+def _cache_salt(body: dict) -> str:
+    salt, longest = body.get("cache_salt", ""), MAX_CACHE_SALT_CHARS // 2  # the rest: room for the key's name
+    if not isinstance(salt, str) or len(salt) > longest:
+        raise ApiError(400, f"`cache_salt` must be a string of at most {longest} characters", "cache_salt")
+    return salt
+
+
 def _flag(body: dict, name: str) -> bool:
     value = body.get(name, False)
     if value is None:
@@ -169,7 +178,7 @@ def _common(body: object, kind: str) -> dict:
     return dict(kind=kind, model=model, stream=stream, include_usage=include_usage,
                 max_tokens=max_tokens or DEFAULT_MAX_TOKENS[kind], temperature=_number(body, "temperature", 0, 2),
                 top_p=_number(body, "top_p", 0, 1), seed=_integer(body, "seed", 0, 2**64 - 1), stop=stop,
-                ignore_eos=_flag(body, "ignore_eos"))
+                ignore_eos=_flag(body, "ignore_eos"), cache_salt=_cache_salt(body))
 
 
 def parse_completion(body: object) -> Generation:
@@ -226,6 +235,8 @@ def triton_inputs(request: Generation) -> dict[str, np.ndarray]:
         inputs["ignore_eos"] = np.array([True])
     if request.stop:
         inputs["stop_words"] = np.array([w.encode() for w in request.stop], dtype=object)
+    if request.cache_salt:
+        inputs["cache_salt"] = np.array([request.cache_salt.encode()], dtype=object)
     return inputs
 
 

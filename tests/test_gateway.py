@@ -386,11 +386,12 @@ def test_tritonservers_repository_api_needs_the_admin_key(stack):
 
 def test_the_public_inputs_are_read_from_the_served_ensemble_in_any_layout_and_a_broken_one_is_refused(stack, tmp_path):
     from dualend.ops.gateway import GatewayError, public_inputs
+    from dualend.serving.contract import REQUEST_INPUTS
 
     inputs = public_inputs(stack.repository)
     assert inputs["text_input"] == {"type": "TYPE_STRING", "many": False, "required": True}
     assert inputs["stop_words"] == {"type": "TYPE_STRING", "many": True, "required": False}
-    assert inputs["random_seed"]["type"] == "TYPE_UINT64" and len(inputs) == 11
+    assert inputs["random_seed"]["type"] == "TYPE_UINT64" and list(inputs) == list(REQUEST_INPUTS)
     (tmp_path / "dualend").mkdir()
     config = (stack.repository / "dualend" / "config.pbtxt").read_text()
     (tmp_path / "dualend" / "config.pbtxt").write_text(config.replace('dims: [ 1 ] },', 'dims: [1]\n },', 1))

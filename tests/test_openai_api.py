@@ -254,7 +254,7 @@ def test_a_key_over_its_daily_tokens_gets_429_and_its_usage_is_kept_on_disk(api)
 def test_one_keys_kept_prefixes_are_reused_by_that_key_alone(api):
     """The prefix cache is partitioned by API key (and a body's `cache_salt` within it): another key
     re-sending the same conversation reuses nothing, nor learns from its usage that it was there."""
-    prompt = PROMPTS[1] + " ab:12 cd:34 ef:56 gh:78\nget ef:"
+    prompt = " zz:91 yy:82 xx:73 ww:64 vv:55\nget yy:"  # sent by no other test, by no key
     first = client(api, key=ALICE).completions.create(model="baseline", prompt=prompt, max_tokens=4)
     follow = prompt + first.choices[0].text + "\nget ab:"
     other = client(api, key=BOB).completions.create(model="baseline", prompt=follow, max_tokens=4)

@@ -12,7 +12,7 @@ tokens, and the next turn re-sends the whole conversation, as chat clients do: t
 about message + answer tokens a turn. `--conversations` conversations run at once, one client each.
 
 In each of `--rounds` rounds both deployments run the same conversations, one after the other (the
-order alternates by round). Per request: TTFT = first chunk with text - request sent, the usage's
+order alternates by round); each round has conversations of its own, so none reuses an earlier one's. Per request: TTFT = first chunk with text - request sent, the usage's
 prompt_tokens and prompt_tokens_details.cached_tokens. The report gives, per turn, each deployment's
 median TTFT (over conversations and rounds), the cached / uncached TTFT ratio (per round, median and
 min-max across rounds: the claim), the cached tokens, and whether both deployments gave the same
@@ -212,10 +212,13 @@ def main(argv: list[str] | None = None) -> dict:
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     tokenizer = TextTokenizer.from_json((args.tokenizer / "tokenizer.json").read_text(encoding="utf-8"))
-    count = args.conversations * args.turns
-    pieces = cut_prompts(tokenizer, stdlib_chunks("report", args.message_tokens * 6 + 64, args.seed),
-                         args.message_tokens, count)
-    messages = [[QUESTION + pieces[c * args.turns + t] for t in range(args.turns)] for c in range(args.conversations)]
+    rounds_of_messages = 1 if args.soak_s else args.rounds  # each round new conversations: none reuses another's
+    count = rounds_of_messages * args.conversations * args.turns
+    pieces = iter(cut_prompts(tokenizer, stdlib_chunks("report", args.message_tokens * 6 + 64, args.seed),
+                              args.message_tokens, count))
+    by_round = [[[QUESTION + next(pieces) for _ in range(args.turns)] for _ in range(args.conversations)]
+                for _ in range(rounds_of_messages)]
+    messages = by_round[0]
     labels = (args.cached, args.uncached)
     url = completions_url(args.base_url, chat=True)
     if args.soak_s:
@@ -232,15 +235,16 @@ def main(argv: list[str] | None = None) -> dict:
     valid = load <= IDLE_LOAD
     if not valid and not args.allow_busy:
         raise SystemExit(f"the 1-minute load average is {load:.2f} (> {IDLE_LOAD}): stop what runs, or --allow-busy")
+    settings = environment(argv, []) | {"command": [sys.executable, "-m", "benchmarks.multi_turn", *argv]}
     rounds = []
     for r in range(args.rounds):
         run = {}
         for label in (labels if r % 2 == 0 else labels[::-1]):
-            run[label] = asyncio.run(run_conversations(url, label, headers, messages, args.max_tokens, args.timeout_s))
+            run[label] = asyncio.run(run_conversations(url, label, headers, by_round[r], args.max_tokens,
+                                                       args.timeout_s))
             print(f"round {r + 1}, {label}: turn TTFTs (s) of the first conversation "
                   f"{[round(t.get('ttft_s', float('nan')), 3) for t in run[label][0]]}", flush=True)
         rounds.append(run)
-    settings = environment(argv, []) | {"command": [sys.executable, "-m", "benchmarks.multi_turn", *argv]}
     summary = summarize(rounds, labels, args.turns)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"settings": settings, "summary": summary, "rounds": rounds},

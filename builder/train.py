@@ -67,6 +67,7 @@ DEFAULTS = dict(
     distill_weight=0.5, seed=0, threads=2, device="cpu", data_workers=0, time_limit_minutes=0.0,
 )
 # `convert`: per invocation, --time-limit-minutes of training (0: no limit) or up to --steps in all (0: none).
+STARTED_FROM = "started_from.json"  # in a run folder: the adapters it started from (--init-adapters)
 CONVERT_DEFAULTS = dict(
     lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
     time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, chat_fraction=0.25, chat_tokens=96,
@@ -319,8 +320,9 @@ def native_bf16(device: torch.device) -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
-def start_from_adapters(student, directory: str, base_id: str, spec: conversion.ConversionSpec) -> int:
-    """Loads a run's (or the shipped) adapters into the student; returns the tokens they were trained on."""
+def start_from_adapters(student, directory: str, base_id: str, spec: conversion.ConversionSpec) -> dict:
+    """Loads a run's (or the shipped) adapters into the student; returns what they were (their sha256,
+    the tokens, steps and minutes they were trained for), for the recipe."""
     adapters, meta = conversion.load_adapters(directory)
     if (meta["base"]["checkpoint_id"], meta["spec"]) != (base_id, asdict(spec)):
         sys.exit(f"{directory} converts base {meta['base']['checkpoint_id']} with {meta['spec']}, "
@@ -329,7 +331,8 @@ def start_from_adapters(student, directory: str, base_id: str, spec: conversion.
     if unknown:
         sys.exit(f"{directory} holds weights this student does not train: {unknown[:3]}")
     student.load_state_dict(adapters, strict=False)
-    return int(meta["recipe"].get("tokens", 0))
+    return {"adapters_sha256": conversion.adapters_sha256(directory),
+            **{key: meta["recipe"].get(key, 0) for key in ("tokens", "steps", "minutes")}}
 
 
 def cmd_convert(args) -> None:
@@ -372,8 +375,10 @@ def cmd_convert(args) -> None:
         torch.set_rng_state(state["torch_rng"])
         print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
     elif args.init_adapters:
-        tokens = start_from_adapters(student, args.init_adapters, base_ref["checkpoint_id"], spec)
+        started_from = start_from_adapters(student, args.init_adapters, base_ref["checkpoint_id"], spec)
+        tokens = int(started_from["tokens"])
         if replicas.main:
+            (run / STARTED_FROM).write_text(json.dumps(started_from) + "\n", encoding="utf-8")
             print(f"started from {args.init_adapters} ({tokens} tokens of training)")
     chat_train, chat_eval = chat_data(args, run, teacher, tokenizer, base_ref["checkpoint_id"], replicas)
     references = {}
@@ -393,6 +398,8 @@ def cmd_convert(args) -> None:
             "hidden_weight", "confidence_weight", "autocast", "seed")
     recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
               **{k: getattr(args, k) for k in keys}, "replicas": replicas.world}
+    if (run / STARTED_FROM).exists():  # the tokens count on from these; steps and minutes are this run's
+        recipe["started_from"] = json.loads((run / STARTED_FROM).read_text(encoding="utf-8"))
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16")
     window = {"parts": {}, "steps": 0, "tokens": 0, "seconds": 0.0}
 

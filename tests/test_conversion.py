@@ -215,6 +215,9 @@ def test_a_new_run_started_from_adapters_begins_where_they_ended(base, tmp_path)
                      for name in ("first", "second"))
     assert second[0]["nll_t1"] == first[-1]["nll_t1"] != first[0]["nll_t1"]
     assert second[0]["tokens"] == first[-1]["tokens"] > 0
+    started_from = conversion.load_adapters(tmp_path / "second" / "adapters")[1]["recipe"]["started_from"]
+    assert started_from["adapters_sha256"] == conversion.adapters_sha256(tmp_path / "first" / "adapters")
+    assert started_from["steps"] == 3
     with pytest.raises(SystemExit, match="lora_rank"):
         train.main([*options[:3], "--lora-rank", "8", *options[5:], "--run", str(tmp_path / "third"),
                     "--init-adapters", str(tmp_path / "first" / "adapters")])

@@ -135,6 +135,7 @@ class StreamedCompletion:
     def __init__(self, sent_at: float):
         self.sent_at, self.text, self.chunk_times = sent_at, "", []
         self.usage_tokens: int | None = None
+        self.usage: dict | None = None  # the usage chunk's object, whole
         self.error: str | None = None
         self.error_code: str | None = None  # OpenAI's `code` of an error event
         self.done = False
@@ -152,7 +153,8 @@ class StreamedCompletion:
             self.error, self.error_code = error_fields(payload["error"])
             return
         if payload.get("usage"):
-            self.usage_tokens = payload["usage"]["completion_tokens"]
+            self.usage = payload["usage"]
+            self.usage_tokens = self.usage["completion_tokens"]
         for choice in payload.get("choices") or []:
             text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
             if text:

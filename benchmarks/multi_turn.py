@@ -39,7 +39,8 @@ from client.api import API_KEY_ENV, median_and_spread, percentile
 from dualend.engine.tokenizer import TextTokenizer
 from dualend.train.data import stdlib_chunks
 
-from .compare import IDLE_LOAD, IDLE_WAIT_S, aiohttp, completions_url, cut_prompts, environment, settled_load
+from .compare import (IDLE_LOAD, IDLE_WAIT_S, StreamedCompletion, aiohttp, completions_url, cut_prompts, environment,
+                      error_message, settled_load)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(base_url="http://127.0.0.1:8000/v1", conversations=4, turns=5, message_tokens=250, max_tokens=48,
@@ -53,34 +54,23 @@ async def turn_request(session, url: str, model: str, messages: list[dict], max_
     """One streamed chat turn; `cancel` closes the stream at its first text (the client went away)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    sent, first, text, usage, error = time.perf_counter(), None, "", None, None
+    completion = StreamedCompletion(time.perf_counter())
     try:
         async with session.post(url, json=body) as response:
             if response.status != 200:
-                return {"error": f"HTTP {response.status}: {(await response.text())[:300]}"}
-            async for raw in response.content:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[len("data:"):])
-                if "error" in payload:
-                    error = str(payload["error"])
-                    continue
-                usage = payload.get("usage") or usage
-                for choice in payload.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") or ""
-                    if piece and first is None:
-                        first = time.perf_counter()
-                        if cancel:
-                            return {"cancelled": True, "ttft_s": first - sent}
-                    text += piece
+                return {"error": error_message(response.status, await response.text())}
+            async for line in response.content:
+                completion.feed(line.decode("utf-8"), time.perf_counter())
+                if cancel and completion.chunk_times:
+                    return {"cancelled": True, "ttft_s": completion.chunk_times[0] - completion.sent_at}
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as failure:
         return {"error": f"{type(failure).__name__}: {failure}"}
-    if error or usage is None or first is None:
-        return {"error": error or "no text or no usage in the stream"}
-    return {"ttft_s": first - sent, "text": text, "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-            "completion_tokens": usage["completion_tokens"]}
+    usage = completion.usage
+    if completion.error or usage is None or not completion.chunk_times:
+        return {"error": completion.error or "no text or no usage in the stream"}
+    return {"ttft_s": completion.chunk_times[0] - completion.sent_at, "text": completion.text,
+            "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 
 async def run_conversations(url: str, model: str, headers: dict, messages_by_turn: list[list[str]],

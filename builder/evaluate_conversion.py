@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from builder import serving_settings
-from builder.import_model import sha256_file
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.decode import Generation, SamplingParams
 from dualend.engine.reference import TorchBatch, generate_batch
@@ -230,7 +229,7 @@ def main(argv=None) -> dict:
     (reports / f"quality_{args.name}.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     (reports / f"quality_{args.name}.md").write_text(markdown(report), encoding="utf-8")
     adapters = Path(args.adapters)
-    if (dualend.recipe.get("adapters") or {}).get("sha256") == sha256_file(adapters / conversion.ADAPTERS):
+    if (dualend.recipe.get("adapters") or {}).get("sha256") == conversion.adapters_sha256(adapters):
         found = report["verdict"]
         missed = [f"{k} {found['measured'][k]} (target {found['targets'][k]})" for k, met in found["met"].items()
                   if not met]

@@ -151,6 +151,28 @@ def test_the_bls_backbone_sends_one_batch_with_the_secret_and_reads_the_answer()
     assert "release_ids" not in pb.requests[1][1]
 
 
+def test_a_batch_reads_back_from_the_tensors_the_bls_call_sends_and_so_does_a_result():
+    from dualend.engine.onnx_engine import BackboneResult
+    from dualend.serving.triton import (BACKBONE_INPUTS, backbone_batch, backbone_request_arrays,
+                                        backbone_response_arrays, backbone_result)
+
+    batch = BackboneBatch([7, 8], np.arange(12, dtype=np.float32).reshape(3, 4), [1, 2], [0, 9], [5], [6],
+                          [0, 3], [0, 2])
+    sent = backbone_request_arrays(batch)
+    assert set(sent) == set(BACKBONE_INPUTS) and sent["reuse_slots"].dtype == np.int32
+    received = backbone_batch({name: sent.get(name) for name in BACKBONE_INPUTS})
+    np.testing.assert_array_equal(received.latents, batch.latents)
+    assert (received.sequence_ids, received.counts, received.reserve_slots, received.releases, received.keeps,
+            received.reuse_ids, received.reuse_slots) == ([7, 8], [1, 2], [0, 9], [5], [6], [0, 3], [0, 2])
+    plain = backbone_request_arrays(BackboneBatch([7], np.zeros((1, 4)), [1], [0], []))
+    assert set(plain) == {"latents", "sequence_ids", "new_latents", "reserve_slots"}  # nothing empty is sent
+    assert backbone_batch({name: plain.get(name) for name in BACKBONE_INPUTS}).reuse(0) == (0, 0)
+    result = BackboneResult(np.ones((1, 5), np.float32), np.zeros((1, 4), np.float32),
+                            [SequenceStatus.PREFIX_GONE], ["gone"])
+    back = backbone_result(backbone_response_arrays(result))
+    assert back.status == [SequenceStatus.PREFIX_GONE] and back.messages == ["gone"] and back.logits.shape == (1, 5)
+
+
 def test_each_response_carries_its_request_id_and_token_and_the_last_is_final():
     sent = []
 

@@ -35,12 +35,13 @@ def test_the_longest_shared_prefix_wins_and_never_the_last_prompt_pair():
 
 def test_entries_beyond_the_limit_and_past_their_time_go_oldest_first():
     clock = FakeClock()
-    cache = PrefixCache(max_entries=2, ttl_s=10, clock=clock)
-    assert cache.keep(1, pairs(1, 2)) == [] and cache.keep(2, pairs(3, 4)) == []
-    assert cache.keep(3, pairs(5, 6)) == [1]
-    assert cache.keep(4, pairs(7)) == [4]  # one pair leaves nothing a next request could reuse
+    s = Scheduler(max_running=4, max_queue=4, wait_s=10.0, prefill_chunk=64, kv_blocks=100, kv_block_size=4,
+                  clock=clock, prefix_cache=PrefixCache(max_entries=2, ttl_s=10, clock=clock))
+    assert s.keep(1, pairs(1, 2)) and s.keep(2, pairs(3, 4))
+    assert s.keep(3, pairs(5, 6)) and s.evicted_rows() == [1]
+    assert not s.keep(4, pairs(7)) and s.evicted_rows() == []  # one pair leaves nothing a next request could reuse
     clock.now = 11
-    assert cache.expired() == [2, 3] and len(cache) == 0
+    assert s.evicted_rows() == [2, 3] and len(s.prefixes) == 0 and s.kv.used_blocks == 0
 
 
 class Seq:

@@ -145,18 +145,15 @@ class KVCache:
         if not 0 < keep <= min(kept[0][0].shape[1], slots):
             raise PrefixGone(f"cannot reuse {keep} slots of sequence {donor_id} ({kept[0][0].shape[1]} kept) in a "
                              f"reservation of {slots}; the copy is dropped")
+        row = None
         try:
             row = self.reserve(seq_id, slots)
-        except Exception:
-            with self._lock:
-                self.kept[donor_id] = kept  # the caller may still release it
-            raise
-        try:
             self.make_room([row], keep)
         except Exception:
             with self._lock:
-                self.kept[donor_id] = kept
-            self.release(seq_id)
+                self.kept[donor_id] = kept  # the caller may still release it
+            if row is not None:
+                self.release(seq_id)
             raise
         for arrays, copies in ((self.keys, kept[0]), (self.values, kept[1])):
             for array, copy in zip(arrays, copies):

@@ -28,17 +28,15 @@ class PrefixCache:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._entries
 
-    def keep(self, seq_id: int, pairs: np.ndarray, salt: str = "") -> list[int]:
+    def worth_keeping(self, pairs: np.ndarray) -> bool:
+        """Whether a row holding `pairs` could ever be reused (a request reuses all but its last pair)."""
+        return self.max_entries > 0 and len(pairs) > self.min_reuse
+
+    def keep(self, seq_id: int, pairs: np.ndarray, salt: str = "") -> None:
         """Keeps the ended sequence's row, whose slots hold `pairs` ([n, pair_size] token ids), for
-        requests of the same `salt` (a tenant's: nobody else can reuse it, nor learn it is there);
-        returns the sequences evicted to stay within max_entries (their rows are to be released)."""
-        if self.max_entries <= 0 or len(pairs) < self.min_reuse + 1:
-            return [seq_id]
+        requests of the same `salt` (a tenant's: nobody else can reuse it, nor learn it is there).
+        The scheduler makes room first: at most max_entries, the oldest going first."""
         self._entries[seq_id] = (np.array(pairs, dtype=np.int64), salt, self.clock())
-        evicted = []
-        while len(self._entries) > self.max_entries:
-            evicted.append(self._entries.popitem(last=False)[0])
-        return evicted
 
     def match(self, pairs: np.ndarray, salt: str = "") -> tuple[int, int] | None:
         """The kept sequence of the same salt sharing the longest prefix with `pairs`, and how many of

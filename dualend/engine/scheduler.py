@@ -133,19 +133,14 @@ class Scheduler:
     def keep(self, seq_id: int, pairs: np.ndarray, salt: str = "") -> bool:
         """Keeps the row of a sequence that ended (after `finish`) for its prefix; False when it is
         not kept (no prefix cache, too short, or no room), and its row is to be released."""
-        if self.prefixes is None:
+        if self.prefixes is None or not self.prefixes.worth_keeping(pairs):
             return False
-        while not self.kv.fits_copy(len(pairs)) and len(self.prefixes):  # the newest is the likeliest next turn
-            self._evict(self.prefixes.oldest())
+        prefixes = self.prefixes  # the newest is the likeliest next turn: older ones make way
+        while len(prefixes) and (len(prefixes) >= prefixes.max_entries or not self.kv.fits_copy(len(pairs))):
+            self._evict(prefixes.oldest())
         if not self.kv.fits_copy(len(pairs)):
             return False
-        evicted = self.prefixes.keep(seq_id, pairs, salt)
-        for gone in evicted:
-            if gone != seq_id:
-                self.kv.free(_kept(gone))
-                self._evicted_rows.append(gone)
-        if seq_id in evicted:
-            return False
+        prefixes.keep(seq_id, pairs, salt)
         self.kv.allocate_copy(_kept(seq_id), len(pairs))
         return True
 

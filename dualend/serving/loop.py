@@ -227,9 +227,9 @@ class LiveSequence:
     text: TextStream
     responses: ResponseStream
     output: Output
-    prompt_pairs: np.ndarray = None  # [n, pair_size] the prompt's token ids, one row per latent
+    prompt_pairs: np.ndarray    # [n, pair_size] the prompt's token ids, one row per latent
     prefilled: int = 0          # prompt latents already in the backbone's cache
-    reuse: tuple[int, int] | None = None  # (kept sequence, slots) whose backbone row it takes over
+    reuse: tuple[int, int] | None = None  # (kept sequence, slots) it starts from, until its first chunk ran
     started: bool = False       # the backbone holds a row for it
     fed_pairs: list = field(default_factory=list)  # the pairs its decode steps fed the backbone
     drafting: bool = False      # the MTP head holds a cache for it
@@ -350,7 +350,7 @@ class DecodeLoop:
                 sequence.fed_pairs.append(pair)
             parts.append(self.executor.compress(pairs))
         parts += [chunk.sequence.prompt_latents[chunk.start:chunk.stop] for chunk in plan.prefill]
-        starting = [c.sequence.reuse if not c.sequence.started and c.sequence.reuse else (0, 0) for c in plan.prefill]
+        starting = [c.sequence.reuse or (0, 0) for c in plan.prefill]
         batch = BackboneBatch(
             [s.request_id for s in rows], np.concatenate(parts), [1] * len(plan.decode)
             + [c.stop - c.start for c in plan.prefill],
@@ -383,7 +383,7 @@ class DecodeLoop:
                     self.observer.queued(sequence.started_at - sequence.submitted_at)
                     self.observer.prefix_cache(sequence.num_latents, chunk.start)
                     sequence.responses.cached(int((sequence.prompt_pairs[:chunk.start] != self.pad_id).sum()))
-                sequence.prefilled, sequence.started = chunk.stop, True
+                sequence.prefilled, sequence.started, sequence.reuse = chunk.stop, True, None
                 if not chunk.completes_prompt:
                     continue
                 self.observer.prefilled(self.clock() - sequence.started_at)
@@ -506,7 +506,7 @@ class DecodeLoop:
         """Frees everything the sequence holds; a request that did not finish gets its last word."""
         if self.live.pop(sequence.request_id, None) is None:
             return
-        if sequence.reuse and not sequence.started:  # the kept row it was to take over is nobody's now
+        if sequence.reuse:  # the kept copy it was to start from is nobody's now
             self.executor.release(sequence.reuse[0])
         if self.scheduler.finish(sequence):  # its blocks came back, once: now its storage goes too
             kept = error is None and sequence.started and self.scheduler.keep(

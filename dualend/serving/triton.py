@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from dualend.engine.onnx_engine import BackboneResult, SequenceStatus
+from dualend.engine.onnx_engine import BackboneBatch, BackboneResult, SequenceStatus
 
 from .contract import Response
 from .keys import response_token
@@ -31,6 +31,44 @@ def error_response(pb_utils, outcome: Outcome, message: str):
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(tagged(outcome, message), *code))
 
 
+# One backbone call over BLS: the request's tensors (their order is the model config's) and the answer's.
+BACKBONE_INPUTS = ("latents", "sequence_ids", "new_latents", "reserve_slots", "release_ids", "keep_ids", "reuse_ids",
+                   "reuse_slots")
+BACKBONE_OUTPUTS = ("logits", "hidden", "status", "messages")
+_BATCH_LISTS = {"sequence_ids": ("sequence_ids", np.int64), "new_latents": ("counts", np.int32),
+                "reserve_slots": ("reserve_slots", np.int32), "release_ids": ("releases", np.int64),
+                "keep_ids": ("keeps", np.int64), "reuse_ids": ("reuse_ids", np.int64),
+                "reuse_slots": ("reuse_slots", np.int32)}
+_ALWAYS_SENT = ("sequence_ids", "new_latents", "reserve_slots")  # the others only when they hold something
+
+
+def backbone_request_arrays(batch: BackboneBatch) -> dict[str, np.ndarray]:
+    """A batch as the backbone model's input tensors."""
+    arrays = {"latents": np.ascontiguousarray(batch.latents, dtype=np.float32)}   # [n, D]
+    for name, (field, dtype) in _BATCH_LISTS.items():
+        values = getattr(batch, field)
+        if values or name in _ALWAYS_SENT:
+            arrays[name] = np.asarray(values, dtype=dtype)
+    return arrays
+
+
+def backbone_batch(arrays: dict[str, np.ndarray | None]) -> BackboneBatch:
+    """The backbone model's input tensors (None where absent) as a batch."""
+    lists = {field: [] if arrays[name] is None else arrays[name].tolist()
+             for name, (field, _) in _BATCH_LISTS.items()}
+    return BackboneBatch(latents=arrays["latents"], **lists)
+
+
+def backbone_response_arrays(result: BackboneResult) -> dict[str, np.ndarray]:
+    return {"logits": result.logits, "hidden": result.hidden, "status": np.asarray(result.status, np.int32),
+            "messages": np.asarray([m.encode() for m in result.messages], dtype=object)}
+
+
+def backbone_result(arrays: dict[str, np.ndarray]) -> BackboneResult:
+    return BackboneResult(arrays["logits"], arrays["hidden"], [SequenceStatus(s) for s in arrays["status"].tolist()],
+                          [m.decode() for m in arrays["messages"]])
+
+
 class BLSBackbone:
     """The deployment's backbone model, one BLS request per loop iteration. The pipeline key names
     this checkpoint, so a backbone of another one refuses the call."""
@@ -41,26 +79,13 @@ class BLSBackbone:
 
     def run_batch(self, batch):
         pb = self.pb_utils
-        inputs = {"latents": np.ascontiguousarray(batch.latents, dtype=np.float32),   # [n, D]
-                  "sequence_ids": np.asarray(batch.sequence_ids, dtype=np.int64),
-                  "new_latents": np.asarray(batch.counts, dtype=np.int32),
-                  "reserve_slots": np.asarray(batch.reserve_slots, dtype=np.int32),
-                  "pipeline_key": self.pipeline_key}
-        if batch.releases:
-            inputs["release_ids"] = np.asarray(batch.releases, dtype=np.int64)
-        if batch.keeps:
-            inputs["keep_ids"] = np.asarray(batch.keeps, dtype=np.int64)
-        if batch.reuse_slots:
-            inputs["reuse_ids"] = np.asarray(batch.reuse_ids, dtype=np.int64)
-            inputs["reuse_slots"] = np.asarray(batch.reuse_slots, dtype=np.int32)
+        inputs = backbone_request_arrays(batch) | {"pipeline_key": self.pipeline_key}
         response = pb.InferenceRequest(model_name=self.model_name, inputs=tensors(pb, inputs),
-                                       requested_output_names=["logits", "hidden", "status", "messages"]).exec()
+                                       requested_output_names=list(BACKBONE_OUTPUTS)).exec()
         if response.has_error():
             raise RuntimeError(f"{self.model_name}: {outcome_of(response.error().message())[1]}")
-        out = {name: pb.get_output_tensor_by_name(response, name).as_numpy()
-               for name in ("logits", "hidden", "status", "messages")}
-        return BackboneResult(out["logits"], out["hidden"], [SequenceStatus(s) for s in out["status"].tolist()],
-                              [m.decode() for m in out["messages"]])
+        return backbone_result({name: pb.get_output_tensor_by_name(response, name).as_numpy()
+                                for name in BACKBONE_OUTPUTS})
 
 
 class ResponseSenderOutput:

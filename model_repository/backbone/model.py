@@ -1,13 +1,9 @@
 """Triton adapter: the stateful backbone engine, called once per decode-loop iteration.
 
-A request is one iteration of its deployment's mtp_verify loop: the new latents of several
-sequences, one segment each (`sequence_ids`, `new_latents`), with `reserve_slots` > 0 on a
-sequence's first prefill chunk, `release_ids` to free first and, for a prefix-cache hit,
-`keep_ids` (ended sequences whose keys and values to keep a copy of, the prefix cache's) and
-`reuse_ids` / `reuse_slots` (a kept copy a starting sequence begins with, and how many of its slots). The KV cache here holds storage
-only: mtp_verify's scheduler owns the block account and sends only what fits. It answers the
-logits and hidden state at each segment's last latent, a per-sequence `status`
-(`onnx_engine.SequenceStatus`) and a message for humans ("" when OK). Its caller must carry the
+A request is one iteration of its deployment's mtp_verify loop, a `BackboneBatch` as tensors
+(`serving.triton.backbone_batch`); the answer is its `BackboneResult` (logits and hidden state at each
+segment's last latent, a per-sequence status and message). The KV cache here holds storage only:
+mtp_verify's scheduler owns the block account and sends only what fits. Its caller must carry the
 pipeline key of this checkpoint, so a step of another checkpoint is refused.
 """
 import numpy as np
@@ -19,10 +15,8 @@ from dualend.serving.keys import PipelineGuard
 from dualend.serving.metrics import PoolMetrics
 from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import DeploymentConfig, version_components
-from dualend.serving.triton import error_response
-
-INPUTS = ("sequence_ids", "latents", "new_latents", "reserve_slots", "release_ids", "keep_ids", "reuse_ids",
-          "reuse_slots")
+from dualend.serving.triton import (BACKBONE_INPUTS, backbone_batch, backbone_response_arrays, error_response,
+                                    input_arrays, tensors)
 
 
 class TritonPythonModel:
@@ -54,34 +48,19 @@ class TritonPythonModel:
         self.pool.evict_idle()
         responses = []
         for request in requests:
-            refusal = self.guard.refuses(_input(request, "pipeline_key"))
+            inputs = input_arrays(pb_utils, request, (*BACKBONE_INPUTS, "pipeline_key"))
+            refusal = self.guard.refuses(inputs["pipeline_key"])
             if refusal:
                 responses.append(error_response(pb_utils, Outcome.NOT_ALLOWED, refusal))
                 continue
-            ids, latents, counts, reserves, releases, keeps, reuse_ids, reuse_slots = (_input(request, n)
-                                                                                     for n in INPUTS)
             try:
-                result = self.runner.run_batch(BackboneBatch(
-                    ids.tolist(), latents, counts.tolist(), reserves.tolist(), _list(releases), _list(keeps),
-                    _list(reuse_ids), _list(reuse_slots)))
+                result = self.runner.run_batch(backbone_batch(inputs))
             except Exception as error:  # noqa: BLE001 - a malformed batch fails alone
                 responses.append(error_response(pb_utils, Outcome.STEP_FAILED, str(error)))
                 continue
-            responses.append(pb_utils.InferenceResponse([
-                pb_utils.Tensor("logits", result.logits), pb_utils.Tensor("hidden", result.hidden),
-                pb_utils.Tensor("status", np.asarray(result.status, np.int32)),
-                pb_utils.Tensor("messages", np.asarray([m.encode() for m in result.messages], dtype=object))]))
+            responses.append(pb_utils.InferenceResponse(tensors(pb_utils, backbone_response_arrays(result))))
         self.metrics.update()
         return responses
-
-
-def _input(request, name):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
-
-
-def _list(array) -> list:
-    return [] if array is None else array.tolist()
 
 
 def _family(name, description, kind):

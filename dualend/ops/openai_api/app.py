@@ -307,7 +307,7 @@ class Service:
                 generation = parse_chat(parsed, lambda messages: self.deployment(deployment).render_chat(messages))
             else:
                 generation = parse_completion(parsed)
-            if self.keys is not None:  # one key's prefixes are reused by that key alone, whatever salt it sends
+            if self.keys is not None:  # one key's prefixes are its own, whatever salt it sends (names hold no /)
                 generation.cache_salt = f"{client.name}/{generation.cache_salt}"
             self.deployment(deployment)
             self.marks.check_up(deployment)

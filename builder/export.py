@@ -38,6 +38,7 @@ from dualend.engine.onnx_engine import (
     MODEL_FILE,
     MTP_INPUTS,
     MTP_OUTPUTS,
+    OUTPUT_POSITIONS,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     ExportedModel,
@@ -64,7 +65,9 @@ class CompressorGraph(nn.Module):
 
 
 class BackboneGraph(nn.Module):
-    """Prefill chunks (S > 1) and decode steps (S = 1) in one graph; output only at the last position.
+    """Prefill chunks (S > 1) and decode steps (S >= 1) in one graph; logits and hidden states at the
+    last min(S, OUTPUT_POSITIONS) positions only (a step that verifies a draft reads the position
+    before the last too).
 
     The past comes as one keys and one values input per layer, [B, kv_heads, T, Dh], the layout
     attention reads, so the engine gets views of the KV cache and copies none of it.
@@ -78,9 +81,9 @@ class BackboneGraph(nn.Module):
         # latents: [B, S, D]; past: L keys then L values, each [B, kv_heads, T, Dh]
         layers = len(past) // 2
         hidden, keys, values = self.model.backbone(latents, positions, new_valid, list(past[:layers]),
-                                                   list(past[layers:]), past_valid, last_only=True)
-        hidden = hidden[:, -1]
-        return self.model.lm_head(hidden), hidden, keys, values  # present: [L, B, kv_heads, S, Dh]
+                                                   list(past[layers:]), past_valid, last=OUTPUT_POSITIONS)
+        # logits [B, n, V], hidden [B, n, D]; present: [L, B, kv_heads, S, Dh]
+        return self.model.lm_head(hidden), hidden, keys, values
 
 
 class MTPGraph(nn.Module):
@@ -89,11 +92,12 @@ class MTPGraph(nn.Module):
         self.model = model
 
     def forward(self, t1, hidden, positions, past_valid, past_keys, past_values):
-        # t1: [B, 1]; hidden: [B, 1, D]; past_keys/values: [B, kv_heads, T, Dh]
+        # t1: [B, S]; hidden: [B, S, D]; past_keys/values: [B, kv_heads, T, Dh]; S new positions (a
+        # verified step adds one per accepted token), the draft from the last
         new_valid = torch.ones_like(t1, dtype=torch.bool)
         logits, confidence, keys, values = self.model.mtp_forward(
             t1, hidden, positions, new_valid, past_keys, past_values, past_valid)
-        # present: [B, kv_heads, 1, Dh] -> [1, B, kv_heads, 1, Dh], the cache's [L, B, kv_heads, S, Dh]
+        # present: [B, kv_heads, S, Dh] -> [1, B, kv_heads, S, Dh], the cache's [L, B, kv_heads, S, Dh]
         return logits[:, -1], confidence[:, -1], keys[None], values[None]
 
 
@@ -167,7 +171,7 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
     inputs = backbone_inputs(layers)
     dynamic = {name: {0: "batch", 1: "new"} for name in inputs[:3]}
     dynamic |= {"past_valid": {0: "batch", 1: "past"}} | {name: {0: "batch", 2: "past"} for name in inputs[4:]}
-    dynamic |= {"logits": {0: "batch"}, "hidden": {0: "batch"},
+    dynamic |= {"logits": {0: "batch", 1: "outputs"}, "hidden": {0: "batch", 1: "outputs"},
                 "present_keys": {1: "batch", 3: "new"}, "present_values": {1: "batch", 3: "new"}}
     _export(BackboneGraph(model), example, out / "backbone" / MODEL_FILE, inputs, BACKBONE_OUTPUTS, dynamic)
     quantization = settings.get("weight_quantization")
@@ -175,13 +179,14 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
         _quantize(out / "backbone" / MODEL_FILE, quantization, cfg.vocab_size)
     write_manifest(out / "backbone", ckpt_id, "backbone", "onnx", settings)
 
-    if cfg.is_dualend:
-        example = (torch.randint(3, cfg.vocab_size, (batch, 1)), torch.randn(batch, 1, dim),
-                   torch.full((batch, 1), past), torch.ones(batch, past, dtype=torch.bool), cache, cache.clone())
-        dynamic = {"t1": {0: "batch"}, "hidden": {0: "batch"}, "positions": {0: "batch"},
+    if cfg.has_mtp:
+        example = (torch.randint(3, cfg.vocab_size, (batch, 2)), torch.randn(batch, 2, dim),
+                   torch.arange(past, past + 2).repeat(batch, 1), torch.ones(batch, past, dtype=torch.bool), cache,
+                   cache.clone())
+        dynamic = {"t1": {0: "batch", 1: "new"}, "hidden": {0: "batch", 1: "new"}, "positions": {0: "batch", 1: "new"},
                    "past_valid": {0: "batch", 1: "past"}, "past_keys": {0: "batch", 2: "past"},
                    "past_values": {0: "batch", 2: "past"}, "logits": {0: "batch"}, "confidence": {0: "batch"},
-                   "present_keys": {1: "batch"}, "present_values": {1: "batch"}}
+                   "present_keys": {1: "batch", 3: "new"}, "present_values": {1: "batch", 3: "new"}}
         _export(MTPGraph(model), example, out / "mtp" / MODEL_FILE, MTP_INPUTS, MTP_OUTPUTS, dynamic)
         if quantization:
             _quantize(out / "mtp" / MODEL_FILE, quantization, cfg.vocab_size)

@@ -24,6 +24,14 @@ greedy answers, made once) and `adapters/`, what the conversion adds to the base
 trains --time-limit-minutes more. `merge-adapters` folds adapters into their base (a checkpoint
 folder, or a GGUF file / Hugging Face folder imported on the spot) as an ordinary dual-end checkpoint;
 `ship-adapters` writes them in bf16 where they ship from (the assembler merges them at build time).
+
+`draft-head` trains an MTP draft head on a frozen token-level checkpoint (dualend.train.draft_head):
+its drafts are verified by the base, so the output stays the base's. The run folder holds
+`state.pt`, `log.jsonl` (held-out top-1 agreement with the base on its own chat answers: the greedy
+first-draft acceptance), `chat.json` and `head/`; `--ship-to` writes the head where it ships from.
+
+    python -m builder.train draft-head --baseline build/checkpoints/smollm2 --run runs/smollm2_mtp \
+        --time-limit-minutes 60 --ship-to checkpoints/smollm2_mtp
 """
 from __future__ import annotations
 
@@ -44,7 +52,7 @@ from tqdm import tqdm
 from dualend.engine.checkpoint import CONFIG, Checkpoint, load_checkpoint
 from dualend.engine.model import LanguageModel, ModelConfig, count_parameters, default_ffn_hidden
 from dualend.engine.tokenizer import TextTokenizer, train_tokenizer
-from dualend.train import conversion
+from dualend.train import conversion, draft_head
 from dualend.train.data import FAMILIES, examples, stdlib_chunks
 from dualend.train.parallel import Replicas
 from dualend.train.evaluation import evaluate_pass1
@@ -72,6 +80,10 @@ CONVERT_DEFAULTS = dict(
     lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
     time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, chat_fraction=0.25, chat_tokens=96,
     hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2, device="cpu",
+)
+DRAFT_HEAD_DEFAULTS = dict(
+    batch_size=8, seq_tokens=192, lr=1e-3, warmup=20, time_limit_minutes=10.0, eval_every=25, eval_rows=32,
+    chat_prompts=384, chat_fraction=0.6, chat_tokens=96, seed=0, threads=2,
 )
 
 
@@ -472,6 +484,95 @@ def cmd_convert(args) -> None:
     replicas.close()
 
 
+def token_rows(samples: list[Sample], pad_id: int, length: int) -> tuple[torch.Tensor, ...]:
+    """Prompt + completion of each sample, cut to `length` and padded: tokens and valid [B, T], and
+    each row's prompt's last position [B]."""
+    rows = [(list(s.prompt) + list(s.completion))[:length] for s in samples]
+    width = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)], valid[i, :len(row)] = torch.tensor(row), True
+    return tokens, valid, torch.tensor([min(len(s.prompt), length) - 1 for s in samples])
+
+
+def cmd_draft_head(args) -> None:
+    """Only the head learns; the base runs without gradients. Resumable; each invocation trains
+    --time-limit-minutes more; held-out figures are logged every --eval-every steps."""
+    base = load_checkpoint(args.baseline)
+    tokenizer, pad = base.tokenizer, base.config.pad_id
+    run = Path(args.run)
+    run.mkdir(parents=True, exist_ok=True)
+    state_path, log_path = run / "state.pt", run / "log.jsonl"
+    torch.manual_seed(args.seed)
+    model = draft_head.with_draft_head(base.model.eval())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    step, tokens, elapsed = 0, 0, 0.0
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        if state["base"] != base.id:
+            sys.exit(f"{run} trains a head for base {state['base']}, not {base.id}")
+        model.load_state_dict(state["head"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        step, tokens, elapsed = state["step"], state["tokens"], state["elapsed"]
+        print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
+    chat_train, chat_eval = chat_data(args, run, base.model, tokenizer, base.id, Replicas("cpu"))
+    held_out = token_rows(chat_eval, pad, args.seq_tokens)
+    stream = conversion.sample_stream(tokenizer, args.seed + step, args.seq_tokens, chat_train, args.chat_fraction)
+    recipe = {"kind": "draft-head", "torch": torch.__version__,
+              **{k: getattr(args, k) for k in DRAFT_HEAD_DEFAULTS if k != "threads"}}
+
+    def record_and_save(window: dict) -> None:
+        model.eval()
+        with torch.no_grad():
+            _, figures = draft_head.draft_loss(model, *held_out)
+        record = {"step": step, "tokens": tokens, "minutes": round(elapsed / 60, 2),
+                  "tokens_per_s": round(window["tokens"] / window["seconds"], 1) if window["seconds"] else None,
+                  "train_kl": round(window["kl"] / max(window["steps"], 1), 4),
+                  "chat_kl": round(figures["kl"], 4), "chat_top1": round(figures["top1"], 4),
+                  "chat_positions": figures["positions"]}
+        with log_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
+        recipe.update(steps=step, tokens=tokens, minutes=record["minutes"], heldout_chat_top1=record["chat_top1"],
+                      heldout_chat_kl=record["chat_kl"])
+        draft_head.write_head(model, base.id, dict(recipe), run / "head")
+        torch.save({"head": draft_head.head_state(model), "optimizer": optimizer.state_dict(), "step": step,
+                    "tokens": tokens, "elapsed": elapsed, "base": base.id}, state_path)
+        window.update(steps=0, tokens=0, seconds=0.0, kl=0.0)
+
+    window = {"steps": 0, "tokens": 0, "seconds": 0.0, "kl": 0.0}
+    if step == 0:
+        record_and_save(window)
+    deadline = time.time() + 60 * args.time_limit_minutes
+    while time.time() < deadline:
+        started = time.time()
+        model.train()
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+        batch_tokens, valid, start = token_rows([next(stream) for _ in range(args.batch_size)], pad, args.seq_tokens)
+        loss, parts = draft_head.draft_loss(model, batch_tokens, valid, start)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        seconds = time.time() - started
+        step, tokens, elapsed = step + 1, tokens + int(valid.sum()), elapsed + seconds
+        window.update(steps=window["steps"] + 1, tokens=window["tokens"] + int(valid.sum()),
+                      seconds=window["seconds"] + seconds, kl=window["kl"] + parts["kl"])
+        if step % args.eval_every == 0:
+            record_and_save(window)
+    if window["steps"]:
+        record_and_save(window)
+    print(f"stopped at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes); head -> {run / 'head'}")
+    if args.ship_to:
+        weights, meta = draft_head.load_head(run / "head")
+        model.mtp.load_state_dict({k.removeprefix("mtp."): v for k, v in weights.items()})
+        draft_head.write_head(model, base.id, meta["recipe"], args.ship_to, dtype=torch.bfloat16)
+        print(f"shipped (bf16) -> {args.ship_to}")
+
+
 def load_base(source: str) -> Checkpoint:
     """A checkpoint folder, or a GGUF file / Hugging Face folder imported on the spot."""
     if (Path(source) / CONFIG).exists() and (Path(source) / "model.safetensors").exists():
@@ -525,6 +626,12 @@ def main(argv=None) -> None:
                          "ignored when the run folder holds a state to resume")
     convert.add_argument("--run", "--run-dir", dest="run", required=True,
                          help="the run folder (under torchrun write --run-dir: torchrun reads --run as its --run-path)")
+    head = sub.add_parser("draft-head", help="an MTP draft head on a frozen token-level checkpoint")
+    for key, value in DRAFT_HEAD_DEFAULTS.items():
+        head.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    head.add_argument("--baseline", required=True, help="the token-level checkpoint (frozen; the teacher)")
+    head.add_argument("--run", required=True)
+    head.add_argument("--ship-to", help="write the head in bf16 here at the end (checkpoints/NAME)")
     for name in ("tokenizer", "baseline", "dualend"):
         p = sub.add_parser(name)
         for key, value in DEFAULTS.items():
@@ -546,7 +653,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(getattr(args, "threads", 2))
     commands = {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend, "merge": cmd_merge,
                 "promote": cmd_promote, "convert": cmd_convert, "merge-adapters": cmd_merge_adapters,
-                "ship-adapters": cmd_ship_adapters}
+                "ship-adapters": cmd_ship_adapters, "draft-head": cmd_draft_head}
     with torch.device(getattr(args, "device", "cpu")):  # batches are built where the model is
         commands[args.command](args)
 

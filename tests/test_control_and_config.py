@@ -138,7 +138,8 @@ class FakePbUtils:
 def test_the_bls_backbone_sends_one_batch_with_the_secret_and_reads_the_answer():
     pb = FakePbUtils({"logits": np.zeros((2, 5), np.float32), "hidden": np.ones((2, 4), np.float32),
                       "status": np.array([SequenceStatus.OK, SequenceStatus.EVICTED], np.int32),
-                      "messages": np.array([b"", b"evicted after idling"], object)})
+                      "messages": np.array([b"", b"evicted after idling"], object),
+                      "verify_logits": np.zeros((0, 5), np.float32), "verify_hidden": np.zeros((0, 4), np.float32)})
     backbone = BLSBackbone(pb, "dualend_v3_backbone", "secret:ckpt")
     result = backbone.run_batch(BackboneBatch([7, 8], np.zeros((3, 4)), [1, 2], [0, 9], [5]))
     model, inputs = pb.requests[0]
@@ -146,7 +147,7 @@ def test_the_bls_backbone_sends_one_batch_with_the_secret_and_reads_the_answer()
     assert inputs["latents"].dtype == np.float32 and inputs["release_ids"].tolist() == [5]
     assert inputs["new_latents"].dtype == np.int32 and inputs["sequence_ids"].dtype == np.int64
     assert result.status == [SequenceStatus.OK, SequenceStatus.EVICTED] and result.hidden.shape == (2, 4)
-    assert result.messages == ["", "evicted after idling"]
+    assert result.messages == ["", "evicted after idling"] and result.verify_logits is None
     backbone.run_batch(BackboneBatch([7], np.zeros((1, 4)), [1], [0], []))
     assert "release_ids" not in pb.requests[1][1]
 
@@ -157,13 +158,14 @@ def test_a_batch_reads_back_from_the_tensors_the_bls_call_sends_and_so_does_a_re
                                         backbone_response_arrays, backbone_result)
 
     batch = BackboneBatch([7, 8], np.arange(12, dtype=np.float32).reshape(3, 4), [1, 2], [0, 9], [5], [6],
-                          [0, 3], [0, 2])
+                          [0, 3], [0, 2], [1, 0], verify=True)
     sent = backbone_request_arrays(batch)
     assert set(sent) == set(BACKBONE_INPUTS) and sent["reuse_slots"].dtype == np.int32
     received = backbone_batch({name: sent.get(name) for name in BACKBONE_INPUTS})
     np.testing.assert_array_equal(received.latents, batch.latents)
     assert (received.sequence_ids, received.counts, received.reserve_slots, received.releases, received.keeps,
-            received.reuse_ids, received.reuse_slots) == ([7, 8], [1, 2], [0, 9], [5], [6], [0, 3], [0, 2])
+            received.reuse_ids, received.reuse_slots, received.discard, received.verify) == (
+        [7, 8], [1, 2], [0, 9], [5], [6], [0, 3], [0, 2], [1, 0], True)
     plain = backbone_request_arrays(BackboneBatch([7], np.zeros((1, 4)), [1], [0], []))
     assert set(plain) == {"latents", "sequence_ids", "new_latents", "reserve_slots"}  # nothing empty is sent
     assert backbone_batch({name: plain.get(name) for name in BACKBONE_INPUTS}).reuse(0) == (0, 0)
@@ -171,6 +173,10 @@ def test_a_batch_reads_back_from_the_tensors_the_bls_call_sends_and_so_does_a_re
                             [SequenceStatus.PREFIX_GONE], ["gone"])
     back = backbone_result(backbone_response_arrays(result))
     assert back.status == [SequenceStatus.PREFIX_GONE] and back.messages == ["gone"] and back.logits.shape == (1, 5)
+    assert back.verify_logits is None
+    result.verify_logits, result.verify_hidden = np.full((1, 5), 2, np.float32), np.full((1, 4), 3, np.float32)
+    back = backbone_result(backbone_response_arrays(result))
+    assert back.verify_logits.tolist() == [[2] * 5] and back.verify_hidden.tolist() == [[3] * 4]
 
 
 def test_each_response_carries_its_request_id_and_token_and_the_last_is_final():

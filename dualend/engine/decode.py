@@ -73,9 +73,14 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         # logits: [V]
+        probs = self.distribution(logits)
+        return int(np.argmax(logits)) if probs is None else self.draw(probs)
+
+    def distribution(self, logits: np.ndarray) -> np.ndarray | None:
+        """The probabilities a token is drawn with (temperature, top-k, top-p); None when greedy."""
         p = self.params
         if p.temperature == 0:
-            return int(np.argmax(logits))
+            return None
         scaled = logits.astype(np.float64) / p.temperature
         if 0 < p.top_k < scaled.size:
             kth = np.partition(scaled, -p.top_k)[-p.top_k]
@@ -89,6 +94,9 @@ class Sampler:
             kept = np.zeros_like(probs)
             kept[keep] = probs[keep]
             probs = kept / kept.sum()
+        return probs
+
+    def draw(self, probs: np.ndarray) -> int:
         return int(self.rng.choice(probs.size, p=probs))
 
 
@@ -167,6 +175,24 @@ class SequenceDecoder:
         # logits: [V], the backbone's at the last pair
         return self.sampler(_masked(logits, self.banned))
 
+    # The decode loop's view of a step: `settle` the tokens the backbone's outputs decide, run the
+    # MTP head on `mtp_inputs` when `drafts_after` says so, then `finish` the step.
+    discard = 0  # slots the backbone drops from the row before the next segment (a rejected draft's)
+
+    def settle(self, logits: np.ndarray, verify_logits: np.ndarray | None = None) -> list[int]:
+        return [self.first_token(logits)]
+
+    def drafts_after(self, tokens: list[int]) -> bool:
+        return self.wants_draft(tokens[0])
+
+    def mtp_inputs(self, tokens: list[int], hidden: np.ndarray,
+                   verify_hidden: np.ndarray | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """(tokens, hidden [n, D], positions [n]) the MTP head reads this step; the draft follows the last."""
+        return tokens, hidden[None], np.array([self.position])
+
+    def finish(self, tokens: list[int], draft_logits: np.ndarray | None = None, confidence: float = 0.0) -> Step:
+        return self.complete(tokens[0], draft_logits, confidence)
+
     def wants_draft(self, t1: int) -> bool:
         return self.use_mtp and t1 != self.eos_id and self.produced + 1 < self.params.max_tokens
 
@@ -190,6 +216,78 @@ class SequenceDecoder:
             step.finish_reason = "length"
         self.next_pair = [t1, draft] if self.pair_size == 2 else [t1]
         self.position += 1
+        return step
+
+
+class VerifyingDecoder(SequenceDecoder):
+    """A token-level model with a draft head (`ModelConfig.draft_head`): a step feeds the last token
+    and, when the head drafted one, the draft; the backbone's output at the last token checks it.
+
+    Greedy: the draft is kept when it is the base's own choice there; sampling: kept with probability
+    min(1, p/q), else replaced by a token drawn from max(0, p - q) (speculative sampling), so the
+    output is distributed as the base's alone. A kept draft's own position gives one more token.
+    `threshold`: the least top probability a draft needs to be fed (0: every draft; 1: drafting off).
+    """
+
+    def __init__(self, pad_id: int, eos_id: int, bos_id: int, params: SamplingParams, threshold: float,
+                 prompt_tokens: int, sampler=None):
+        super().__init__(1, pad_id, eos_id, bos_id, params, threshold, prompt_tokens, sampler)
+        self.use_mtp = drafting_enabled(threshold)
+        self.position = prompt_tokens - 1  # of the last token fed and kept: the MTP head's next entry
+        self.draft: int | None = None            # fed last step, checked by this one
+        self.draft_probs: np.ndarray | None = None  # the distribution it was drawn from (sampling)
+        self.checked = self.kept = False          # this step checked a draft / kept it
+
+    def settle(self, logits: np.ndarray, verify_logits: np.ndarray | None = None) -> list[int]:
+        """[draft, next] when the draft holds, [the base's token instead] when not, [next] when no
+        draft was fed. logits: [V] at the last position fed; verify_logits: [V] at the one before."""
+        self.discard, self.checked, self.kept = 0, self.draft is not None, False
+        if self.draft is None:
+            return [self.first_token(logits)]
+        draft, q = self.draft, self.draft_probs
+        self.draft = self.draft_probs = None
+        target = _masked(verify_logits, self.banned)
+        p = self.sampler.distribution(target)
+        if p is None:
+            self.kept = int(np.argmax(target)) == draft
+        else:
+            self.kept = self.sampler.rng.random() * q[draft] < p[draft]
+        if self.kept:
+            return [draft, self.first_token(logits)]
+        self.discard = 1
+        if p is None:
+            return [int(np.argmax(target))]
+        residual = np.maximum(p - q, 0.0)
+        return [self.sampler.draw(residual / residual.sum() if residual.sum() > 0 else p)]
+
+    def drafts_after(self, tokens: list[int]) -> bool:
+        return (self.use_mtp and self.eos_id not in tokens
+                and self.produced + len(tokens) + 2 <= self.params.max_tokens)
+
+    def mtp_inputs(self, tokens, hidden, verify_hidden=None):
+        # the MTP head's entry at position p reads (h[p], token p+1): one per token settled
+        hiddens = {(True, True): lambda: np.stack([verify_hidden, hidden]), (True, False): lambda: verify_hidden[None],
+                   (False, False): lambda: hidden[None]}[(self.checked, self.kept)]()
+        return tokens, hiddens, self.position + np.arange(len(tokens))
+
+    def finish(self, tokens: list[int], draft_logits: np.ndarray | None = None, confidence: float = 0.0) -> Step:
+        step = Step([], drafted=self.checked, accepted=self.kept)
+        for token in tokens:
+            if token == self.eos_id:
+                step.finish_reason = "eos"
+                break
+            step.tokens.append(token)
+        step.tokens = step.tokens[:self.params.max_tokens - self.produced]
+        self.produced += len(step.tokens)
+        if step.finish_reason is None and self.produced >= self.params.max_tokens:
+            step.finish_reason = "length"
+        self.position += len(tokens)
+        self.next_pair = [tokens[-1]]
+        if step.finish_reason is None and draft_logits is not None and gate(confidence, self.threshold):
+            masked = _masked(draft_logits, self.banned)
+            self.draft_probs = self.sampler.distribution(masked)
+            self.draft = int(np.argmax(masked)) if self.draft_probs is None else self.sampler.draw(self.draft_probs)
+            self.next_pair = [tokens[-1], self.draft]
         return step
 
 

@@ -182,6 +182,10 @@ class KVCache:
         if needed > self.width:
             self._allocate(self._bucketed(needed))
 
+    def discard(self, row: int, slots: int) -> None:
+        """Drops the row's last `slots` slots (a rejected draft's); the next write goes there."""
+        self.lengths[row] = max(0, int(self.lengths[row]) - slots)
+
     def check_room(self, row: int, new_slots: int) -> None:
         """Raises NoRoom when `new_slots` more would take the row beyond its reservation."""
         sequence = self.sequences[self.row_owner[row]]

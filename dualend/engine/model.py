@@ -38,8 +38,13 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = True  # False: a separate `output` matrix is the LM head
     qkv_bias: bool = False       # Qwen2-style bias on q, k, v (not on the output projection)
+    # A token-level model with an MTP head whose drafts the next step verifies (no compressor, no
+    # confidence head: a draft's confidence is its own top probability).
+    draft_head: bool = False
 
     def __post_init__(self):
+        if self.draft_head and self.pair_size != 1:
+            raise ValueError("draft_head is for token-level models (pair_size 1); a pair model always has its MTP head")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
         if self.head_dim % 2:
@@ -57,13 +62,17 @@ class ModelConfig:
     def is_dualend(self) -> bool:
         return self.pair_size == 2
 
+    @property
+    def has_mtp(self) -> bool:
+        return self.is_dualend or self.draft_head
+
     def to_dict(self) -> dict:
         values = asdict(self)
         defaults = {f.name: f.default for f in fields(self) if f.name in _LATER_FIELDS}
         return {k: v for k, v in values.items() if k not in defaults or v != defaults[k]}
 
 
-_LATER_FIELDS = ("n_kv_heads", "head_size", "norm_eps", "tie_embeddings", "qkv_bias")
+_LATER_FIELDS = ("n_kv_heads", "head_size", "norm_eps", "tie_embeddings", "qkv_bias", "draft_head")
 
 
 class RMSNorm(nn.Module):
@@ -121,8 +130,9 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.out = nn.Linear(q_size, cfg.d_model, bias=False)
 
-    def forward(self, x, cos_sin, mask, past_k=None, past_v=None, last_only=False):
-        # x: [B, S, D]; cos_sin: rotary(); past_k/v: [B, kv_heads, T, Dh]; mask: [B, 1, S, T+S]
+    def forward(self, x, cos_sin, mask, past_k=None, past_v=None, last=0):
+        # x: [B, S, D]; cos_sin: rotary(); past_k/v: [B, kv_heads, T, Dh]; mask: [B, 1, S, T+S];
+        # last > 0: only the last `last` positions query (their outputs alone come back)
         heads, kv_heads, head_dim = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.head_dim
         q, k, v = self.qkv(x).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q = q.unflatten(-1, (heads, head_dim)).transpose(1, 2)     # [B, heads, S, Dh]
@@ -130,8 +140,8 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (kv_heads, head_dim)).transpose(1, 2)
         half = head_dim // 2
         q, k = rope(q, cos_sin, half), rope(k, cos_sin, half)
-        if last_only:
-            q, mask = q[:, :, -1:], mask[:, :, -1:]
+        if last:
+            q, mask = q[:, :, -last:], mask[:, :, -last:]
         groups, queries = heads // kv_heads, q.shape[2]
         if groups > 1:
             # Each key/value head's query heads as one longer query: [B, kv_heads, groups * S, Dh],
@@ -180,9 +190,9 @@ class Block(nn.Module):
         self.attn_norm, self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn, self.ffn = Attention(cfg), FeedForward(cfg)
 
-    def forward(self, x, cos_sin, mask, past_k=None, past_v=None, last_only=False):
-        attn_out, k, v = self.attn(self.attn_norm(x), cos_sin, mask, past_k, past_v, last_only)
-        x = (x[:, -1:] if last_only else x) + attn_out
+    def forward(self, x, cos_sin, mask, past_k=None, past_v=None, last=0):
+        attn_out, k, v = self.attn(self.attn_norm(x), cos_sin, mask, past_k, past_v, last)
+        x = (x[:, -last:] if last else x) + attn_out
         return x + self.ffn(self.ffn_norm(x)), k, v
 
 
@@ -195,17 +205,16 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
-    def forward(self, x, positions, new_valid, past_k=None, past_v=None, past_valid=None,
-                last_only=False):
-        # x: [B, S, D]; past_k/v: [L, B, kv_heads, T, Dh]; returns hidden [B, S or 1, D],
-        # present_k/v: [L, B, kv_heads, S, Dh]
+    def forward(self, x, positions, new_valid, past_k=None, past_v=None, past_valid=None, last=0):
+        # x: [B, S, D]; past_k/v: [L, B, kv_heads, T, Dh]; returns hidden [B, S, D] (last > 0: at the
+        # last min(S, last) positions only), present_k/v: [L, B, kv_heads, S, Dh]
         mask, cos_sin = attention_mask(past_valid, new_valid), rotary(positions, self.cfg)
         present_k, present_v = [], []
         for index, layer in enumerate(self.layers):
-            last = last_only and index == len(self.layers) - 1
+            only = last if index == len(self.layers) - 1 else 0
             pk = None if past_k is None else past_k[index]
             pv = None if past_v is None else past_v[index]
-            x, k, v = layer(x, cos_sin, mask, pk, pv, last_only=last)
+            x, k, v = layer(x, cos_sin, mask, pk, pv, last=only)
             present_k.append(k)
             present_v.append(v)
         return self.norm(x), torch.stack(present_k), torch.stack(present_v)
@@ -285,8 +294,9 @@ class LanguageModel(nn.Module):
             self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.is_dualend:
             self.compressor = Compressor(cfg)
-            self.mtp = MTPHead(cfg)
             self.confidence = ConfidenceHead(cfg)
+        if cfg.has_mtp:
+            self.mtp = MTPHead(cfg)
         self.apply(self._init_weights)
         if cfg.is_dualend and cfg.compressor_init in COMPRESSOR_INITS:
             self.compressor.init_linear(*COMPRESSOR_INITS[cfg.compressor_init])
@@ -317,8 +327,11 @@ class LanguageModel(nn.Module):
         """Returns draft logits, confidence, and the MTP layer's new keys/values."""
         mtp_hidden, k, v = self.mtp(self.embedding(t1), hidden, positions, new_valid, past_k,
                                     past_v, past_valid)
+        logits = self.lm_head(mtp_hidden)
+        if not self.cfg.is_dualend:  # a verified draft: its own top probability
+            return logits, logits.detach().float().softmax(-1).amax(-1), k, v
         confidence = self.confidence(hidden.detach(), mtp_hidden.detach())
-        return self.lm_head(mtp_hidden), confidence, k, v
+        return logits, confidence, k, v
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -26,8 +26,10 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # an imported model's specials 
 
 # 2: the past as one [B, heads, T, Dh] input per layer; 3: the same inputs and outputs, RoPE angles
 # computed once per call and splits by constants (the backbone graph a third smaller; older exports are redone);
-# 4: the past as [B, kv_heads, T, head_dim] (grouped-query attention), the settings name n_kv_heads and head_dim
-EXPORT_FORMAT = 4
+# 4: the past as [B, kv_heads, T, head_dim] (grouped-query attention), the settings name n_kv_heads and head_dim;
+# 5: the backbone's logits and hidden at the last OUTPUT_POSITIONS positions, the MTP head over S new positions
+EXPORT_FORMAT = 5
+OUTPUT_POSITIONS = 2  # a step that verifies a draft feeds [token, draft] and reads both positions
 DEFAULT_MAX_SEQUENCES = 64  # KV cache rows of an in-process engine
 # An MTP head carries its own output layer (d_model x vocab). From this many weights it runs on the
 # backbone's threads: SmolLM2's (28M) steps in 6.4 ms on 2 threads vs 11.0 on one; the shipped
@@ -102,7 +104,9 @@ class BackboneBatch:
     """One call to the backbone: new latents of several sequences, one segment each.
 
     A segment with `reserve_slots` > 0 starts its sequence (its first prefill chunk); a decode
-    step is a segment of one latent. `releases`: sequences whose blocks the caller's account
+    step is a segment of one latent, or of two when it verifies a draft (`verify`: the result then
+    holds the outputs at each segment's latent before its last too). `discard` (empty: none): per
+    sequence, slots dropped from the end of its row before its segment goes in (a rejected draft's). `releases`: sequences whose blocks the caller's account
     (`kv_blocks.KVBlockManager`) freed; their rows are released before anything runs.
     `keeps`: sequences that ended whose keys and values the cache keeps for the prefix cache
     (`KVCache.keep`), before the releases. `reuse_ids` / `reuse_slots` (empty: none): per sequence,
@@ -117,6 +121,8 @@ class BackboneBatch:
     keeps: list[int] = field(default_factory=list)
     reuse_ids: list[int] = field(default_factory=list)
     reuse_slots: list[int] = field(default_factory=list)
+    discard: list[int] = field(default_factory=list)
+    verify: bool = False
 
     def reuse(self, index: int) -> tuple[int, int]:
         """(kept sequence, slots of it to reuse) for sequence `index`; (0, 0) when it reuses nothing."""
@@ -146,6 +152,8 @@ class BackboneResult:
     hidden: np.ndarray             # [B, D]
     status: list[SequenceStatus]   # per sequence
     messages: list[str]            # per sequence, for humans: "" when OK
+    verify_logits: np.ndarray | None = None  # [B, V] at each segment's latent before its last (batch.verify)
+    verify_hidden: np.ndarray | None = None  # [B, D]
 
     def failed(self, index: int) -> bool:
         return self.status[index] != SequenceStatus.OK
@@ -196,8 +204,10 @@ class BackboneRunner:
         size = len(batch.sequence_ids)
         result = BackboneResult(np.zeros((size, self.vocab_size), np.float32),
                                 np.zeros((size, self.d_model), np.float32), [SequenceStatus.OK] * size, [""] * size)
+        if batch.verify:
+            result.verify_logits, result.verify_hidden = np.zeros_like(result.logits), np.zeros_like(result.hidden)
         starts = np.concatenate([[0], np.cumsum(batch.counts)]).astype(int)
-        singles, chunks, started, rows = [], [], [], {}
+        steps, chunks, started, rows = {}, [], [], {}
         for index, (seq_id, reserve) in enumerate(zip(batch.sequence_ids, batch.reserve_slots)):
             try:
                 donor, keep = batch.reuse(index)
@@ -213,39 +223,46 @@ class BackboneRunner:
                     started.append(index)
                 else:
                     rows[index] = self.cache.row(seq_id)
+                    if batch.discard and batch.discard[index]:
+                        self.cache.discard(rows[index], batch.discard[index])
                 self.cache.check_room(rows[index], batch.counts[index])
             except tuple(kind for kind, _ in _KV_ERRORS) as error:
                 status = next(status for kind, status in _KV_ERRORS if isinstance(error, kind))
                 result.fail(index, status, str(error).strip("'\""))
                 continue
-            (singles if batch.counts[index] == 1 else chunks).append(index)
+            if batch.counts[index] <= OUTPUT_POSITIONS:
+                steps.setdefault(batch.counts[index], []).append(index)
+            else:
+                chunks.append(index)
         latents = np.asarray(batch.latents, np.float32)
-        groups = ([singles] if singles else []) + [[index] for index in chunks]
+        groups = [steps[count] for count in sorted(steps)] + [[index] for index in chunks]
         for indices in groups:
             try:
                 segments = [latents[starts[i]:starts[i + 1]] for i in indices]
-                outputs = (self._decode([rows[i] for i in indices], segments) if len(segments[0]) == 1
+                outputs = (self._decode([rows[i] for i in indices], segments) if len(segments[0]) <= OUTPUT_POSITIONS
                            else [self._chunk(rows[indices[0]], segments[0])])
             except Exception as error:  # noqa: BLE001 - the group fails, the other groups run
                 for index in indices:
                     result.fail(index, SequenceStatus.ENGINE_FAILED, f"backbone engine failed: {error}")
                 continue
-            for index, (logits, hidden) in zip(indices, outputs):
-                result.logits[index], result.hidden[index] = logits, hidden
+            for index, (logits, hidden) in zip(indices, outputs):  # [n, V], [n, D]: the last n positions
+                result.logits[index], result.hidden[index] = logits[-1], hidden[-1]
+                if batch.verify and len(logits) > 1:
+                    result.verify_logits[index], result.verify_hidden[index] = logits[-2], hidden[-2]
         for index in started:  # a sequence whose first chunk failed holds nothing
             if result.failed(index):
                 self.cache.release(batch.sequence_ids[index])
         return result
 
     def _decode(self, rows: list[int], segments: list[np.ndarray]):
-        """One new latent for each of `rows`, in one call over every row in use: the rows not
-        stepping (mid-prefill) get a dummy latent, and their outputs and keys are dropped."""
-        cache = self.cache
-        cache.make_room(rows, 1)
+        """S new latents (the same S, at most OUTPUT_POSITIONS) for each of `rows`, in one call over
+        every row in use: the rows not stepping get dummy latents, and their outputs and keys are dropped."""
+        cache, new = self.cache, len(segments[0])
+        cache.make_room(rows, new)
         past = cache.past()
-        latents = np.zeros((len(past.lengths), 1, self.d_model), np.float32)  # [n, 1, D]
-        latents[rows, 0] = np.concatenate(segments)
-        outputs = self._run(latents, past.lengths[:, None], past)
+        latents = np.zeros((len(past.lengths), new, self.d_model), np.float32)  # [n, S, D]
+        latents[rows] = np.stack(segments)
+        outputs = self._run(latents, past.lengths[:, None] + np.arange(new)[None], past)
         cache.write(rows, outputs[2][:, rows], outputs[3][:, rows])
         return [(outputs[0][row], outputs[1][row]) for row in rows]
 
@@ -278,16 +295,19 @@ class MTPRunner:
 
     def step_batch(self, seq_ids: list[int], t1: np.ndarray, hidden: np.ndarray,
                    positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # t1: [B]; hidden: [B, D]; positions: [B] -> logits [B, V], confidence [B]
+        # t1: [B] or [B, S]; hidden: [B, D] or [B, S, D]; positions like t1 -> the draft after each
+        # row's last position: logits [B, V], confidence [B]
+        t1, positions = np.asarray(t1).reshape(len(seq_ids), -1), np.asarray(positions).reshape(len(seq_ids), -1)
+        hidden, new = np.asarray(hidden).reshape(len(seq_ids), -1, hidden.shape[-1]), t1.shape[1]
         cache = self.cache
         cache.compact()
         rows = [cache.row(s) for s in seq_ids]
-        cache.make_room(rows, 1)
+        cache.make_room(rows, new)
         past = cache.past()
         n = len(past.lengths)
-        t1_all, hidden_all, positions_all = (np.zeros((n, 1), np.int64), np.zeros((n, 1, hidden.shape[-1]), np.float32),
-                                             np.zeros((n, 1), np.int64))
-        t1_all[rows, 0], hidden_all[rows, 0], positions_all[rows, 0] = t1, hidden, positions
+        t1_all, hidden_all = np.zeros((n, new), np.int64), np.zeros((n, new, hidden.shape[-1]), np.float32)
+        positions_all = past.lengths[:, None] + np.arange(new)[None]
+        t1_all[rows], hidden_all[rows], positions_all[rows] = t1, hidden, positions
         feeds = dict(zip(MTP_INPUTS, (t1_all, hidden_all, positions_all, past.valid, past.keys[0], past.values[0])))
         logits, confidence, keys, values = self.session.run(MTP_OUTPUTS, feeds)
         cache.write(rows, keys[:, rows], values[:, rows])

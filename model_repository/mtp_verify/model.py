@@ -26,8 +26,8 @@ from dualend.serving.triton import BLSBackbone, ResponseSenderOutput, TritonMetr
 class TritonPythonModel:
     def initialize(self, args):
         config = DeploymentConfig.from_args(args)
-        exported = version_components(args, ("tokenizer", "compressor", "mtp") if config.pair_size == 2
-                                      else ("tokenizer", "compressor"))
+        drafts = config.pair_size == 2 or (Path(args["model_repository"]) / args["model_version"] / "mtp").exists()
+        exported = version_components(args, ("tokenizer", "compressor") + (("mtp",) if drafts else ()))
         backbone = f"{config.pipeline}_backbone"  # the backbone of this generation of the pipeline
         backbone_manifest = verify_component(Path(args["model_repository"]).parent / backbone / "1" / "backbone")
         manifests = [*exported.manifests.values(), backbone_manifest]
@@ -37,7 +37,9 @@ class TritonPythonModel:
         self.service = DecodeService(config, exported, BLSBackbone(pb_utils, backbone, self.guard.secret),
                                      self.guard, metrics, pb_utils.Logger.log_warn)
         mode = (f"dual-end: compressor + MTP head, acceptance_threshold {config.acceptance_threshold}"
-                if config.pair_size == 2 else "token-level baseline, one token per step")
+                if config.pair_size == 2 else
+                f"token-level with a draft head, each draft verified by the next step (fed from top probability "
+                f"{config.acceptance_threshold})" if drafts else "token-level baseline, one token per step")
         pb_utils.Logger.log_info(
             f"{args['model_name']}: checkpoint {checkpoint_id}; {mode}; one batched decode loop for up "
             f"to {config.max_concurrent_requests} sequences; components "

@@ -86,7 +86,7 @@ DEFAULTS = dict(
     raw_context_limit=0, max_new_tokens=0, kv_block_size=64, kv_cache_mb=512,
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
     prefix_cache_entries=16, prefix_cache_ttl_s=600.0,
-    engine_threads=2, preprocessing_instances=1, weight_precision="fp32",
+    engine_threads=2, preprocessing_instances=1, weight_precision="fp32", draft_max_batch=0,
 )
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
                         "its backbone's cache holds this much (fp32 keys and values), allocated at start; requests "
@@ -97,6 +97,8 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
             weight_precision="weights of a deployment's backbone and MTP head: fp32 (the reference), int8 or int4 "
                              "(ONNX Runtime MatMulNBits, docs/building.md#weight-precision); P for every deployment, "
                              "NAME=P for one (repeatable; default: %(default)s)",
+            draft_max_batch="a deployment with a draft head feeds drafts only while at most this many sequences "
+                            "decode (0: however many; default: %(default)s)",
             kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)",
             prefix_cache_entries="ended requests whose KV a deployment keeps so that a request extending one (the "
                                  "next turn of a chat) prefills only the rest (N for every deployment, NAME=N for "
@@ -196,26 +198,28 @@ def imported_checkpoint(source: Path, folder: Path) -> Path:
     return folder
 
 
-def derived_checkpoint(base_dir: Path, added: Path, folder: Path, kind: str, make) -> Path:
-    """`make(base, added)` (the base checkpoint with what `added` holds) saved into `folder`, unless it
-    already holds that (the same base id and the same sha256 of what was added, as its recipe says)."""
+def derived_checkpoint(base_dir: Path, added: Path, folder: Path, kind: str) -> Path:
+    """The base checkpoint with what `added` holds (committed adapters, or a draft head: `kind`) saved
+    into `folder`, unless it already holds that (the same base id and the same sha256 of what was
+    added, as its recipe says)."""
     config = folder / CHECKPOINT_CONFIG
     if config.exists():
         recipe = json.loads(config.read_text(encoding="utf-8")).get("recipe", {})
         base_id = json.loads((base_dir / CHECKPOINT_CONFIG).read_text(encoding="utf-8"))["checkpoint_id"]
-        base_key, digest = ADDED[kind]
+        base_key, digest, _ = ADDED[kind]
         if (recipe.get(base_key), recipe.get(kind, {}).get("sha256")) == (base_id, digest(added)):
             return folder
     print(f"merging {added} into {base_dir} -> {folder}", flush=True)
     try:
-        make(load_checkpoint(base_dir), added).save(folder)
+        ADDED[kind][2](load_checkpoint(base_dir), added).save(folder)
     except ValueError as error:
         raise SystemExit(str(error)) from None
     return folder
 
 
-# what a derived checkpoint's recipe names: kind -> (the key of its base's id, the sha256 of what was added)
-ADDED = {"adapters": ("converted_from", adapters_sha256), "draft_head": ("draft_head_on", draft_head.weights_sha256)}
+# kind -> (the recipe's key of the base's id, the sha256 of what was added, base + added -> checkpoint)
+ADDED = {"adapters": ("converted_from", adapters_sha256, merged_checkpoint),
+         "draft_head": ("draft_head_on", draft_head.weights_sha256, draft_head.checkpoint_with_head)}
 
 
 def checkpoint_folder(args, name: str) -> Path:
@@ -225,11 +229,11 @@ def checkpoint_folder(args, name: str) -> Path:
     if name in CONVERTED:
         base, adapters = CONVERTED[name]
         return derived_checkpoint(checkpoint_folder(args, base), adapters, Path(args.imported_checkpoints) / name,
-                                  "adapters", merged_checkpoint)
+                                  "adapters")
     if name in WITH_DRAFT_HEAD:
         base, head = WITH_DRAFT_HEAD[name]
         return derived_checkpoint(checkpoint_folder(args, base), head, Path(args.imported_checkpoints) / name,
-                                  "draft_head", draft_head.checkpoint_with_head)
+                                  "draft_head")
     return Path(args.checkpoints) / name
 
 
@@ -431,7 +435,7 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
         prefix_cache_entries=prefix_cache_entries, prefix_cache_ttl_s=args.prefix_cache_ttl_s,
         engine=args.engine, engine_threads=args.engine_threads,
         compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
-        synthetic_acceptance=synthetic_acceptance, weights=weights,
+        synthetic_acceptance=synthetic_acceptance, weights=weights, draft_max_batch=args.draft_max_batch,
     )
     return asdict(config) | {
         "parameters": config.pbtxt(), "benchmark_notices": config.benchmark_notices(),

@@ -96,7 +96,7 @@ class MTPGraph(nn.Module):
         # verified step adds one per accepted token), the draft from the last
         new_valid = torch.ones_like(t1, dtype=torch.bool)
         logits, confidence, keys, values = self.model.mtp_forward(
-            t1, hidden, positions, new_valid, past_keys, past_values, past_valid)
+            t1, hidden, positions, new_valid, past_keys, past_values, past_valid, last=1)
         # present: [B, kv_heads, S, Dh] -> [1, B, kv_heads, S, Dh], the cache's [L, B, kv_heads, S, Dh]
         return logits[:, -1], confidence[:, -1], keys[None], values[None]
 

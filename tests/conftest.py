@@ -33,11 +33,23 @@ def tiny_model(tokenizer: TextTokenizer, pair_size: int, seed: int = 0) -> Langu
 
 @pytest.fixture(scope="session")
 def exported(tiny_tokenizer, tmp_path_factory):
-    """An untrained baseline and dual-end model, exported: {name: (checkpoint, directory)}."""
+    """An untrained baseline and dual-end model, and the baseline with a draft head (its block the
+    baseline's last, perturbed a little: its drafts kept; more: dropped), exported: {name: (checkpoint, directory)}."""
+    from dualend.train.draft_head import with_draft_head
+
     root = tmp_path_factory.mktemp("export")
     out = {}
     for name, pair_size in (("baseline", 1), ("dualend", 2)):
         checkpoint = Checkpoint(tiny_model(tiny_tokenizer, pair_size, seed=pair_size), tiny_tokenizer)
+        export_checkpoint(checkpoint, root / name)
+        out[name] = (checkpoint, root / name)
+    for name, noise in (("baseline_mtp", 0.1), ("baseline_mtp_wrong", 0.3)):
+        torch.manual_seed(5)
+        drafting = with_draft_head(out["baseline"][0].model)
+        with torch.no_grad():
+            for weight in drafting.mtp.parameters():
+                weight.add_(noise * torch.randn_like(weight))
+        checkpoint = Checkpoint(drafting.eval(), tiny_tokenizer)
         export_checkpoint(checkpoint, root / name)
         out[name] = (checkpoint, root / name)
     return out

@@ -71,7 +71,7 @@ def test_every_dashboard_query_reads_a_metric_the_models_export():
                 used.add(re.sub(r"_(bucket|sum|count)$", "", name) if name not in exported else name)
     assert used and used <= exported, used - exported
     wanted = {"dualend_ttft_seconds", "dualend_inter_token_seconds", "dualend_queue_seconds",
-              "dualend_prefill_seconds", "dualend_tokens_per_step", "dualend_drafts_accepted",
+              "dualend_prefill_seconds", "dualend_tokens_per_step", "dualend_spec_decode_num_accepted_tokens",
               "dualend_kv_blocks_used", "dualend_requests_refused", "dualend_waiting_requests"}
     assert wanted <= used
 

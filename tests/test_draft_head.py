@@ -145,3 +145,43 @@ def test_a_head_for_another_base_is_refused(base_and_head, tiny_tokenizer):
     other = Checkpoint(tiny_model(tiny_tokenizer, 1, seed=4), tiny_tokenizer)
     with pytest.raises(ValueError, match="draft head for base"):
         draft_head.checkpoint_with_head(other, root / "head")
+
+
+def run_together(engine, tokenizer, prompts, params, threshold, draft_max_batch=0):
+    """The prompts decoded in one loop, side by side: their generations, in order."""
+    from dualend.serving.contract import PreparedRequest
+    from dualend.serving.offline import _Collected, decode_loop
+
+    loop = decode_loop(engine, tokenizer, threshold)
+    loop.draft_max_batch = draft_max_batch
+    outputs = []
+    for request_id, prompt in enumerate(prompts, 1):
+        request = PreparedRequest(tokenizer.encode_prompt(prompt), params, stream=True, exclude_input_in_output=True)
+        outputs.append(_Collected())
+        loop.submit(request_id, request, engine.compress(request.prompt_pairs(1, engine.pad_id)), outputs[-1])
+    while loop.run_once():
+        pass
+    assert all(o.done and o.error is None for o in outputs)
+    return [([t for r in o.responses for t in r.output_ids], sum(r.counters["num_drafts"] for r in o.responses))
+            for o in outputs]
+
+
+@pytest.mark.parametrize("head", ["with_head", "untrained"])
+def test_sequences_verified_side_by_side_each_get_the_bases_text(base_and_head, tiny_tokenizer, head):
+    """Rows feeding two tokens and rows feeding one in the same iterations (kept and dropped drafts mixed)."""
+    root, prompts, _ = base_and_head
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    expected = [generate_text(OnnxComponents(root / "base"), tiny_tokenizer, p, params, 1.0).tokens for p in prompts]
+    together = run_together(OnnxComponents(root / head), tiny_tokenizer, prompts, params, 0.0)
+    assert [tokens for tokens, _ in together] == expected
+    assert all(drafts > 0 for _, drafts in together)
+
+
+def test_no_draft_is_fed_while_more_sequences_decode_than_draft_max_batch(base_and_head, tiny_tokenizer):
+    root, prompts, _ = base_and_head
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = [generate_text(OnnxComponents(root / "base"), tiny_tokenizer, p, params, 1.0).tokens
+                for p in prompts[:2]]
+    together = run_together(OnnxComponents(root / "with_head"), tiny_tokenizer, prompts[:2], params, 0.0,
+                            draft_max_batch=1)
+    assert together == [(tokens, 0) for tokens in expected]  # both decode every step together: no draft

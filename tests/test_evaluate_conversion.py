@@ -75,15 +75,15 @@ def test_shipped_adapters_are_bf16_and_merge_at_build_time_once(converted, capsy
     assert (converted / "adapters" / conversion.ADAPTERS).stat().st_size < 0.6 * run_size
     assert json.loads((converted / "adapters" / conversion.ADAPTERS_CONFIG).read_text())["dtype"] == "bfloat16"
     out = converted / "merged"
-    assert assemble.converted_checkpoint(converted / "base", converted / "adapters", out) == out
+    assert assemble.derived_checkpoint(converted / "base", converted / "adapters", out, "adapters") == out
     merged = load_checkpoint(out)
     assert merged.config.is_dualend and merged.recipe["converted_from"] == load_checkpoint(converted / "base").id
     assert merged.recipe["adapters"]["sha256"] == conversion.adapters_sha256(converted / "adapters")
     assert "merging" in capsys.readouterr().out
-    assemble.converted_checkpoint(converted / "base", converted / "adapters", out)
+    assemble.derived_checkpoint(converted / "base", converted / "adapters", out, "adapters")
     assert "merging" not in capsys.readouterr().out  # up to date: not merged again
     with pytest.raises(SystemExit, match="adapt base"):
-        assemble.converted_checkpoint(converted / "merged", converted / "adapters", converted / "other")
+        assemble.derived_checkpoint(converted / "merged", converted / "adapters", converted / "other", "adapters")
 
 
 def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_step(converted, tmp_path):

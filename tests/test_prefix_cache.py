@@ -149,7 +149,8 @@ def conversation(loop, engine, tokenizer, turns):
     return outputs
 
 
-@pytest.mark.parametrize("name, threshold", [("baseline", 1.0), ("dualend", 0.5)])
+@pytest.mark.parametrize("name, threshold", [("baseline", 1.0), ("dualend", 0.5), ("baseline_mtp", 0.0),
+                                             ("baseline_mtp_wrong", 0.0)])
 def test_each_turn_reuses_the_conversation_so_far_and_decodes_the_same(exported, tiny_tokenizer, name, threshold):
     _, directory = exported[name]
     engine, loop = make_loop(directory, tiny_tokenizer, threshold)
@@ -157,6 +158,12 @@ def test_each_turn_reuses_the_conversation_so_far_and_decodes_the_same(exported,
     plain_engine, plain = make_loop(directory, tiny_tokenizer, threshold, entries=0)
     uncached = conversation(plain, plain_engine, tiny_tokenizer, 4)
     assert [o.tokens for o in cached] == [o.tokens for o in uncached]
+    if name.startswith("baseline_mtp"):  # verified drafts, kept or dropped: still the baseline's text
+        base_engine, base = make_loop(exported["baseline"][1], tiny_tokenizer, 1.0, entries=0)
+        assert [o.tokens for o in conversation(base, base_engine, tiny_tokenizer, 4)] == [o.tokens for o in cached]
+        counters = [r.counters for o in cached for r in o.responses]
+        drafts, kept = sum(c["num_drafts"] for c in counters), sum(c["num_accepted_drafts"] for c in counters)
+        assert drafts > 0 and kept == (0 if name.endswith("wrong") else drafts)
     reused = [o.responses[-1].counters["num_cached_tokens"] for o in cached]
     assert reused[0] == 0 and all(r == 0 for o in uncached for r in [o.responses[-1].counters["num_cached_tokens"]])
     for turn in range(1, 4):

@@ -94,7 +94,7 @@ def test_metrics_are_labelled_by_the_smollm2_models(server):
     labels = {"deployment": "smollm2"}
     assert wait_for(lambda: (metric_value(server.metrics_url, "dualend_output_tokens", "smollm2_v1_mtp_verify",
                                           **labels) or 0) >= 4)
-    assert metric_value(server.metrics_url, "dualend_drafts_proposed", "smollm2_v1_mtp_verify", **labels) == 0
+    assert metric_value(server.metrics_url, "dualend_spec_decode_num_drafts", "smollm2_v1_mtp_verify", **labels) == 0
     budget_blocks = 64 * 2**20 // (2 * 30 * 3 * 64 * 4 * 64)  # 45 KiB a token, blocks of 64
     assert wait_for(lambda: metric_value(server.metrics_url, "dualend_kv_blocks_free", "smollm2_v1_backbone",
                                          **labels) == budget_blocks)  # all free once streams end

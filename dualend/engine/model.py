@@ -323,10 +323,13 @@ class LanguageModel(nn.Module):
         return self.compressor(embeddings)
 
     def mtp_forward(self, t1, hidden, positions, new_valid, past_k=None, past_v=None,
-                    past_valid=None):
-        """Returns draft logits, confidence, and the MTP layer's new keys/values."""
+                    past_valid=None, last=0):
+        """Returns draft logits, confidence, and the MTP layer's new keys/values; with `last`, the
+        logits and confidence of the last `last` positions only."""
         mtp_hidden, k, v = self.mtp(self.embedding(t1), hidden, positions, new_valid, past_k,
                                     past_v, past_valid)
+        if last:
+            hidden, mtp_hidden = hidden[:, -last:], mtp_hidden[:, -last:]
         logits = self.lm_head(mtp_hidden)
         if not self.cfg.is_dualend:  # a verified draft: its own top probability
             return logits, logits.detach().float().softmax(-1).amax(-1), k, v

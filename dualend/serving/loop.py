@@ -273,8 +273,9 @@ class _Inbox:
 class DecodeLoop:
     def __init__(self, executor: Executor, tokenizer: TextTokenizer, scheduler: Scheduler, threshold: float,
                  observer: Observer | None = None, cancel_check_s: float = 0.5, clock=time.monotonic,
-                 synthetic_acceptance: float | None = None):
+                 synthetic_acceptance: float | None = None, draft_max_batch: int = 0):
         self.executor, self.tokenizer, self.scheduler = executor, tokenizer, scheduler
+        self.draft_max_batch = draft_max_batch  # verified drafts only while at most this many decode (0: always)
         self.threshold, self.observer = threshold, observer or PhaseMetrics()
         self.synthetic_acceptance = synthetic_acceptance  # benchmark only: decode.SyntheticAcceptance
         self.cancel_check_s, self.clock = cancel_check_s, clock
@@ -424,6 +425,8 @@ class DecodeLoop:
                 del sequence.fed_pairs[-sequence.decoder.discard:]
             decoded.append((row, sequence, tokens))
         drafting = [i for i, (_, s, tokens) in enumerate(decoded) if s.decoder.drafts_after(tokens)]
+        if self.verifies and self.draft_max_batch and len(decoded) > self.draft_max_batch:
+            drafting = []  # compute-bound: a fed draft would cost more than it gives
         draft_logits, confidence = {}, {}
         if drafting:
             for i in drafting:

@@ -21,8 +21,13 @@ REFUSAL_REASONS = tuple(outcome.value for outcome in REFUSALS_BY_OUTCOME)  # the
 
 COUNTERS = {"dualend_output_tokens": "Tokens streamed to clients",
             "dualend_decode_steps": "Backbone decode steps",
-            "dualend_drafts_proposed": "MTP drafts proposed",
-            "dualend_drafts_accepted": "MTP drafts accepted by the confidence gate",
+            # vLLM's speculative-decoding names. One draft token per step: a draft is one token, and its
+            # position is 0 (vLLM's per-position counter has that one position here).
+            "dualend_spec_decode_num_drafts": "MTP drafts proposed (a pair model's: seen by its confidence gate; "
+                                              "a draft head's: fed to the backbone and checked by it)",
+            "dualend_spec_decode_num_draft_tokens": "Tokens in those drafts",
+            "dualend_spec_decode_num_accepted_tokens": "Draft tokens accepted (by the confidence gate, or by the "
+                                                       "backbone agreeing with them)",
             "dualend_prompt_raw_tokens": "Prompt tokens as users count them",
             "dualend_prompt_latents": "Prompt latents the backbone held",
             "dualend_requests_cancelled": "Requests cancelled by the client",
@@ -95,7 +100,9 @@ class PhaseMetrics:
     def response(self, response) -> None:
         c = response.counters
         for name, key in (("dualend_output_tokens", "num_output_tokens"), ("dualend_decode_steps", "num_steps"),
-                          ("dualend_drafts_proposed", "num_drafts"), ("dualend_drafts_accepted", "num_accepted_drafts")):
+                          ("dualend_spec_decode_num_drafts", "num_drafts"),
+                          ("dualend_spec_decode_num_draft_tokens", "num_drafts"),
+                          ("dualend_spec_decode_num_accepted_tokens", "num_accepted_drafts")):
             self.counters[name] += c[key]
         if response.finish_reason is not None:
             self.counters["dualend_prompt_raw_tokens"] += c["num_prompt_tokens"]

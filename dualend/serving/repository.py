@@ -48,6 +48,9 @@ class DeploymentConfig:
     # rate instead of the confidence gate (-1: off, the gate decides; dual-end only) ...
     synthetic_acceptance: float = -1.0
     weights: str = "trained"      # ... and "dummy": random weights (builder.import_model --dummy)
+    # A draft head's drafts are fed only while at most this many sequences decode (0: however many):
+    # beyond, a step is compute-bound and a draft costs more than it gives.
+    draft_max_batch: int = 0
 
     def __post_init__(self):
         if self.synthetic_acceptance != -1.0 and not (self.pair_size == 2 and 0 <= self.synthetic_acceptance <= 1):

@@ -83,7 +83,7 @@ CONVERT_DEFAULTS = dict(
 )
 DRAFT_HEAD_DEFAULTS = dict(
     batch_size=8, seq_tokens=192, lr=1e-3, warmup=20, time_limit_minutes=10.0, eval_every=25, eval_rows=32,
-    chat_prompts=384, chat_fraction=0.6, chat_tokens=96, seed=0, threads=2,
+    chat_prompts=384, chat_fraction=0.6, chat_tokens=96, seed=0, threads=2, draft_vocab=8192,
 )
 
 
@@ -521,7 +521,7 @@ def cmd_draft_head(args) -> None:
     held_out = token_rows(chat_eval, pad, args.seq_tokens)
     stream = conversion.sample_stream(tokenizer, args.seed + step, args.seq_tokens, chat_train, args.chat_fraction)
     recipe = {"kind": "draft-head", "torch": torch.__version__,
-              **{k: getattr(args, k) for k in DRAFT_HEAD_DEFAULTS if k != "threads"}}
+              **{k: getattr(args, k) for k in DRAFT_HEAD_DEFAULTS if k not in ("threads", "draft_vocab")}}
 
     def record_and_save(window: dict) -> None:
         model.eval()
@@ -567,10 +567,29 @@ def cmd_draft_head(args) -> None:
         record_and_save(window)
     print(f"stopped at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes); head -> {run / 'head'}")
     if args.ship_to:
-        weights, meta = draft_head.load_head(run / "head")
-        model.mtp.load_state_dict({k.removeprefix("mtp."): v for k, v in weights.items()})
-        draft_head.write_head(model, base.id, meta["recipe"], args.ship_to, dtype=torch.bfloat16)
-        print(f"shipped (bf16) -> {args.ship_to}")
+        ship_draft_head(args, model, base, run, chat_train, held_out)
+
+
+def ship_draft_head(args, model, base: Checkpoint, run: Path, chat_train: list, held_out: tuple) -> None:
+    """The run's head in bf16 where it ships from, its drafts from the --draft-vocab tokens most
+    frequent in the training data's targets (the teacher's answers and text); the held-out
+    agreement of the shipped head is recorded beside the run's."""
+    weights, meta = draft_head.load_head(run / "head")
+    model.mtp.load_state_dict({k.removeprefix("mtp."): v for k, v in weights.items()})
+    recipe = dict(meta["recipe"])
+    if args.draft_vocab:
+        text = conversion.text_samples(base.tokenizer, "train", args.seed, args.seq_tokens)
+        targets = [s.completion for s in chat_train] + [next(text).completion for _ in range(len(chat_train))]
+        model = draft_head.restricted(model, draft_head.frequent_tokens(targets, args.draft_vocab,
+                                                                        always=[base.config.eos_id]))
+    shipped = draft_head.with_draft_head(base.model, model.cfg.draft_vocab)
+    shipped.load_state_dict({k: v.to(torch.bfloat16).float() if v.is_floating_point() else v
+                             for k, v in model.state_dict().items() if k.startswith("mtp.")}, strict=False)
+    with torch.no_grad():
+        recipe["shipped_chat_top1"] = round(draft_head.draft_loss(shipped.eval(), *held_out)[1]["top1"], 4)
+    draft_head.write_head(shipped, base.id, recipe, args.ship_to, dtype=torch.bfloat16)
+    print(f"shipped (bf16, draft vocabulary {model.cfg.draft_vocab or 'all'}; held-out top-1 agreement "
+          f"{recipe['shipped_chat_top1']}) -> {args.ship_to}")
 
 
 def load_base(source: str) -> Checkpoint:
@@ -631,7 +650,8 @@ def main(argv=None) -> None:
         head.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     head.add_argument("--baseline", required=True, help="the token-level checkpoint (frozen; the teacher)")
     head.add_argument("--run", required=True)
-    head.add_argument("--ship-to", help="write the head in bf16 here at the end (checkpoints/NAME)")
+    head.add_argument("--ship-to", help="write the head in bf16 here at the end (checkpoints/NAME), drafting from "
+                      "the --draft-vocab most frequent tokens (0: all)")
     for name in ("tokenizer", "baseline", "dualend"):
         p = sub.add_parser(name)
         for key, value in DEFAULTS.items():

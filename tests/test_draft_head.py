@@ -111,10 +111,14 @@ def base_and_head(tiny_tokenizer, tmp_path_factory):
     draft_head.write_head(model, base.id, {"steps": 150}, root / "head")
     with_head = draft_head.checkpoint_with_head(base, root / "head")
     export_checkpoint(with_head, root / "with_head")
+    ids = draft_head.frequent_tokens(rows, 16, always=[tiny_tokenizer.eos_id])
+    draft_head.write_head(draft_head.restricted(model, ids), base.id, {"steps": 150}, root / "narrow_head",
+                          dtype=torch.bfloat16)
+    export_checkpoint(draft_head.checkpoint_with_head(base, root / "narrow_head"), root / "narrow")
     return root, prompts, figures["top1"]
 
 
-@pytest.mark.parametrize("head", ["with_head", "untrained"])
+@pytest.mark.parametrize("head", ["with_head", "untrained", "narrow"])
 def test_greedy_output_with_verified_drafts_is_the_bases_token_for_token(base_and_head, tiny_tokenizer, head):
     root, prompts, trained_top1 = base_and_head
     assert trained_top1 > 0.5  # the trained head learnt the base's text: its drafts are kept
@@ -127,10 +131,28 @@ def test_greedy_output_with_verified_drafts_is_the_bases_token_for_token(base_an
         assert got.tokens == expected.tokens and got.text == expected.text
         assert got.steps == expected.steps - got.accepted
         kept, drafted = kept + got.accepted, drafted + got.drafts
-    if head == "with_head":
+    if head in ("with_head", "narrow"):
         assert drafted > 0 and kept > drafted / 2
     else:  # an untrained head's drafts are mostly wrong: each is dropped, the output is still the base's
         assert drafted > 0 and kept < drafted / 2
+
+
+def test_a_narrowed_head_drafts_only_its_frequent_tokens_and_ships_them(base_and_head, tiny_tokenizer):
+    root, prompts, _ = base_and_head
+    narrowed = draft_head.checkpoint_with_head(
+        Checkpoint(tiny_model(tiny_tokenizer, 1, seed=3), tiny_tokenizer), root / "narrow_head").model
+    ids = narrowed.mtp.draft_ids
+    assert narrowed.cfg.draft_vocab == len(ids) == 16 and tiny_tokenizer.eos_id in ids.tolist()
+    engine = OnnxComponents(root / "narrow")
+    session = engine.open_mtp(4)
+    logits, confidence = session.step(1, np.ones(narrowed.cfg.d_model, np.float32), 0)
+    session.close()
+    assert set(np.flatnonzero(np.isfinite(logits)).tolist()) == set(ids.tolist()) and 0 < confidence <= 1
+
+
+def test_the_most_frequent_tokens_are_the_draft_vocabulary():
+    assert draft_head.frequent_tokens([[5, 5, 7, 9], [7, 5, 3]], 2).tolist() == [5, 7]
+    assert draft_head.frequent_tokens([[5, 5, 7, 9], [7, 5, 3]], 2, always=[3]).tolist() == [3, 5]
 
 
 def test_drafting_off_decodes_one_token_a_step(base_and_head, tiny_tokenizer):

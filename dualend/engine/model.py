@@ -41,8 +41,13 @@ class ModelConfig:
     # A token-level model with an MTP head whose drafts the next step verifies (no compressor, no
     # confidence head: a draft's confidence is its own top probability).
     draft_head: bool = False
+    # ... whose drafts come from the `draft_vocab` tokens it names (`MTPHead.draft_ids`; 0: every token):
+    # its output layer is that much smaller (a draft outside them would rarely be kept).
+    draft_vocab: int = 0
 
     def __post_init__(self):
+        if self.draft_vocab and not self.draft_head:
+            raise ValueError("draft_vocab names the tokens of a draft head's drafts: set draft_head too")
         if self.draft_head and self.pair_size != 1:
             raise ValueError("draft_head is for token-level models (pair_size 1); a pair model always has its MTP head")
         if self.n_heads % self.kv_heads:
@@ -72,7 +77,7 @@ class ModelConfig:
         return {k: v for k, v in values.items() if k not in defaults or v != defaults[k]}
 
 
-_LATER_FIELDS = ("n_kv_heads", "head_size", "norm_eps", "tie_embeddings", "qkv_bias", "draft_head")
+_LATER_FIELDS = ("n_kv_heads", "head_size", "norm_eps", "tie_embeddings", "qkv_bias", "draft_head", "draft_vocab")
 
 
 class RMSNorm(nn.Module):
@@ -257,6 +262,8 @@ class MTPHead(nn.Module):
         self.proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
         self.layer = Block(cfg)  # the backbone's layer shape: its KV is [B, kv_heads, T, Dh]
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if cfg.draft_vocab:
+            self.register_buffer("draft_ids", torch.zeros(cfg.draft_vocab, dtype=torch.long))
 
     def forward(self, t1_embedding, hidden, positions, new_valid, past_k=None, past_v=None,
                 past_valid=None):
@@ -330,7 +337,13 @@ class LanguageModel(nn.Module):
                                     past_v, past_valid)
         if last:
             hidden, mtp_hidden = hidden[:, -last:], mtp_hidden[:, -last:]
-        logits = self.lm_head(mtp_hidden)
+        if self.cfg.draft_vocab:  # the draft's tokens only; every other one impossible
+            ids = self.mtp.draft_ids
+            logits = torch.full((*mtp_hidden.shape[:-1], self.cfg.vocab_size), float("-inf"), dtype=mtp_hidden.dtype)
+            output = self.embedding.weight if self.cfg.tie_embeddings else self.output.weight
+            logits = logits.scatter(-1, ids.expand(*mtp_hidden.shape[:-1], len(ids)), mtp_hidden @ output[ids].T)
+        else:
+            logits = self.lm_head(mtp_hidden)
         if not self.cfg.is_dualend:  # a verified draft: its own top probability
             return logits, logits.detach().float().softmax(-1).amax(-1), k, v
         confidence = self.confidence(hidden.detach(), mtp_hidden.detach())

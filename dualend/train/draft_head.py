@@ -23,12 +23,12 @@ from .conversion import _kl, teacher_hidden
 HEAD_WEIGHTS, HEAD_CONFIG = "draft_head.safetensors", "draft_head.json"
 
 
-def with_draft_head(base: LanguageModel) -> LanguageModel:
+def with_draft_head(base: LanguageModel, draft_vocab: int = 0) -> LanguageModel:
     """`base` (frozen) plus a draft head whose block starts as a copy of the base's last block."""
     if base.cfg.pair_size != 1:
         raise ValueError("a draft head is trained on a token-level model (pair_size 1)")
-    model = LanguageModel(ModelConfig(**(base.cfg.to_dict() | {"draft_head": True})))
-    model.load_state_dict(base.state_dict(), strict=False)
+    model = LanguageModel(ModelConfig(**(base.cfg.to_dict() | {"draft_head": True, "draft_vocab": draft_vocab})))
+    model.load_state_dict({k: v for k, v in base.state_dict().items() if not k.startswith("mtp.")}, strict=False)
     model.mtp.layer.load_state_dict(base.backbone.layers[-1].state_dict())
     model.mtp.norm.load_state_dict(base.backbone.norm.state_dict())
     with torch.no_grad():  # [emb; h] -> h at the start: the block first sees what the last one did
@@ -38,6 +38,27 @@ def with_draft_head(base: LanguageModel) -> LanguageModel:
     model.requires_grad_(False)
     model.mtp.requires_grad_(True)
     return model
+
+
+def frequent_tokens(token_lists, count: int, always=()) -> torch.Tensor:
+    """The `count` tokens most frequent in `token_lists` (ties: lower id first), `always` among them:
+    the draft vocabulary (as FR-Spec's frequency-ranked drafting), sorted by id."""
+    counts = {}
+    for tokens in token_lists:
+        for token in tokens:
+            counts[int(token)] = counts.get(int(token), 0) + 1
+    for token in always:
+        counts[int(token)] = float("inf")
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:count]
+    return torch.tensor(sorted(ranked), dtype=torch.long)
+
+
+def restricted(model: LanguageModel, ids: torch.Tensor) -> LanguageModel:
+    """The same model whose drafts come from `ids` only (`ModelConfig.draft_vocab`)."""
+    narrowed = with_draft_head(model, len(ids))
+    narrowed.load_state_dict({k: v for k, v in model.state_dict().items() if k != "mtp.draft_ids"}, strict=False)
+    narrowed.mtp.draft_ids.copy_(ids)
+    return narrowed
 
 
 def head_state(model: LanguageModel) -> dict[str, torch.Tensor]:
@@ -75,7 +96,8 @@ def write_head(model: LanguageModel, base_id: str, recipe: dict, directory: str 
                dtype: torch.dtype = torch.float32) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(dtype).contiguous() for k, v in head_state(model).items()}, str(directory / HEAD_WEIGHTS))
+    save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in head_state(model).items()},
+              str(directory / HEAD_WEIGHTS))
     meta = {"base": base_id, "model": model.cfg.to_dict(), "dtype": str(dtype).removeprefix("torch."), "recipe": recipe}
     (directory / HEAD_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -83,7 +105,8 @@ def write_head(model: LanguageModel, base_id: str, recipe: dict, directory: str 
 def load_head(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     directory = Path(directory)
     meta = json.loads((directory / HEAD_CONFIG).read_text(encoding="utf-8"))
-    return {k: v.float() for k, v in load_file(str(directory / HEAD_WEIGHTS)).items()}, meta
+    return {k: v.float() if v.is_floating_point() else v
+            for k, v in load_file(str(directory / HEAD_WEIGHTS)).items()}, meta
 
 
 def checkpoint_with_head(base: Checkpoint, directory: str | Path) -> Checkpoint:
@@ -92,7 +115,7 @@ def checkpoint_with_head(base: Checkpoint, directory: str | Path) -> Checkpoint:
     weights, meta = load_head(directory)
     if meta["base"] != base.id:
         raise ValueError(f"{directory}: a draft head for base {meta['base']}; the base given is {base.id}")
-    model = with_draft_head(base.model)
+    model = with_draft_head(base.model, meta["model"].get("draft_vocab", 0))
     model.load_state_dict(weights, strict=False)
     model.requires_grad_(True).eval()
     recipe = {**{k: base.recipe[k] for k in ("importer", "source", "context", "pad_rule") if k in base.recipe},

@@ -4,7 +4,8 @@
 
 For each export: the backbone's step (its past 64 latents long, every row of the batch stepping) on
 `--threads` threads with ONNX Runtime's threads spinning between calls (as the in-process engine
-runs it) and not (as the served backbone runs it); the MTP head's step on one thread and on
+runs it) and not (as the served backbone runs it), and, not spinning, a step verifying a draft (two
+latents a row); the MTP head's step on one thread and on
 `--threads`; the compressor folding one pair. Calls are interleaved call by call, so the machine's
 noise falls on every variant alike; prints the median and the 10th-90th percentile spread in ms.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from client.api import median_and_spread
-from dualend.engine.onnx_engine import BackboneRunner, ExportedModel, MTPRunner, kv_cache, ort_session
+from dualend.engine.onnx_engine import BackboneBatch, BackboneRunner, ExportedModel, MTPRunner, kv_cache, ort_session
 
 PAST_LATENTS = 64
 
@@ -36,6 +37,10 @@ def variants(exported: ExportedModel, batch: int, threads: int) -> dict:
         latents = rng.standard_normal((batch, width), np.float32) * 0.02
         calls[f"backbone, {threads} threads{', spinning' if spinning else ''}"] = (
             lambda runner=runner, latents=latents: runner.step(list(range(batch)), latents))
+        if not spinning:  # a step that verifies a draft: two latents a row, both dropped again after
+            verify = BackboneBatch(list(range(batch)), np.repeat(latents, 2, axis=0), [2] * batch, [0] * batch, [],
+                                   discard=[2] * batch, verify=True)
+            calls[f"backbone verifying, {threads} threads"] = lambda runner=runner, verify=verify: runner.run_batch(verify)
     if "mtp" in exported.manifests:
         for mtp_threads in sorted({1, threads}):
             runner = MTPRunner(ort_session(exported.path("mtp"), mtp_threads), kv_cache(settings, 1, batch))

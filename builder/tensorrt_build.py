@@ -22,7 +22,7 @@ from builder.assemble import max_sequence_latents, trained_context
 from dualend.engine.decode import SamplingParams
 from dualend.engine.kv_pool import KVCache
 from dualend.engine.manifest import Manifest, write_manifest
-from dualend.engine.onnx_engine import ExportedModel, OnnxComponents, backbone_inputs, ort_session
+from dualend.engine.onnx_engine import OUTPUT_POSITIONS, ExportedModel, OnnxComponents, backbone_inputs, ort_session
 from dualend.engine.tensorrt_engine import PLAN_FILE, TensorRTSession, gpu_available
 from dualend.serving.offline import generate_text
 
@@ -56,7 +56,7 @@ def build_backbone_plan(onnx_path: Path, settings: dict, max_chunk: int, max_lat
                 "past_valid": (batch, past)} | caches
 
     for low, best, high in (((1, 1, 1), (1, max_chunk // 2, width // 2), (1, max_chunk, width)),          # prefill
-                            ((1, 1, 1), (max_batch // 2, 1, width // 2), (max_batch, 1, width))):        # decode
+                            ((1, 1, 1), (max_batch // 2, 1, width // 2), (max_batch, OUTPUT_POSITIONS, width))):  # decode
         profile = builder.create_optimization_profile()
         lo, mid, hi = shapes(*low), shapes(*best), shapes(*high)
         for name in lo:

@@ -2,13 +2,16 @@
 
 Needs an NVIDIA GPU, `tensorrt` and a CUDA build of torch (used for device buffers). The plan
 holds two optimisation profiles, prefill chunks (one sequence, several new latents) and decode
-(a batch of cache rows, one new latent each); `run` picks the profile from the new latents.
+(a batch of cache rows, one new latent each, or two when they verify drafts); `run` picks the profile
+from the new latents.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+
+from .onnx_engine import OUTPUT_POSITIONS
 
 PLAN_FILE = "model.plan"
 PREFILL_PROFILE, DECODE_PROFILE = 0, 1
@@ -51,7 +54,7 @@ class TensorRTSession:
 
     def run(self, output_names, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         torch = self.torch
-        decode = feeds["latents"].shape[1] == 1
+        decode = feeds["latents"].shape[1] <= OUTPUT_POSITIONS
         context = self.contexts[DECODE_PROFILE if decode and len(self.contexts) > 1 else PREFILL_PROFILE]
         keep = []
         with torch.cuda.stream(self.stream):

@@ -178,7 +178,8 @@ def run_together(engine, tokenizer, prompts, params, threshold, draft_max_batch=
     loop.draft_max_batch = draft_max_batch
     outputs = []
     for request_id, prompt in enumerate(prompts, 1):
-        request = PreparedRequest(tokenizer.encode_prompt(prompt), params, stream=True, exclude_input_in_output=True)
+        own = params[request_id - 1] if isinstance(params, list) else params
+        request = PreparedRequest(tokenizer.encode_prompt(prompt), own, stream=True, exclude_input_in_output=True)
         outputs.append(_Collected())
         loop.submit(request_id, request, engine.compress(request.prompt_pairs(1, engine.pad_id)), outputs[-1])
     while loop.run_once():
@@ -207,3 +208,9 @@ def test_no_draft_is_fed_while_more_sequences_decode_than_draft_max_batch(base_a
     together = run_together(OnnxComponents(root / "with_head"), tiny_tokenizer, prompts[:2], params, 0.0,
                             draft_max_batch=1)
     assert together == [(tokens, 0) for tokens in expected]  # both decode every step together: no draft
+    # once the short one ends the long one drafts again, from a fresh MTP cache: still the base's text
+    short, long = SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=30, ignore_eos=True)
+    together = run_together(OnnxComponents(root / "with_head"), tiny_tokenizer, prompts[:2], [short, long], 0.0,
+                            draft_max_batch=1)
+    assert together[1][0] == generate_text(OnnxComponents(root / "base"), tiny_tokenizer, prompts[1], long, 1.0).tokens
+    assert together[0][1] == 0 and together[1][1] > 0

@@ -232,8 +232,7 @@ class VerifyingDecoder(SequenceDecoder):
     def __init__(self, pad_id: int, eos_id: int, bos_id: int, params: SamplingParams, threshold: float,
                  prompt_tokens: int, sampler=None):
         super().__init__(1, pad_id, eos_id, bos_id, params, threshold, prompt_tokens, sampler)
-        self.use_mtp = drafting_enabled(threshold)
-        self.position = prompt_tokens - 1  # of the last token fed and kept: the MTP head's next entry
+        self.use_mtp = drafting_enabled(threshold)  # `position`: the last token fed and kept, the MTP head's next entry
         self.draft: int | None = None            # fed last step, checked by this one
         self.draft_probs: np.ndarray | None = None  # the distribution it was drawn from (sampling)
         self.checked = self.kept = False          # this step checked a draft / kept it
@@ -266,8 +265,7 @@ class VerifyingDecoder(SequenceDecoder):
 
     def mtp_inputs(self, tokens, hidden, verify_hidden=None):
         # the MTP head's entry at position p reads (h[p], token p+1): one per token settled
-        hiddens = {(True, True): lambda: np.stack([verify_hidden, hidden]), (True, False): lambda: verify_hidden[None],
-                   (False, False): lambda: hidden[None]}[(self.checked, self.kept)]()
+        hiddens = np.stack([verify_hidden, hidden])[:len(tokens)] if self.checked else hidden[None]
         return tokens, hiddens, self.position + np.arange(len(tokens))
 
     def finish(self, tokens: list[int], draft_logits: np.ndarray | None = None, confidence: float = 0.0) -> Step:

@@ -184,7 +184,8 @@ class KVCache:
 
     def discard(self, row: int, slots: int) -> None:
         """Drops the row's last `slots` slots (a rejected draft's); the next write goes there."""
-        self.lengths[row] = max(0, int(self.lengths[row]) - slots)
+        with self._lock:
+            self.lengths[row] = max(0, int(self.lengths[row]) - slots)
 
     def check_room(self, row: int, new_slots: int) -> None:
         """Raises NoRoom when `new_slots` more would take the row beyond its reservation."""

@@ -299,11 +299,13 @@ class LanguageModel(nn.Module):
         self.backbone = Backbone(cfg)
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # registered in this order so that a seed draws a pair model's weights as it always has
         if cfg.is_dualend:
             self.compressor = Compressor(cfg)
-            self.confidence = ConfidenceHead(cfg)
         if cfg.has_mtp:
             self.mtp = MTPHead(cfg)
+        if cfg.is_dualend:
+            self.confidence = ConfidenceHead(cfg)
         self.apply(self._init_weights)
         if cfg.is_dualend and cfg.compressor_init in COMPRESSOR_INITS:
             self.compressor.init_linear(*COMPRESSOR_INITS[cfg.compressor_init])

@@ -212,6 +212,9 @@ class Executor:
     def open_drafts(self, seq_id: int, max_steps: int) -> None:
         self.local.mtp.cache.reserve(seq_id, max_steps)
 
+    def close_drafts(self, seq_id: int) -> None:
+        self.local.mtp.cache.release(seq_id)
+
     def draft(self, seq_ids: list[int], inputs: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
         """inputs: per sequence (tokens [n], hidden [n, D], positions [n]), its new MTP entries; the
         sequences with the same n in one call. -> draft logits [B, V] and confidence [B] after each's last."""
@@ -427,6 +430,10 @@ class DecodeLoop:
         drafting = [i for i, (_, s, tokens) in enumerate(decoded) if s.decoder.drafts_after(tokens)]
         if self.verifies and self.draft_max_batch and len(decoded) > self.draft_max_batch:
             drafting = []  # compute-bound: a fed draft would cost more than it gives
+            for _, sequence, _ in decoded:  # its MTP entries would have gaps: it starts afresh when drafts pay
+                if sequence.drafting:
+                    self.executor.close_drafts(sequence.request_id)
+                    sequence.drafting = False
         draft_logits, confidence = {}, {}
         if drafting:
             for i in drafting:

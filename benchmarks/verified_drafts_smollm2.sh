@@ -28,5 +28,5 @@ kill -TERM $server; wait $server 2>/dev/null || true
 trap - EXIT
 for precision in "" _int4; do
     .venv/bin/python -m benchmarks.draft_acceptance --base "build/export/smollm2$precision" \
-        --drafting "build/export/smollm2_mtp$precision" --thresholds 0 0.2 0.4 | tee "$out/acceptance$precision.txt"
+        --drafting "build/export/smollm2_mtp$precision" --prompts 16 --thresholds 0 0.3 | tee "$out/acceptance$precision.txt"
 done

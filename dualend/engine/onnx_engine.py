@@ -106,8 +106,8 @@ class BackboneBatch:
     A segment with `reserve_slots` > 0 starts its sequence (its first prefill chunk); a decode
     step is a segment of one latent, or of two when it verifies a draft (`verify`: the result then
     holds the outputs at each segment's latent before its last too). `discard` (empty: none): per
-    sequence, slots dropped from the end of its row before its segment goes in (a rejected draft's). `releases`: sequences whose blocks the caller's account
-    (`kv_blocks.KVBlockManager`) freed; their rows are released before anything runs.
+    sequence, slots dropped from the end of its row before its segment goes in (a rejected draft's).
+    `releases`: sequences whose blocks the caller's account (`kv_blocks.KVBlockManager`) freed; their rows are released before anything runs.
     `keeps`: sequences that ended whose keys and values the cache keeps for the prefix cache
     (`KVCache.keep`), before the releases. `reuse_ids` / `reuse_slots` (empty: none): per sequence,
     a starting one may begin with that many slots of a kept sequence's copy (its id, 0: none; a

@@ -41,8 +41,8 @@ def with_draft_head(base: LanguageModel, draft_vocab: int = 0) -> LanguageModel:
 
 
 def frequent_tokens(token_lists, count: int, always=()) -> torch.Tensor:
-    """The `count` tokens most frequent in `token_lists` (ties: lower id first), `always` among them:
-    the draft vocabulary (as FR-Spec's frequency-ranked drafting), sorted by id."""
+    """The `count` tokens most frequent in `token_lists` (ties: lower id first; fewer when fewer occur),
+    `always` among them: the draft vocabulary (as FR-Spec's frequency-ranked drafting), sorted by id."""
     counts = {}
     for tokens in token_lists:
         for token in tokens:

@@ -2,7 +2,8 @@
 
 A request is one iteration of its deployment's mtp_verify loop, a `BackboneBatch` as tensors
 (`serving.triton.backbone_batch`); the answer is its `BackboneResult` (logits and hidden state at each
-segment's last latent, a per-sequence status and message). The KV cache here holds storage only:
+segment's last latent, and at the one before when the batch verifies drafts; a per-sequence status and
+message). The KV cache here holds storage only:
 mtp_verify's scheduler owns the block account and sends only what fits. Its caller must carry the
 pipeline key of this checkpoint, so a step of another checkpoint is refused.
 """

@@ -72,6 +72,7 @@ from dualend.serving.repository import (
     PUBLIC_DEPLOYMENTS,
     DeploymentConfig,
     generations,
+    max_sequence_latents,
     pipeline_name,
     served_generation,
 )
@@ -87,6 +88,7 @@ DEFAULTS = dict(
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
     prefix_cache_entries=16, prefix_cache_ttl_s=600.0,
     engine_threads=2, preprocessing_instances=1, weight_precision="fp32", draft_max_batch=4,
+    draft_min_acceptance=0.0,
 )
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
                         "its backbone's cache holds this much (fp32 keys and values), allocated at start; requests "
@@ -99,6 +101,9 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
                              "NAME=P for one (repeatable; default: %(default)s)",
             draft_max_batch="a deployment with a draft head feeds drafts only while at most this many sequences "
                             "decode (0: however many; default: %(default)s)",
+            draft_min_acceptance="a sequence whose recent drafts were kept less often than this stops drafting "
+                                 "for a while (decode.DraftPacer; A for every deployment, NAME=A for one; "
+                                 "repeatable; 0: never; default: %(default)s, smollm2_mtp 0.3)",
             kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)",
             prefix_cache_entries="ended requests whose KV a deployment keeps so that a request extending one (the "
                                  "next turn of a chat) prefills only the rest (N for every deployment, NAME=N for "
@@ -126,10 +131,13 @@ SERVING_SETTINGS = {"dualend": (ROOT / "checkpoints" / "dualend", CHECKPOINT_WEI
 # Per-deployment defaults where one size does not fit all. SmolLM2 at 45 KiB of KV a token: 2048
 # tokens (its checkpoint says 8192) keep a request's reservation at 90 MiB, so 1536 MiB admits
 # 16 requests at the limits and far more of ordinary length.
-PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefix_cache_entries")
+PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefix_cache_entries", "draft_min_acceptance")
 EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for precision in WEIGHT_BITS}
 DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536}
                        for name in ("smollm2", "smollm2_dualend", "smollm2_mtp")}
+# Verified drafts keep the base's output whatever is drafted, so pausing them costs no quality; a
+# pair model's pause restarts its MTP head's context, so it is paused only when asked.
+DEPLOYMENT_DEFAULTS["smollm2_mtp"]["draft_min_acceptance"] = 0.3
 # Triton model suffix -> (source folder, components copied into its version folder)
 MODELS = {
     "": ("ensemble", ()),
@@ -389,14 +397,6 @@ def render_deployment(name: str, exported: ExportedModel, out: Path, values: dic
                 shutil.copytree(exported.directory / component, version_dir / component)
 
 
-def max_sequence_latents(raw_context_limit: int, max_new_tokens: int, pair_size: int) -> int:
-    """Most latents one sequence can hold: the prompt's pairs plus one per decode step (with every
-    draft rejected, one per generated token), where prompt + max_tokens <= raw_context_limit."""
-    if pair_size == 1:
-        return raw_context_limit
-    return raw_context_limit // pair_size + max_new_tokens // pair_size
-
-
 def kv_budget_blocks(settings: dict, budget_mb: int, block_size: int, widest_slots: int) -> int:
     """The KV memory budget in blocks of the backbone's cache (fp32 keys and values of every layer);
     refused when one request at the limits would not fit."""
@@ -418,7 +418,8 @@ def trained_context(checkpoint_dir: Path) -> int:
 
 def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, threshold: float,
                       raw_context_limit: int, kv_cache_mb: int, synthetic_acceptance: float = -1.0,
-                      weights: str = "trained", prefix_cache_entries: int = DEFAULTS["prefix_cache_entries"]) -> dict:
+                      weights: str = "trained", prefix_cache_entries: int = DEFAULTS["prefix_cache_entries"],
+                      draft_min_acceptance: float = DEFAULTS["draft_min_acceptance"]) -> dict:
     """Template values: the deployment config (each field, and all of them as `parameters` lines)
     and the tensor dims. max_new_tokens defaults to the whole limit (prompt + max_tokens <=
     raw_context_limit is checked per request)."""
@@ -439,6 +440,7 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
         engine=args.engine, engine_threads=args.engine_threads,
         compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
         synthetic_acceptance=synthetic_acceptance, weights=weights, draft_max_batch=args.draft_max_batch,
+        draft_min_acceptance=draft_min_acceptance,
     )
     return asdict(config) | {
         "parameters": config.pbtxt(), "benchmark_notices": config.benchmark_notices(),
@@ -491,7 +493,8 @@ def assemble(args) -> Path:
                                    limit, kv_cache_mb,
                                    deployment_synthetic_rate(rates, name, pair_size),
                                    "dummy" if dummy_weights(checkpoint_dir) else "trained",
-                                   setting(args, "prefix_cache_entries", name, source))
+                                   setting(args, "prefix_cache_entries", name, source),
+                                   setting(args, "draft_min_acceptance", name, source))
         render_deployment(name, exported, staging, values)
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
         print(f"{name}: checkpoint {exported.checkpoint_id}" + (f" (a variant of {source})" if name != source else "")
@@ -537,8 +540,8 @@ def main(argv=None) -> Path:
     for key, value in DEFAULTS.items():
         flag = f"--{key.replace('_', '-')}"
         if key in PER_DEPLOYMENT:
-            kind = per_deployment(precision_name, "one of " + ", ".join(WEIGHT_BITS)) if key == "weight_precision" \
-                else per_deployment_value
+            kind = {"weight_precision": per_deployment(precision_name, "one of " + ", ".join(WEIGHT_BITS)),
+                    "draft_min_acceptance": per_deployment(float, "a number")}.get(key, per_deployment_value)
             parser.add_argument(flag, type=kind, action="append", default=[],
                                 metavar="[NAME=]P" if key == "weight_precision" else "[NAME=]N",
                                 help=HELP[key] % {"default": value})

@@ -4,7 +4,7 @@
 
 FP16 with two optimisation profiles: prefill chunks (batch 1, up to a chunk of latents) and decode
 (up to `--max-batch` cache rows, one new latent), both with a past as wide as the KV cache can
-grow under the repository's limits (builder.assemble.max_sequence_latents, rounded up to the
+grow under the repository's limits (dualend.serving.repository.max_sequence_latents, rounded up to the
 cache's bucket). Checks parity against ONNX Runtime (logits on random inputs and whole greedy
 generations) and records the plan in the component's manifest. Without an NVIDIA GPU and
 `tensorrt` it says so and exits with status 2.
@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from builder.assemble import DEFAULTS as ASSEMBLE
-from builder.assemble import max_sequence_latents, trained_context
+from builder.assemble import trained_context
+from dualend.serving.repository import max_sequence_latents
 from dualend.engine.decode import SamplingParams
 from dualend.engine.kv_pool import KVCache
 from dualend.engine.manifest import Manifest, write_manifest

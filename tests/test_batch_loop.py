@@ -68,22 +68,22 @@ def test_a_wait_that_runs_out_is_refused_saying_so():
     assert late not in s
 
 
-def test_each_running_sequence_costs_a_row_as_wide_as_the_widest_reservation():
-    """The caches lay rows out dense, as wide as the longest: two 4-block sequences fill 8 blocks, and
-    a 1-block one waits behind them (arrival order) until one leaves; short ones beside short ones
-    take a block each."""
-    s = scheduler(max_running=4, kv_blocks=8, kv_block_size=4)
-    big, other_big, small = Seq(8, max_tokens=8), Seq(8, max_tokens=8), Seq(2, max_tokens=2)  # 16 slots, 4 slots
-    s.submit(big), s.submit(other_big), s.submit(small)
-    assert s.running == [big, other_big] and len(s.waiting) == 1 and s.used_blocks == 8
-    s.finish(big)
-    assert s.admit()[0] == [small] and s.used_blocks == 8  # two rows of 4 blocks
-    s.finish(other_big)
-    assert s.used_blocks == 1
-    shorts = [Seq(2, max_tokens=2) for _ in range(3)]
+def test_each_running_sequence_is_charged_its_own_reservation_not_the_widest_rows():
+    """One 2,048-token request running (32 blocks of 64) in a 40-block budget: eight short requests
+    (a block each) are admitted beside it, as if it took only its own 32; a ninth waits for a place
+    in the budget, and gets it when a short one ends."""
+    s = scheduler(max_running=16, max_queue=4, kv_blocks=40, kv_block_size=64)
+    long_one = Seq(1024, max_tokens=1024)
+    s.submit(long_one)
+    shorts = [Seq(40, max_tokens=24) for _ in range(9)]
     for sequence in shorts:
         s.submit(sequence)
-    assert len(s.running) == 4 and s.used_blocks == 4
+    assert s.running == [long_one, *shorts[:8]] and s.used_blocks == 40
+    assert [waiting for waiting, _ in s.waiting] == [shorts[8]]
+    s.finish(shorts[0])
+    assert s.admit()[0] == [shorts[8]] and s.used_blocks == 40
+    s.finish(long_one)
+    assert s.used_blocks == 8
 
 
 def test_a_request_larger_than_the_whole_cache_is_refused_at_once():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from builder.assemble import max_sequence_latents
+from dualend.serving.repository import max_sequence_latents
 from builder.train import convert_baseline
 from builder.train import main as train_main
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint

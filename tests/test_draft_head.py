@@ -6,7 +6,7 @@ import torch
 from builder.export import export_checkpoint
 from conftest import tiny_model
 from dualend.engine.checkpoint import Checkpoint
-from dualend.engine.decode import SamplingParams, VerifyingDecoder
+from dualend.engine.decode import DraftPacer, SamplingParams, SequenceDecoder, VerifyingDecoder
 from dualend.engine.onnx_engine import OnnxComponents
 from dualend.serving.offline import generate_text
 from dualend.train import draft_head
@@ -214,3 +214,67 @@ def test_no_draft_is_fed_while_more_sequences_decode_than_draft_max_batch(base_a
                             draft_max_batch=1)
     assert together[1][0] == generate_text(OnnxComponents(root / "base"), tiny_tokenizer, prompts[1], long, 1.0).tokens
     assert together[0][1] == 0 and together[1][1] > 0
+
+
+def test_the_pacer_pauses_a_sequence_whose_drafts_are_not_kept_longer_each_time_and_resumes():
+    pacer = DraftPacer(0.3, window=8, start=0.5, pause=4, max_pause=8)
+    rejected_until_paused = 0
+    while pacer.may_draft():
+        pacer.record(False)
+        rejected_until_paused += 1
+    # 0.5 * (7/8)^n < 0.3 from n = 4 on: a few misses, not one, pause it
+    assert rejected_until_paused == 4 and pacer.pauses == 1
+    assert [pacer.may_draft() for _ in range(4)] == [False, False, False, True]  # the rejected step's pause, then 3
+    for _ in range(4):
+        pacer.record(False)
+    assert sum(not pacer.may_draft() for _ in range(20)) == 8  # twice as long, at most max_pause
+    for _ in range(4):
+        pacer.record(False)
+    assert sum(not pacer.may_draft() for _ in range(20)) == 8
+    for _ in range(12):
+        pacer.record(True)
+    assert pacer.next_pause == 4  # kept drafts again: the next pause is short again
+
+
+def test_a_pacer_with_no_floor_never_pauses_and_a_floor_must_be_below_the_start():
+    pacer = DraftPacer(0.0)
+    for _ in range(100):
+        pacer.record(False)
+    assert pacer.may_draft() and pacer.pauses == 0
+    with pytest.raises(ValueError, match="min_acceptance 0.6: a share in"):
+        DraftPacer(0.6)
+
+
+@pytest.mark.parametrize("head", ["with_head", "untrained"])
+def test_paced_drafts_still_give_the_bases_text_and_an_untrained_head_mostly_stops_drafting(
+        base_and_head, tiny_tokenizer, head):
+    """With pacing (min acceptance 0.3) the output is still the base's token for token; a head whose
+    drafts are mostly dropped pauses (fewer drafts than steps without pacing), a good one keeps drafting."""
+    root, prompts, _ = base_and_head
+    base, with_head = OnnxComponents(root / "base"), OnnxComponents(root / head)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    paced_drafts = unpaced_drafts = 0
+    for prompt in prompts:
+        expected = generate_text(base, tiny_tokenizer, prompt, params, 1.0)
+        unpaced = generate_text(with_head, tiny_tokenizer, prompt, params, 0.0)
+        paced = generate_text(with_head, tiny_tokenizer, prompt, params, 0.0, draft_min_acceptance=0.3)
+        assert paced.tokens == expected.tokens == unpaced.tokens
+        assert paced.steps == expected.steps - paced.accepted
+        paced_drafts, unpaced_drafts = paced_drafts + paced.drafts, unpaced_drafts + unpaced.drafts
+    if head == "untrained":
+        assert paced_drafts < unpaced_drafts / 2
+    else:
+        assert paced_drafts > 0.8 * unpaced_drafts
+
+
+def test_a_pair_model_whose_gate_rejects_its_drafts_stops_calling_the_head_for_a_while():
+    decoder = SequenceDecoder(2, pad_id=0, eos_id=1, bos_id=2, params=SamplingParams(max_tokens=100),
+                              threshold=0.5, prompt_pairs=3, min_acceptance=0.3)
+    logits = np.zeros(8, np.float32)
+    logits[5] = 10.0
+    asked = []
+    for _ in range(12):
+        asked.append(decoder.drafts_after([5]))
+        step = decoder.finish([5], logits if asked[-1] else None, confidence=0.1)  # below the gate: PAD
+        assert step.tokens == [5] and decoder.next_pair == [5, 0]
+    assert asked[:4] == [True] * 4 and not any(asked[4:12])  # paused from the fifth step, for 8

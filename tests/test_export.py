@@ -1,6 +1,9 @@
 """Export parity (torch vs ONNX Runtime), manifests and version lock, and the KV pool."""
+import ctypes
 import json
+import mmap
 import shutil
+import sys
 
 import numpy as np
 import onnx
@@ -264,18 +267,18 @@ def _rows_of_distinct_values(kv):
     return write, expect
 
 
-def test_a_budgeted_cache_re_lays_rows_out_in_place_and_keeps_every_slot():
+def test_a_cache_laid_out_for_its_widest_row_re_lays_rows_out_in_place_and_keeps_every_slot():
     """Rows of distinct values at several lengths survive growing and shrinking T inside the buffers
-    sized by the budget at start (heads > 1, so a row's heads move too), never reallocated; a layout
-    the budget cannot hold (three rows 20 slots wide in 48) is refused with NoRoom and moves nothing."""
-    kv = cache(max_sequences=4, heads=2, bucket=4, budget_slots=48)
+    laid out at start for max_sequences rows of max_row_slots (heads > 1, so a row's heads move too),
+    never reallocated."""
+    kv = cache(max_sequences=4, heads=2, bucket=4, max_row_slots=32)
     buffers = [b.ctypes.data for b in kv._buffers]
-    assert kv.bytes == 2 * 48 * 2 * 2 * 4  # keys and values: budget x heads x Dh x fp32
+    assert kv.bytes == 2 * 4 * 32 * 2 * 2 * 4  # keys and values: rows x widest x heads x Dh x fp32
     write, expect = _rows_of_distinct_values(kv)
     for seq_id, length in ((1, 3), (2, 2), (3, 4)):
-        kv.reserve(seq_id, 16)
+        kv.reserve(seq_id, 32)
         write(seq_id, 0, length)
-    write(2, 2, 11)  # T grows from 4 to 16 with three rows in use: 48 slots, the whole budget
+    write(2, 2, 11)  # T grows from 4 to 16 with three rows in use
     assert kv.width == 16
     expect(1, 3), expect(2, 13), expect(3, 4)
     kv.release(2)
@@ -283,10 +286,52 @@ def test_a_budgeted_cache_re_lays_rows_out_in_place_and_keeps_every_slot():
     assert kv.width == 4
     expect(1, 3), expect(3, 4)
     kv.reserve(4, 32)
-    with pytest.raises(NoRoom, match="3 sequences 20 slots wide need 60 slots, the budget holds 48"):
-        write(4, 0, 20)
-    assert kv.width == 4 and [b.ctypes.data for b in kv._buffers] == buffers
-    expect(1, 3), expect(3, 4)
+    write(4, 0, 30)
+    assert kv.width == 32 and [b.ctypes.data for b in kv._buffers] == buffers
+    expect(1, 3), expect(3, 4), expect(4, 30)
+
+
+def _resident_bytes(array: np.ndarray) -> int:
+    """Resident bytes of the pages under the array (libc's mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    pages = -(-array.nbytes // mmap.PAGESIZE)
+    vector = ctypes.create_string_buffer(pages)
+    assert array.ctypes.data % mmap.PAGESIZE == 0
+    if libc.mincore(array.ctypes.data, array.nbytes, vector) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(byte & 1 for byte in vector.raw) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="residency is read with Linux's mincore")
+def test_the_cache_holds_memory_for_the_slots_written_not_for_rows_times_the_widest():
+    """One slot of one head is a page here (Dh 1024 floats), so residency counts slots: a row
+    reserved 1,000 slots wide with 3 written holds ~3 pages a head; a long row's pages come back
+    when it leaves, and stale slots past a row's length read as zeros after a re-layout."""
+    page_floats = mmap.PAGESIZE // 4
+    kv = cache(max_sequences=3, heads=2, head_dim=page_floats, bucket=4, max_row_slots=1000)
+    layer_keys = kv._buffers[0]
+    assert _resident_bytes(layer_keys) == 0
+
+    def write(seq_id, count):
+        block = np.ones((1, 1, 2, count, page_floats), np.float32)
+        kv.make_room([kv.row(seq_id)], count)
+        kv.write([kv.row(seq_id)], block, block)
+
+    kv.reserve(1, 1000)
+    write(1, 3)
+    assert _resident_bytes(layer_keys) == 2 * 3 * mmap.PAGESIZE  # heads x slots written
+    kv.reserve(2, 1000)
+    write(2, 300)
+    assert kv.width == 300 and _resident_bytes(layer_keys) == 2 * 303 * mmap.PAGESIZE
+    kv.release(2)
+    kv.compact()
+    assert kv.width == 4 and _resident_bytes(layer_keys) == 2 * 3 * mmap.PAGESIZE
+    kv.reserve(3, 8)
+    write(3, 1)
+    kv.discard(kv.row(3), 1)  # a rejected draft: stale until overwritten or re-laid out
+    write(1, 5)  # T grows to 8: row 3's stale slot is not carried
+    assert not kv.past().keys[0][kv.row(3)].any() and kv.past().keys[0][kv.row(1), :, :8].all()
 
 
 def test_a_cache_without_a_budget_grows_its_buffers_and_carries_every_row_over():

@@ -148,6 +148,40 @@ class SyntheticAcceptance:
         return bool(self.rng.random() < self.rate)
 
 
+class DraftPacer:
+    """Drafting steered by how often one sequence's recent drafts paid off. Every draft costs (an MTP
+    head call; verified, a wider backbone step too) and gives a token only when kept, so once the
+    share kept of the last ~`window` drafts (an exponential average, starting at `start`) falls below
+    `min_acceptance`, the sequence stops drafting for `pause` steps, twice as long each time it falls
+    again (at most `max_pause`), and tries afresh after; a pause that ends on a kept share back at
+    `start` or above returns to `pause`. `min_acceptance` 0: never paused."""
+
+    def __init__(self, min_acceptance: float, window: int = 8, start: float = 0.5, pause: int = 8,
+                 max_pause: int = 128):
+        if not 0 <= min_acceptance < start:
+            raise ValueError(f"min_acceptance {min_acceptance:g}: a share in [0, {start:g})")
+        self.min_acceptance, self.alpha, self.start = min_acceptance, 1 / window, start
+        self.first_pause, self.max_pause = pause, max_pause
+        self.kept_share, self.next_pause, self.paused_for = start, pause, 0
+        self.pauses = 0
+
+    def may_draft(self) -> bool:
+        """Whether this step may draft; a paused step counts down its pause."""
+        if self.paused_for:
+            self.paused_for -= 1
+            return False
+        return True
+
+    def record(self, kept: bool) -> None:
+        self.kept_share += self.alpha * (kept - self.kept_share)
+        if self.kept_share >= self.start:
+            self.next_pause = self.first_pause
+        elif self.kept_share < self.min_acceptance:
+            self.paused_for, self.kept_share = self.next_pause, self.start
+            self.next_pause = min(2 * self.next_pause, self.max_pause)
+            self.pauses += 1
+
+
 class SequenceDecoder:
     """One sequence's decisions in the decode loop, engine-free, so a loop over one sequence and a
     loop over a batch of them decide identically: sample t1 from the backbone's logits, ask for a
@@ -159,8 +193,10 @@ class SequenceDecoder:
     """
 
     def __init__(self, pair_size: int, pad_id: int, eos_id: int, bos_id: int, params: SamplingParams,
-                 threshold: float, prompt_pairs: int, sampler=None, synthetic_acceptance: float | None = None):
+                 threshold: float, prompt_pairs: int, sampler=None, synthetic_acceptance: float | None = None,
+                 min_acceptance: float = 0.0):
         self.pair_size, self.pad_id, self.eos_id = pair_size, pad_id, eos_id
+        self.pacer = DraftPacer(min_acceptance if synthetic_acceptance is None else 0.0)
         self.params, self.threshold = params, threshold
         self.sampler = sampler or Sampler(params)
         self.synthetic = (None if synthetic_acceptance is None
@@ -183,7 +219,7 @@ class SequenceDecoder:
         return [self.first_token(logits)]
 
     def drafts_after(self, tokens: list[int]) -> bool:
-        return self.wants_draft(tokens[0])
+        return self.wants_draft(tokens[0]) and self.pacer.may_draft()
 
     def mtp_inputs(self, tokens: list[int], hidden: np.ndarray,
                    verify_hidden: np.ndarray | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
@@ -205,6 +241,7 @@ class SequenceDecoder:
             draft = self.sampler(_masked(draft_logits, self.banned))
             step.drafted = True
             step.accepted = self.synthetic() if self.synthetic is not None else gate(confidence, self.threshold)
+            self.pacer.record(step.accepted)
             if not step.accepted:
                 draft = self.pad_id
             elif draft == self.eos_id:
@@ -230,8 +267,9 @@ class VerifyingDecoder(SequenceDecoder):
     """
 
     def __init__(self, pad_id: int, eos_id: int, bos_id: int, params: SamplingParams, threshold: float,
-                 prompt_tokens: int, sampler=None):
-        super().__init__(1, pad_id, eos_id, bos_id, params, threshold, prompt_tokens, sampler)
+                 prompt_tokens: int, sampler=None, min_acceptance: float = 0.0):
+        super().__init__(1, pad_id, eos_id, bos_id, params, threshold, prompt_tokens, sampler,
+                         min_acceptance=min_acceptance)
         self.use_mtp = drafting_enabled(threshold)  # `position`: the last token fed and kept, the MTP head's next entry
         self.draft: int | None = None            # fed last step, checked by this one
         self.draft_probs: np.ndarray | None = None  # the distribution it was drawn from (sampling)
@@ -249,6 +287,7 @@ class VerifyingDecoder(SequenceDecoder):
         p = self.sampler.distribution(target)
         chosen = int(np.argmax(target)) if p is None else None  # greedy: the base's token there
         self.kept = chosen == draft if p is None else self.sampler.rng.random() * q[draft] < p[draft]
+        self.pacer.record(self.kept)
         if self.kept:
             return [draft, self.first_token(logits)]
         self.discard = 1
@@ -259,7 +298,7 @@ class VerifyingDecoder(SequenceDecoder):
 
     def drafts_after(self, tokens: list[int]) -> bool:
         return (self.use_mtp and self.eos_id not in tokens
-                and self.produced + len(tokens) + 2 <= self.params.max_tokens)
+                and self.produced + len(tokens) + 2 <= self.params.max_tokens and self.pacer.may_draft())
 
     def mtp_inputs(self, tokens, hidden, verify_hidden=None):
         # the MTP head's entry at position p reads (h[p], token p+1): one per token settled

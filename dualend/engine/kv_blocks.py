@@ -7,11 +7,9 @@ backbone's in its own process, the MTP head's in the decode loop's) hold storage
 are told: reserve a row for a sequence this account admitted, release it when the account freed it.
 
 The capacity is a memory budget (`builder.assemble --kv-cache-mb`), in blocks of `block_size` slots.
-The caches lay their rows out dense, each as wide as the longest sequence in them (the layout the
-engine's attention reads without a copy), so what the running sequences can come to occupy is
-rows x the widest reservation among them: admission keeps that within the budget. A sequence never
-reserves the context's maximum, only its own prompt and max_tokens; short requests beside short
-ones fill the budget with many rows, one long request narrows it for as long as it runs.
+Each sequence is charged its own reservation (its prompt and max_tokens, never the context's maximum)
+and each kept copy its own size: the caches' memory follows the slots written (`kv_pool`), so one
+long request takes its own blocks and nothing from the short ones beside it.
 """
 from __future__ import annotations
 
@@ -22,12 +20,6 @@ from collections.abc import Collection, Hashable
 def blocks_for(slots: int, block_size: int) -> int:
     """Blocks a reservation of `slots` pair slots takes (at least one)."""
     return max(1, math.ceil(slots / block_size))
-
-
-def dense_blocks(reservations: list[int]) -> int:
-    """Blocks that rows of these reservations (in blocks) can come to occupy in a dense layout:
-    rows x the widest."""
-    return len(reservations) * max(reservations, default=0)
 
 
 class KVBlockManager:
@@ -41,9 +33,8 @@ class KVBlockManager:
 
     @property
     def used_blocks(self) -> int:
-        """What the running sequences can come to occupy (rows x the widest reservation), and the
-        kept copies, each its own size."""
-        return dense_blocks(list(self._held.values())) + sum(self._copies.values())
+        """The running sequences' reservations and the kept copies."""
+        return sum(self._held.values()) + sum(self._copies.values())
 
     @property
     def free_blocks(self) -> int:
@@ -51,9 +42,9 @@ class KVBlockManager:
 
     def fits(self, slots: int, freeing: Collection[Hashable] = ()) -> bool:
         """Whether `slots` more fit, once the holders in `freeing` gave theirs back."""
-        held = [blocks for holder, blocks in self._held.items() if holder not in freeing]
-        copies = sum(blocks for holder, blocks in self._copies.items() if holder not in freeing)
-        return dense_blocks([*held, self.blocks_for(slots)]) + copies <= self.capacity_blocks
+        freed = sum(blocks for holders in (self._held, self._copies)
+                    for holder, blocks in holders.items() if holder in freeing)
+        return self.used_blocks - freed + self.blocks_for(slots) <= self.capacity_blocks
 
     def fits_copy(self, slots: int) -> bool:
         return self.used_blocks + self.blocks_for(slots) <= self.capacity_blocks

@@ -5,12 +5,14 @@ attention reads. A live sequence owns a row, and rows in use are kept dense (0..
 of every live sequence is the view [:n] of each array: contiguous, handed to the engine as it is.
 A step writes only its new keys and values. T grows in buckets as the longest sequence grows (one
 re-layout every `bucket` steps, not a copy every step) and shrinks back when the long ones leave;
-a release moves the last row into the freed one. Every layout lives in one buffer per layer. A
-server gives it a budget (`budget_slots`: rows x T of every layout together, from the memory
-budget) and the buffers are that size, allocated zeroed by the operating system page by page as rows
-are first written (calloc), so an idle server holds none of it and memory grows with the rows in
-use up to the budget; the block account admits only what such a layout holds. Without a budget (the
-in-process engine) the buffers grow as needed.
+a release moves the last row into the freed one. Every layout lives in one buffer per layer, laid
+out virtually for `max_sequences` rows as wide as the widest reservation (`max_row_slots`): private
+anonymous memory that the operating system gives page by page as slots are first written, and takes
+back (`madvise(MADV_DONTNEED)`) when a release or a re-layout leaves pages holding no live slot. So
+resident memory follows the slots the sequences have filled, not rows x the widest row, and the
+block account can charge each sequence its own reservation. Slots past a row's length hold zeros or
+stale finite values; the engine masks them. Without `max_row_slots` (the in-process engine) the
+buffers grow as needed.
 
 A sequence reserves, at its start, a row and the slots it may need (prompt pairs + max new
 tokens). Whether it may is decided before, by the one account of KV blocks
@@ -27,6 +29,7 @@ within `kept_timeout_s` is dropped, the same safety net.
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 import time
 from collections import OrderedDict
@@ -72,13 +75,28 @@ class Past:
     lengths: np.ndarray       # [n] filled slots per row
 
 
+def _lazy_zeros(count: int) -> tuple[mmap.mmap, np.ndarray]:
+    """`count` float32 zeros in private anonymous memory, resident only once written."""
+    region = mmap.mmap(-1, max(1, count) * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return region, np.frombuffer(region, np.float32, count)
+
+
+def _give_back(region: mmap.mmap, start: int, stop: int) -> None:
+    """Returns the whole pages inside floats [start, stop) of the region to the operating system;
+    they read as zeros after."""
+    first = -(-start * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = stop * 4 // mmap.PAGESIZE * mmap.PAGESIZE
+    if first < last:
+        region.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
 class KVCache:
     bucket_default = 64
 
     remembered_evictions = 1024  # evicted sequence ids kept, so their next step says so
 
     def __init__(self, layers: int, heads: int, head_dim: int, max_sequences: int, idle_timeout_s: float = 60.0,
-                 bucket: int = bucket_default, budget_slots: int | None = None, clock=time.monotonic,
+                 bucket: int = bucket_default, max_row_slots: int | None = None, clock=time.monotonic,
                  kept_timeout_s: float = 600.0):
         self.layers, self.heads, self.head_dim, self.max_sequences = layers, heads, head_dim, max_sequences
         self.idle_timeout_s, self.bucket, self.clock = idle_timeout_s, bucket, clock
@@ -90,9 +108,8 @@ class KVCache:
         self.lengths = np.zeros(max_sequences, np.int64)
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
-        self.budget_slots = budget_slots
-        size = (budget_slots if budget_slots is not None else max_sequences * bucket) * heads * head_dim
-        self._buffers = [np.zeros(size, np.float32) for _ in range(2 * layers)]  # untouched until used
+        widest = self._bucketed(max_row_slots) if max_row_slots else bucket
+        self._regions, self._buffers = self._lazy_buffers(max_sequences * widest * heads * head_dim)
         self._allocate(bucket)
         self.evicted_total = 0
         self._lock = threading.Lock()
@@ -104,6 +121,7 @@ class KVCache:
 
     @property
     def bytes(self) -> int:
+        """The buffers' size: address space, resident only where slots were written."""
         return sum(buffer.nbytes for buffer in self._buffers)
 
     def reserve(self, seq_id: int, slots: int) -> int:
@@ -250,6 +268,9 @@ class KVCache:
             self.sequences[moved].row = sequence.row
         self.row_owner.pop()
         self.lengths[last] = 0
+        row_floats = self.heads * self.width * self.head_dim
+        for region in self._regions:
+            _give_back(region, last * row_floats, (last + 1) * row_floats)
         return True
 
     def _evict_idle_locked(self) -> list[int]:
@@ -268,29 +289,35 @@ class KVCache:
     def _bucketed(self, slots: int) -> int:
         return self.bucket * math.ceil(slots / self.bucket)
 
+    def _lazy_buffers(self, floats: int) -> tuple[list[mmap.mmap], list[np.ndarray]]:
+        pairs = [_lazy_zeros(floats) for _ in range(2 * self.layers)]
+        return [region for region, _ in pairs], [buffer for _, buffer in pairs]
+
     def _allocate(self, width: int) -> None:
-        """Lays the rows out `width` slots wide, in place in the buffers: as many rows as the budget
-        holds at that width (at most max_sequences); without a budget the buffers grow if too small.
+        """Lays the rows out `width` slots wide, in place in the buffers (which grow, copied, only
+        when a layout does not fit them), then gives back the pages that hold no live slot.
 
         In place, a row's new place may overlap where other rows are now: growing moves rows from
         the last one down, shrinking from the first one up, so no row is overwritten before it moved.
         """
-        rows_laid = self.max_sequences
-        if self.budget_slots is not None:
-            rows_laid = min(rows_laid, self.budget_slots // width)
-            if rows_laid < len(self.row_owner):
-                raise NoRoom(f"KV cache full: {len(self.row_owner)} sequences {width} slots wide need "
-                             f"{len(self.row_owner) * width} slots, the budget holds {self.budget_slots}")
-        shape = (rows_laid, self.heads, width, self.head_dim)
-        size = rows_laid * self.heads * width * self.head_dim
-        if size > self._buffers[0].size:
-            self._buffers = [np.zeros(size, np.float32) for _ in self._buffers]
-        layouts = [buffer[:size].reshape(shape) for buffer in self._buffers]
-        rows, old_width = len(self.row_owner), (self.keys[0].shape[2] if self.keys else 0)
-        keep = min(width, old_width)
-        order = range(rows - 1, -1, -1) if width > old_width else range(rows)
-        for new, old in zip(layouts, self.keys + self.values):
+        shape = (self.max_sequences, self.heads, width, self.head_dim)
+        size = math.prod(shape)
+        rows, old = len(self.row_owner), self.keys + self.values
+        regions, buffers = self._regions, self._buffers
+        if size > buffers[0].size:
+            regions, buffers = self._lazy_buffers(size)
+        layouts = [buffer[:size].reshape(shape) for buffer in buffers]
+        order = range(rows - 1, -1, -1) if not old or width > old[0].shape[2] else range(rows)
+        for new, before in zip(layouts, old):
             for row in order:
-                new[row, :, :keep] = old[row, :, :keep]  # numpy copies through a buffer where they overlap
-                new[row, :, keep:] = 0.0
+                length = int(self.lengths[row])
+                new[row, :, :length] = before[row, :, :length]  # numpy copies through a buffer where they overlap
+        self._regions, self._buffers = regions, buffers
         self.keys, self.values = layouts[:self.layers], layouts[self.layers:]
+        head_floats = width * self.head_dim
+        for region in self._regions:
+            for row in range(rows):
+                for head in range(self.heads):
+                    start = (row * self.heads + head) * head_floats
+                    _give_back(region, start + int(self.lengths[row]) * self.head_dim, start + head_floats)
+            _give_back(region, rows * self.heads * head_floats, len(region) // 4)

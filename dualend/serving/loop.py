@@ -276,9 +276,10 @@ class _Inbox:
 class DecodeLoop:
     def __init__(self, executor: Executor, tokenizer: TextTokenizer, scheduler: Scheduler, threshold: float,
                  observer: Observer | None = None, cancel_check_s: float = 0.5, clock=time.monotonic,
-                 synthetic_acceptance: float | None = None, draft_max_batch: int = 0):
+                 synthetic_acceptance: float | None = None, draft_max_batch: int = 0, draft_min_acceptance: float = 0.0):
         self.executor, self.tokenizer, self.scheduler = executor, tokenizer, scheduler
         self.draft_max_batch = draft_max_batch  # verified drafts only while at most this many decode (0: always)
+        self.draft_min_acceptance = draft_min_acceptance  # each sequence's decode.DraftPacer
         self.threshold, self.observer = threshold, observer or PhaseMetrics()
         self.synthetic_acceptance = synthetic_acceptance  # benchmark only: decode.SyntheticAcceptance
         self.cancel_check_s, self.clock = cancel_check_s, clock
@@ -296,10 +297,12 @@ class DecodeLoop:
         """Queues a request; its `acceptance_threshold`, when it sets one, overrides the deployment's."""
         threshold = request.params.acceptance_threshold
         threshold = self.threshold if threshold is None else threshold
-        decoder = (VerifyingDecoder(self.pad_id, self.eos_id, self.bos_id, request.params, threshold, len(prompt_latents))
+        decoder = (VerifyingDecoder(self.pad_id, self.eos_id, self.bos_id, request.params, threshold, len(prompt_latents),
+                                    min_acceptance=self.draft_min_acceptance)
                    if self.verifies else
                    SequenceDecoder(self.pair_size, self.pad_id, self.eos_id, self.bos_id, request.params, threshold,
-                                   len(prompt_latents), synthetic_acceptance=self.synthetic_acceptance))
+                                   len(prompt_latents), synthetic_acceptance=self.synthetic_acceptance,
+                                   min_acceptance=self.draft_min_acceptance))
         sequence = LiveSequence(
             request_id, request, prompt_latents, decoder,
             TextStream(self.tokenizer, request.params.stop_words), ResponseStream(request, len(prompt_latents)),
@@ -430,10 +433,10 @@ class DecodeLoop:
         drafting = [i for i, (_, s, tokens) in enumerate(decoded) if s.decoder.drafts_after(tokens)]
         if self.verifies and self.draft_max_batch and len(decoded) > self.draft_max_batch:
             drafting = []  # compute-bound: a fed draft would cost more than it gives
-            for _, sequence, _ in decoded:  # its MTP entries would have gaps: it starts afresh when drafts pay
-                if sequence.drafting:
-                    self.executor.close_drafts(sequence.request_id)
-                    sequence.drafting = False
+        for i, (_, sequence, _) in enumerate(decoded):
+            if sequence.drafting and i not in drafting:  # its MTP entries would have gaps: it starts afresh
+                self.executor.close_drafts(sequence.request_id)
+                sequence.drafting = False
         draft_logits, confidence = {}, {}
         if drafting:
             for i in drafting:

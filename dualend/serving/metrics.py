@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from dualend.engine.kv_blocks import blocks_for, dense_blocks
+from dualend.engine.kv_blocks import blocks_for
 
 from .outcomes import REFUSALS as REFUSALS_BY_OUTCOME
 from .outcomes import Outcome
@@ -169,8 +169,7 @@ class PoolMetrics:
 
     def update(self) -> None:
         """Only what changed: each metric call is a round trip to the server process."""
-        reserved = [blocks_for(s.reserved_slots, self.block_size) for s in self.pool.sequences.values()]
-        used = dense_blocks(reserved)  # as the block account counts
+        used = sum(blocks_for(s.reserved_slots, self.block_size) for s in self.pool.sequences.values())
         now = (used, self.capacity_blocks - used, len(self.pool.sequences), self.pool.evicted_total)
         for metric, before, value in zip((self.used, self.free, self.live), self.reported, now):
             if value != before:

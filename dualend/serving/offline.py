@@ -54,22 +54,21 @@ class _Collected:
         return False
 
 
-def decode_loop(engine: OnnxComponents, tokenizer: TextTokenizer, threshold: float,
-                synthetic_acceptance: float | None = None) -> DecodeLoop:
-    """A decode loop on the in-process engine, sized by its KV cache; `synthetic_acceptance` (benchmark
-    only) accepts drafts by a draw at that rate instead of the gate (`decode.SyntheticAcceptance`)."""
+def decode_loop(engine: OnnxComponents, tokenizer: TextTokenizer, threshold: float, **options) -> DecodeLoop:
+    """A decode loop on the in-process engine, sized by its KV cache; `options` are the loop's
+    (`synthetic_acceptance`, benchmark only: drafts accepted by a draw at that rate instead of the
+    gate; `draft_min_acceptance`: each sequence's `decode.DraftPacer`)."""
     cache = engine.backbone.cache
     scheduler = Scheduler(max_running=cache.max_sequences, max_queue=0, wait_s=0.0, prefill_chunk=PREFILL_CHUNK,
                           kv_blocks=sys.maxsize, kv_block_size=1)  # one request: the cache's rows are the limit
-    return DecodeLoop(Executor.in_process(engine), tokenizer, scheduler, threshold,
-                      synthetic_acceptance=synthetic_acceptance)
+    return DecodeLoop(Executor.in_process(engine), tokenizer, scheduler, threshold, **options)
 
 
 def stream(engine: OnnxComponents, tokenizer: TextTokenizer, prompt_ids: Sequence[int], params: SamplingParams,
-           threshold: float, synthetic_acceptance: float | None = None) -> Iterator[Response]:
+           threshold: float, **options) -> Iterator[Response]:
     """One request's streamed responses (prompt not echoed), as the loop sends them, the last with its
     finish_reason; closing the iterator early cancels the request. Every cache is free afterwards."""
-    loop, output = decode_loop(engine, tokenizer, threshold, synthetic_acceptance), _Collected()
+    loop, output = decode_loop(engine, tokenizer, threshold, **options), _Collected()
     request_id = next(_request_ids)
     request = PreparedRequest(list(prompt_ids), params, stream=True, exclude_input_in_output=True)
     loop.submit(request_id, request, engine.compress(request.prompt_pairs(engine.pair_size, engine.pad_id)), output)
@@ -90,11 +89,11 @@ def stream(engine: OnnxComponents, tokenizer: TextTokenizer, prompt_ids: Sequenc
 
 
 def generate_text(engine: OnnxComponents, tokenizer: TextTokenizer, prompt: str, params: SamplingParams,
-                  threshold: float, synthetic_acceptance: float | None = None) -> Generation:
-    """One whole generation as text, with its counters, as the server would answer it."""
+                  threshold: float, **options) -> Generation:
+    """One whole generation as text, with its counters, as the server would answer it (`options`:
+    the decode loop's, as in `decode_loop`)."""
     result = Generation()
-    for response in stream(engine, tokenizer, tokenizer.encode_prompt(prompt), params, threshold,
-                           synthetic_acceptance):
+    for response in stream(engine, tokenizer, tokenizer.encode_prompt(prompt), params, threshold, **options):
         counters = response.counters
         result.add(response.output_ids, counters["num_steps"], counters["num_drafts"],
                    counters["num_accepted_drafts"], response.finish_reason)

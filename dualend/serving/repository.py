@@ -19,6 +19,14 @@ from .model_config import shared_model_config
 PUBLIC_DEPLOYMENTS = ("dualend", "baseline", "smollm2", "smollm2_dualend", "smollm2_mtp")
 
 
+def max_sequence_latents(raw_context_limit: int, max_new_tokens: int, pair_size: int) -> int:
+    """Most latents one sequence can hold: the prompt's pairs plus one per decode step (with every
+    draft rejected, one per generated token), where prompt + max_tokens <= raw_context_limit."""
+    if pair_size == 1:
+        return raw_context_limit
+    return raw_context_limit // pair_size + max_new_tokens // pair_size
+
+
 @dataclass(frozen=True)
 class DeploymentConfig:
     """One deployment's settings, rendered by the builder into the `parameters` of each of its
@@ -51,6 +59,8 @@ class DeploymentConfig:
     # A draft head's drafts are fed only while at most this many sequences decode (0: however many):
     # beyond, a step is compute-bound and a draft costs more than it gives.
     draft_max_batch: int = 0
+    # ... and a sequence whose recent drafts were kept less often than this pauses drafting (decode.DraftPacer).
+    draft_min_acceptance: float = 0.0
 
     def __post_init__(self):
         if self.synthetic_acceptance != -1.0 and not (self.pair_size == 2 and 0 <= self.synthetic_acceptance <= 1):
@@ -94,9 +104,14 @@ class DeploymentConfig:
                                  ) from None
         return cls(**values)
 
+    @property
+    def sequence_slots(self) -> int:
+        return max_sequence_latents(self.raw_context_limit, self.max_new_tokens, self.pair_size)
+
     def kv_cache_options(self) -> dict:
-        """A KV cache's sizing from this config: the budget in slots, laid out in steps of a block."""
-        return {"budget_slots": self.kv_capacity_blocks * self.kv_block_size, "bucket": self.kv_block_size,
+        """A KV cache's layout from this config: rows as wide as one request can grow, laid out in
+        steps of a block."""
+        return {"max_row_slots": self.sequence_slots, "bucket": self.kv_block_size,
                 "idle_timeout_s": self.idle_timeout_s,
                 "kept_timeout_s": self.prefix_cache_ttl_s + 60}  # the loop releases them first
 

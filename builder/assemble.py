@@ -88,7 +88,7 @@ DEFAULTS = dict(
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
     prefix_cache_entries=16, prefix_cache_ttl_s=600.0,
     engine_threads=2, preprocessing_instances=1, weight_precision="fp32", draft_max_batch=4,
-    draft_min_acceptance=0.0,
+    draft_min_acceptance=None,
 )
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
                         "its backbone's cache holds this much (fp32 keys and values), allocated at start; requests "
@@ -103,7 +103,8 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
                             "decode (0: however many; default: %(default)s)",
             draft_min_acceptance="a sequence whose recent drafts were kept less often than this stops drafting "
                                  "for a while (decode.DraftPacer; A for every deployment, NAME=A for one; "
-                                 "repeatable; 0: never; default: %(default)s, smollm2_mtp 0.3)",
+                                 "repeatable; 0: never); default: a draft head's break-even by weight precision "
+                                 "(fp32 0.05, int8 and int4 0.3), 0 for pair models",
             kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)",
             prefix_cache_entries="ended requests whose KV a deployment keeps so that a request extending one (the "
                                  "next turn of a chat) prefills only the rest (N for every deployment, NAME=N for "
@@ -135,9 +136,11 @@ PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefi
 EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for precision in WEIGHT_BITS}
 DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536}
                        for name in ("smollm2", "smollm2_dualend", "smollm2_mtp")}
+# A draft head's drafts pay above about this share kept (reports/draft_pacing.txt: on SmolLM2 a fed
+# draft costs ~0.3 of a step in int4, next to nothing in fp32; int8 not measured, taken as int4).
 # Verified drafts keep the base's output whatever is drafted, so pausing them costs no quality; a
 # pair model's pause restarts its MTP head's context, so it is paused only when asked.
-DEPLOYMENT_DEFAULTS["smollm2_mtp"]["draft_min_acceptance"] = 0.3
+DRAFT_BREAK_EVEN = {"fp32": 0.05, "int8": 0.3, "int4": 0.3}
 # Triton model suffix -> (source folder, components copied into its version folder)
 MODELS = {
     "": ("ensemble", ()),
@@ -257,6 +260,13 @@ def setting(args, key: str, deployment: str, source: str | None = None):
     if None in given:
         return given[None]
     return DEPLOYMENT_DEFAULTS.get(source or deployment, {}).get(key, DEFAULTS[key])
+
+
+def draft_min_acceptance(args, deployment: str, source: str, precision: str, verifies: bool) -> float:
+    given = setting(args, "draft_min_acceptance", deployment, source)
+    if given is not None:
+        return given
+    return DRAFT_BREAK_EVEN[precision] if verifies else 0.0
 
 
 def synthetic_rate(text: str) -> tuple[str | None, float]:
@@ -419,7 +429,7 @@ def trained_context(checkpoint_dir: Path) -> int:
 def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, threshold: float,
                       raw_context_limit: int, kv_cache_mb: int, synthetic_acceptance: float = -1.0,
                       weights: str = "trained", prefix_cache_entries: int = DEFAULTS["prefix_cache_entries"],
-                      draft_min_acceptance: float = DEFAULTS["draft_min_acceptance"]) -> dict:
+                      draft_min_acceptance: float = 0.0) -> dict:
     """Template values: the deployment config (each field, and all of them as `parameters` lines)
     and the tensor dims. max_new_tokens defaults to the whole limit (prompt + max_tokens <=
     raw_context_limit is checked per request)."""
@@ -494,7 +504,8 @@ def assemble(args) -> Path:
                                    deployment_synthetic_rate(rates, name, pair_size),
                                    "dummy" if dummy_weights(checkpoint_dir) else "trained",
                                    setting(args, "prefix_cache_entries", name, source),
-                                   setting(args, "draft_min_acceptance", name, source))
+                                   draft_min_acceptance(args, name, source, precision,
+                                                        pair_size == 1 and "mtp" in exported.manifests))
         render_deployment(name, exported, staging, values)
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
         print(f"{name}: checkpoint {exported.checkpoint_id}" + (f" (a variant of {source})" if name != source else "")
@@ -543,7 +554,7 @@ def main(argv=None) -> Path:
             kind = {"weight_precision": per_deployment(precision_name, "one of " + ", ".join(WEIGHT_BITS)),
                     "draft_min_acceptance": per_deployment(float, "a number")}.get(key, per_deployment_value)
             parser.add_argument(flag, type=kind, action="append", default=[],
-                                metavar="[NAME=]P" if key == "weight_precision" else "[NAME=]N",
+                                metavar={"weight_precision": "[NAME=]P", "draft_min_acceptance": "[NAME=]A"}.get(key, "[NAME=]N"),
                                 help=HELP[key] % {"default": value})
             continue
         kind = str if isinstance(value, Path) else type(value)

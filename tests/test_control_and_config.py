@@ -196,3 +196,17 @@ def test_each_response_carries_its_request_id_and_token_and_the_last_is_final():
     assert first["request_id"].array.tolist() == [42] and first["output_ids"].array.tolist() == [5, 6]
     assert len(first["response_key"].array[0]) == 64
     assert sent[2][0].error().message() == "[queue_full] queue full"
+
+
+def test_a_draft_heads_pacing_floor_defaults_to_its_precisions_break_even_and_pair_models_are_not_paced():
+    from argparse import Namespace
+
+    from builder.assemble import DRAFT_BREAK_EVEN, draft_min_acceptance
+
+    none_given = Namespace(draft_min_acceptance=[])
+    assert draft_min_acceptance(none_given, "smollm2_mtp", "smollm2_mtp", "int4", True) == DRAFT_BREAK_EVEN["int4"]
+    assert draft_min_acceptance(none_given, "mtp_fp32", "smollm2_mtp", "fp32", True) == DRAFT_BREAK_EVEN["fp32"]
+    assert draft_min_acceptance(none_given, "dualend", "dualend", "fp32", False) == 0.0
+    given = Namespace(draft_min_acceptance=[(None, 0.2), ("dualend", 0.1)])
+    assert draft_min_acceptance(given, "smollm2_mtp", "smollm2_mtp", "int4", True) == 0.2
+    assert draft_min_acceptance(given, "dualend", "dualend", "fp32", False) == 0.1

@@ -5,9 +5,10 @@
     python -m builder.export --checkpoint build/checkpoints/smollm2 --out build/export/smollm2-int4 \
         --weight-precision int4
 
-Writes <out>/{tokenizer,compressor,backbone[,mtp]}/ with model.onnx (for the tokenizer: tokenizer.json,
-and tokenizer_config.json when the checkpoint has one: an imported model's PAD/BOS/EOS and chat
-template) and manifest.json. Every graph passes onnx.checker.
+Writes <out>/{tokenizer,compressor,backbone[,mtp]}/ with model.onnx (the compressor's weights in
+model.onnx.data beside it, mapped rather than copied by ONNX Runtime; for the tokenizer:
+tokenizer.json, and tokenizer_config.json when the checkpoint has one: an imported model's PAD/BOS/EOS
+and chat template) and manifest.json. Every graph passes onnx.checker.
 
 `--weight-precision int8|int4` (default fp32, the reference) stores the backbone's and the MTP head's
 weight matrices quantized: every MatMul by a constant weight (the projections and the LM head, the
@@ -110,6 +111,21 @@ def _export(graph: nn.Module, args: tuple, path: Path, inputs, outputs, dynamic:
     onnx.checker.check_model(str(path))
 
 
+def _weights_beside(path: Path) -> None:
+    """Moves the model's weights into `<file>.data` beside it. ONNX Runtime maps such a file into
+    memory rather than copying it, so the compressor's embedding table (SmolLM2's: 113 MB, held by
+    the compressor and by mtp_verify) is resident only for the pages its lookups read, and those
+    pages are the kernel's to reclaim. Not the backbone's: every step reads all of its weights, and
+    pre-packing copies them."""
+    model = onnx.load(str(path))
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+    weights = path.with_name(path.name + ".data")
+    if weights.exists():
+        weights.chmod(path.stat().st_mode & 0o777)  # onnx creates it readable by its owner alone
+    onnx.checker.check_model(str(path))
+
+
 def weight_settings(weight_precision: str) -> dict:
     """The settings that say how an export's backbone and MTP weights are stored."""
     if weight_precision not in WEIGHT_BITS:
@@ -161,6 +177,7 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
     tokens = torch.randint(3, cfg.vocab_size, (5, cfg.pair_size))
     _export(CompressorGraph(model), (tokens,), out / "compressor" / MODEL_FILE, ["tokens"], ["latents"],
             {"tokens": {0: "pairs"}, "latents": {0: "pairs"}})
+    _weights_beside(out / "compressor" / MODEL_FILE)
     write_manifest(out / "compressor", ckpt_id, "compressor", "onnx", settings)
 
     batch, new, past = 2, 3, 4

@@ -224,7 +224,7 @@ class OpenAITarget:
             wall = time.perf_counter() - started
         return [record | {"client": i} for i, records in enumerate(answers) for record in records], wall
 
-    async def request(self, session, prompt: str, max_tokens: int) -> dict:
+    async def request(self, session, prompt: str, max_tokens: int, retry_stale: bool = True) -> dict:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": True, **self.extra_body}
         completion = StreamedCompletion(time.perf_counter())
@@ -235,6 +235,12 @@ class OpenAITarget:
                 else:
                     async for line in response.content:
                         completion.feed(line.decode("utf-8"), time.perf_counter())
+        except aiohttp.ServerDisconnectedError as error:
+            # A kept-alive connection the server closed meanwhile (llama-server closes them between a
+            # cell's warm-up and its requests): sent again once on a new connection, timed from then.
+            if retry_stale and not completion.chunk_times and not completion.text:
+                return await self.request(session, prompt, max_tokens, retry_stale=False)
+            completion.error = f"{type(error).__name__}: {error}"
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:  # ValueError: a chunk not JSON
             completion.error = f"{type(error).__name__}: {error}"
         return completion.record(self.tokenizer)

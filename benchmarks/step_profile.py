@@ -4,8 +4,8 @@
 
 For each export: the backbone's step (its past 64 latents long, every row of the batch stepping) on
 `--threads` threads with ONNX Runtime's threads spinning between calls (as the in-process engine
-runs it) and not (as the served backbone runs it), and, not spinning, a step verifying a draft (two
-latents a row); the MTP head's step on one thread and on
+runs it) and within a call only (as the served backbone runs it), and, as served, a step verifying a
+draft (two latents a row); the MTP head's step on one thread and on
 `--threads`; the compressor folding one pair. Calls are interleaved call by call, so the machine's
 noise falls on every variant alike; prints the median and the 10th-90th percentile spread in ms.
 """
@@ -35,7 +35,7 @@ def variants(exported: ExportedModel, batch: int, threads: int) -> dict:
         for seq_id in range(batch):
             runner.prefill(seq_id, rng.standard_normal((PAST_LATENTS, width), np.float32) * 0.02, 4096)
         latents = rng.standard_normal((batch, width), np.float32) * 0.02
-        calls[f"backbone, {threads} threads{', spinning' if spinning else ''}"] = (
+        calls[f"backbone, {threads} threads{', spinning between calls' if spinning else ''}"] = (
             lambda runner=runner, latents=latents: runner.step(list(range(batch)), latents))
         if not spinning:  # a step that verifies a draft: two latents a row, both dropped again after
             verify = BackboneBatch(list(range(batch)), np.repeat(latents, 2, axis=0), [2] * batch, [0] * batch, [],

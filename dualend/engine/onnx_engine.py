@@ -45,7 +45,7 @@ def backbone_inputs(layers: int) -> list[str]:
             + [f"past_values_{i}" for i in range(layers)])
 
 
-def ort_session(path: Path, threads: int | None = None, spinning: bool = False):
+def ort_session(path: Path, threads: int | None = None, spin_between_runs: bool = False):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -53,9 +53,13 @@ def ort_session(path: Path, threads: int | None = None, spinning: bool = False):
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # Several sessions take turns every step; threads spinning for work in an idle session would
-    # steal the cores from the one running (measured: decode steps 2x slower on 2 cores).
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    # Within a run the worker threads spin between the step's many small parallel sections (woken
+    # from sleep each time, a step is slower: reports/step_profile_smollm2_mtp.txt). After it they
+    # stop at once unless `spin_between_runs`: several sessions and processes take turns every step,
+    # and threads spinning in an idle one steal the cores from the one running (measured: decode
+    # steps 2x slower on 2 cores). Only the in-process engine's backbone, alone, keeps spinning.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    options.add_session_config_entry("session.force_spinning_stop", "0" if spin_between_runs else "1")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
@@ -389,7 +393,7 @@ class OnnxComponents(MTPComponent):
         settings = exported.settings
         cache = kv_cache(settings, settings["n_layers"], max_sequences)
         # The only multi-threaded session in this process, so its threads may spin between steps.
-        self.backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning=True), cache,
+        self.backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spin_between_runs=True), cache,
                                        settings["vocab_size"], settings["d_model"])
 
     def open_backbone(self) -> _BackboneSession:

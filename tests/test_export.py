@@ -332,6 +332,13 @@ def test_the_cache_holds_memory_for_the_slots_written_not_for_rows_times_the_wid
     kv.discard(kv.row(3), 1)  # a rejected draft: stale until overwritten or re-laid out
     write(1, 5)  # T grows to 8: row 3's stale slot is not carried
     assert not kv.past().keys[0][kv.row(3)].any() and kv.past().keys[0][kv.row(1), :, :8].all()
+    kv.release(3), kv.release(1)
+    kv.reserve(4, 1000)
+    write(4, 300)
+    kv.reserve(5, 1000)
+    write(5, 2)
+    kv.release(4)  # the short row moves into the long one's place: the long one's pages come back
+    assert kv.row(5) == 0 and _resident_bytes(layer_keys) == 2 * 2 * mmap.PAGESIZE
 
 
 def test_a_cache_without_a_budget_grows_its_buffers_and_carries_every_row_over():

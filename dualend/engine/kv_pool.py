@@ -268,9 +268,7 @@ class KVCache:
             self.sequences[moved].row = sequence.row
         self.row_owner.pop()
         self.lengths[last] = 0
-        row_floats = self.heads * self.width * self.head_dim
-        for region in self._regions:
-            _give_back(region, last * row_floats, (last + 1) * row_floats)
+        self._give_back_unused([sequence.row] if sequence.row != last else [], last)
         return True
 
     def _evict_idle_locked(self) -> list[int]:
@@ -314,10 +312,15 @@ class KVCache:
                 new[row, :, :length] = before[row, :, :length]  # numpy copies through a buffer where they overlap
         self._regions, self._buffers = regions, buffers
         self.keys, self.values = layouts[:self.layers], layouts[self.layers:]
-        head_floats = width * self.head_dim
+        self._give_back_unused(range(rows), rows)
+
+    def _give_back_unused(self, rows, unused_from: int) -> None:
+        """Gives the operating system back the pages of `rows` past their lengths, head by head,
+        and every page from row `unused_from` on."""
+        head_floats = self.width * self.head_dim
         for region in self._regions:
-            for row in range(rows):
+            for row in rows:
                 for head in range(self.heads):
                     start = (row * self.heads + head) * head_floats
                     _give_back(region, start + int(self.lengths[row]) * self.head_dim, start + head_floats)
-            _give_back(region, rows * self.heads * head_floats, len(region) // 4)
+            _give_back(region, unused_from * self.heads * head_floats, len(region) // 4)

@@ -454,3 +454,30 @@ def test_smollm2_chat_answers_paris(smollm2):
                             SamplingParams(max_tokens=24), threshold=1.0)
     print(f"SmolLM2 chat answer: {result.text!r}")
     assert "Paris" in result.text
+
+
+def test_a_conversations_pairs_line_up_turn_after_turn_and_a_single_turn_pairs_as_before(bpe):
+    """The pair padding of a chat prompt goes turn by turn (cut after each assistant header), so
+    each turn's pairs are a prefix of the next turn's whatever the parities; with one turn it is
+    the padding of old. Without the cut the pairs shift where a turn adds an odd number of tokens."""
+    from dualend.engine.decode import pad_prompt
+    from dualend.serving.contract import Limits, prepare_request
+
+    tokenizer = TextTokenizer(bpe, {"pad_token": SPECIALS[0], "bos_token": SPECIALS[1], "eos_token": SPECIALS[2],
+                                    "add_bos_token": False, "chat_template": CHATML})
+    assert tokenizer.assistant_header == tuple(tokenizer.encode("<|im_start|>assistant\n"))
+    limits = Limits(raw_context_limit=512, pair_size=2, max_new_tokens=16)
+    conversation, turns = [], []
+    for question, answer in (("Hello there", "Hi."), ("What is the quick brown fox?", "A fox, quick and brown."),
+                             ("And 1234567890?", "Digits"), ("Thanks", "You are welcome, world!")):
+        conversation.append({"role": "user", "content": question})
+        text = tokenizer.render_chat(conversation)
+        request = prepare_request(tokenizer, limits, text_input=np.array([text], dtype=object),
+                                  max_tokens=np.array([8]))
+        turns.append((request.prompt_ids, request.prompt_pairs(2, tokenizer.pad_id).reshape(-1).tolist()))
+        conversation.append({"role": "assistant", "content": answer})
+    assert turns[0][1] == pad_prompt(turns[0][0], 2, tokenizer.pad_id)  # one turn: as before
+    for (ids, pairs), (next_ids, next_pairs) in zip(turns, turns[1:]):
+        assert next_ids[:len(ids)] == ids and next_pairs[:len(pairs)] == pairs
+    shifted = [pad_prompt(ids, 2, tokenizer.pad_id) for ids, _ in turns]
+    assert any(after[:len(before)] != before for before, after in zip(shifted, shifted[1:]))

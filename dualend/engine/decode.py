@@ -114,13 +114,21 @@ class Step:
     finish_reason: str | None = None  # "eos" | "length" | None while running
 
 
-def pad_prompt(prompt: Sequence[int], pair_size: int, pad_id: int) -> list[int]:
+def pad_prompt(prompt: Sequence[int], pair_size: int, pad_id: int, turn_starts: Sequence[int] = ()) -> list[int]:
     """An odd prompt gets one PAD, right after its BOS, so its last token completes a pair: pairs
     are aligned to the end of the prompt, and the text just before the answer (the question) is
     paired the same way whatever comes before it. (With the PAD at the end, the v4 dual-end model
-    solved long math prompts of odd length 0.52 on calibration against 0.98 for even ones.)"""
-    prompt = list(prompt)
-    return prompt[:1] + [pad_id] * (-len(prompt) % pair_size) + prompt[1:]
+    solved long math prompts of odd length 0.52 on calibration against 0.98 for even ones.)
+
+    A conversation's prompt is paired turn by turn: `turn_starts` (where each part after an
+    assistant header begins, `TextTokenizer.turn_starts`) cut it into parts, each paired by the rule
+    above on its own (an odd part: one PAD after its first token). So the pairs of one turn's prompt
+    are a prefix of the next turn's, and a one-turn prompt is paired as before."""
+    prompt, padded = list(prompt), []
+    for start, stop in zip((0, *turn_starts), (*turn_starts, len(prompt))):
+        part = prompt[start:stop]
+        padded += part[:1] + [pad_id] * (-len(part) % pair_size) + part[1:]
+    return padded
 
 
 def gate(confidence: float, threshold: float) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -106,6 +106,24 @@ class TextTokenizer:
         env.globals["raise_exception"] = raise_exception
         env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
         return env.from_string(self.chat_template)
+
+    @functools.cached_property
+    def assistant_header(self) -> tuple[int, ...]:
+        """The tokens the chat template opens an assistant turn with (its generation prompt); ()
+        without a template."""
+        if not self.chat_template:
+            return ()
+        probe = [{"role": "user", "content": "x"}]
+        opened, closed = (self.encode(self.render_chat(probe, add)) for add in (True, False))
+        return tuple(opened[len(closed):]) if opened[:len(closed)] == closed else ()
+
+    def turn_starts(self, prompt_ids: Sequence[int]) -> list[int]:
+        """Where the parts of a conversation's prompt after each assistant header (but the last
+        one's, which ends it) begin: the turns `decode.pad_prompt` pairs one by one."""
+        header, ids = list(self.assistant_header), list(prompt_ids)
+        if not header:
+            return []
+        return [end for end in range(len(header), len(ids)) if ids[end - len(header):end] == header]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -3,7 +3,7 @@ the responses a decode loop sends back for it. No Triton import."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -59,6 +59,7 @@ class PreparedRequest:
     stream: bool
     exclude_input_in_output: bool
     cache_salt: str = ""     # the prefix cache reuses only the KV of requests with the same salt
+    turn_starts: list[int] = field(default_factory=list)  # a conversation's turns, paired one by one
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -76,7 +77,8 @@ class PreparedRequest:
 
     def prompt_pairs(self, pair_size: int, pad_id: int) -> np.ndarray:
         """The prompt as the compressor reads it: [latents, pair_size] token ids, padded to pairs."""
-        return np.asarray(pad_prompt(self.prompt_ids, pair_size, pad_id), dtype=np.int64).reshape(-1, pair_size)
+        return np.asarray(pad_prompt(self.prompt_ids, pair_size, pad_id, self.turn_starts),
+                          dtype=np.int64).reshape(-1, pair_size)
 
 
 def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max_tokens,
@@ -112,7 +114,8 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
         raise InvalidRequest(f"max_tokens must be between 1 and {limits.max_new_tokens}, got {params.max_tokens}")
     params.validate()
     prompt_ids = tokenizer.encode_prompt(text)
-    prompt_slots = len(pad_prompt(prompt_ids, limits.pair_size, tokenizer.pad_id))
+    turn_starts = tokenizer.turn_starts(prompt_ids) if limits.pair_size > 1 else []
+    prompt_slots = len(pad_prompt(prompt_ids, limits.pair_size, tokenizer.pad_id, turn_starts))
     counted = (f"{len(prompt_ids)} tokens" if prompt_slots == len(prompt_ids)
                else f"{len(prompt_ids)} tokens, {prompt_slots} slots with the pair padding")
     if prompt_slots >= limits.raw_context_limit:
@@ -128,7 +131,8 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
     if len(salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequest(f"cache_salt is {len(salt)} characters long, at most {MAX_CACHE_SALT_CHARS}")
     return PreparedRequest(prompt_ids, params, bool(_scalar(stream, "stream", int) or False),
-                           bool(_scalar(exclude_input_in_output, "exclude_input_in_output", int) or False), salt)
+                           bool(_scalar(exclude_input_in_output, "exclude_input_in_output", int) or False), salt,
+                           turn_starts)
 
 
 def _scalar(value, name: str, kind):

@@ -28,16 +28,16 @@ def variants(exported: ExportedModel, batch: int, threads: int) -> dict:
     settings = exported.settings
     width, rng = settings["d_model"], np.random.default_rng(0)
     calls = {}
-    for spinning in (True, False):
+    for between_calls in (True, False):
         cache = kv_cache(settings, settings["n_layers"], batch)
-        runner = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning), cache,
+        runner = BackboneRunner(ort_session(exported.path("backbone"), threads, between_calls), cache,
                                 settings["vocab_size"], width)
         for seq_id in range(batch):
             runner.prefill(seq_id, rng.standard_normal((PAST_LATENTS, width), np.float32) * 0.02, 4096)
         latents = rng.standard_normal((batch, width), np.float32) * 0.02
-        calls[f"backbone, {threads} threads{', spinning between calls' if spinning else ''}"] = (
+        calls[f"backbone, {threads} threads{', spinning between calls' if between_calls else ''}"] = (
             lambda runner=runner, latents=latents: runner.step(list(range(batch)), latents))
-        if not spinning:  # a step that verifies a draft: two latents a row, both dropped again after
+        if not between_calls:  # a step that verifies a draft: two latents a row, both dropped again after
             verify = BackboneBatch(list(range(batch)), np.repeat(latents, 2, axis=0), [2] * batch, [0] * batch, [],
                                    discard=[2] * batch, verify=True)
             calls[f"backbone verifying, {threads} threads"] = lambda runner=runner, verify=verify: runner.run_batch(verify)

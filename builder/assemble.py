@@ -91,8 +91,8 @@ DEFAULTS = dict(
     draft_min_acceptance=None,
 )
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
-                        "its backbone's cache holds this much (fp32 keys and values), allocated at start; requests "
-                        "are admitted by what they need of it (default: %(default)s; smollm2 1536)",
+                        "requests are admitted while their reservations (fp32 keys and values of prompt + max_tokens) "
+                        "fit in it; memory is taken as they write their slots (default: %(default)s; smollm2 1536)",
             raw_context_limit="prompt + output tokens a deployment serves (N for every deployment, NAME=N for one; "
                               "repeatable; default: the context its checkpoint was trained at; smollm2 2048)",
             imported_checkpoints="where packaged models are imported to (default: %(default)s)",
@@ -548,13 +548,14 @@ def sync_into(staging: Path, out: Path, deployments: list[str]) -> None:
 
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    per_deployment_kinds = {  # key -> (argparse type, metavar); the others take an integer N
+        "weight_precision": (per_deployment(precision_name, "one of " + ", ".join(WEIGHT_BITS)), "[NAME=]P"),
+        "draft_min_acceptance": (per_deployment(float, "a number"), "[NAME=]A")}
     for key, value in DEFAULTS.items():
         flag = f"--{key.replace('_', '-')}"
         if key in PER_DEPLOYMENT:
-            kind = {"weight_precision": per_deployment(precision_name, "one of " + ", ".join(WEIGHT_BITS)),
-                    "draft_min_acceptance": per_deployment(float, "a number")}.get(key, per_deployment_value)
-            parser.add_argument(flag, type=kind, action="append", default=[],
-                                metavar={"weight_precision": "[NAME=]P", "draft_min_acceptance": "[NAME=]A"}.get(key, "[NAME=]N"),
+            kind, metavar = per_deployment_kinds.get(key, (per_deployment_value, "[NAME=]N"))
+            parser.add_argument(flag, type=kind, action="append", default=[], metavar=metavar,
                                 help=HELP[key] % {"default": value})
             continue
         kind = str if isinstance(value, Path) else type(value)

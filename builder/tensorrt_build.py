@@ -19,13 +19,13 @@ import numpy as np
 
 from builder.assemble import DEFAULTS as ASSEMBLE
 from builder.assemble import trained_context
-from dualend.serving.repository import max_sequence_latents
 from dualend.engine.decode import SamplingParams
 from dualend.engine.kv_pool import KVCache
 from dualend.engine.manifest import Manifest, write_manifest
 from dualend.engine.onnx_engine import OUTPUT_POSITIONS, ExportedModel, OnnxComponents, backbone_inputs, ort_session
 from dualend.engine.tensorrt_engine import PLAN_FILE, TensorRTSession, gpu_available
 from dualend.serving.offline import generate_text
+from dualend.serving.repository import max_sequence_latents
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(export_dir=ROOT / "build" / "export", max_batch=ASSEMBLE["max_concurrent_requests"] + 1)

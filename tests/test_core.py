@@ -7,7 +7,6 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from dualend.serving.repository import max_sequence_latents
 from builder.train import convert_baseline
 from builder.train import main as train_main
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
@@ -20,6 +19,7 @@ from dualend.engine.decode import (
     pad_prompt,
 )
 from dualend.engine.reference import TorchBatch, TorchComponents, generate_batch, reference_generate, reference_text
+from dualend.serving.repository import max_sequence_latents
 from dualend.train.data import (
     FAMILIES,
     Example,

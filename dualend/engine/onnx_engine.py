@@ -54,7 +54,7 @@ def ort_session(path: Path, threads: int | None = None, spin_between_runs: bool 
         options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # Within a run the worker threads spin between the step's many small parallel sections (woken
-    # from sleep each time, a step is slower: reports/step_profile_smollm2_mtp.txt). After it they
+    # from sleep each time, one served stream was ~8% slower in int4: reports/backbone_spinning/). After it they
     # stop at once unless `spin_between_runs`: several sessions and processes take turns every step,
     # and threads spinning in an idle one steal the cores from the one running (measured: decode
     # steps 2x slower on 2 cores). Only the in-process engine's backbone, alone, keeps spinning.

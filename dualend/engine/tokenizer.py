@@ -123,7 +123,8 @@ class TextTokenizer:
         header, ids = list(self.assistant_header), list(prompt_ids)
         if not header:
             return []
-        return [end for end in range(len(header), len(ids)) if ids[end - len(header):end] == header]
+        return [end for end in range(len(header), len(ids))
+                if ids[end - 1] == header[-1] and ids[end - len(header):end] == header]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -433,8 +433,9 @@ class DecodeLoop:
         drafting = [i for i, (_, s, tokens) in enumerate(decoded) if s.decoder.drafts_after(tokens)]
         if self.verifies and self.draft_max_batch and len(decoded) > self.draft_max_batch:
             drafting = []  # compute-bound: a fed draft would cost more than it gives
+        drafts_now = set(drafting)
         for i, (_, sequence, _) in enumerate(decoded):
-            if sequence.drafting and i not in drafting:  # its MTP entries would have gaps: it starts afresh
+            if sequence.drafting and i not in drafts_now:  # its MTP entries would have gaps: it starts afresh
                 self.executor.close_drafts(sequence.request_id)
                 sequence.drafting = False
         draft_logits, confidence = {}, {}

@@ -54,7 +54,8 @@ import string
 from dataclasses import asdict
 from pathlib import Path
 
-from builder.export import WEIGHT_BITS, export_checkpoint, export_matches
+from builder.export import FUSED_GRAPH, WEIGHT_BITS, export_checkpoint, export_matches
+from builder.fused_backbone import ROTARY_POSITIONS
 from builder import serving_settings
 from builder.import_model import import_model, sha256_file
 from dualend.engine.checkpoint import CONFIG as CHECKPOINT_CONFIG
@@ -437,6 +438,9 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
     pair_size = settings["pair_size"]
     max_new_tokens = args.max_new_tokens or raw_context_limit
     sequence_slots = max_sequence_latents(raw_context_limit, max_new_tokens, pair_size)
+    if settings.get("backbone_graph") == FUSED_GRAPH and sequence_slots > ROTARY_POSITIONS:
+        raise SystemExit(f"{name}: a sequence may reach {sequence_slots} latents, beyond the {ROTARY_POSITIONS} "
+                         f"positions of the backbone's RoPE table; lower --raw-context-limit or --max-new-tokens")
     config = DeploymentConfig(
         deployment=name, pipeline=pipeline, pair_size=pair_size,
         acceptance_threshold=threshold,

@@ -14,7 +14,9 @@ and chat template) and manifest.json. Every graph passes onnx.checker.
 weight matrices quantized: every MatMul by a constant weight (the projections and the LM head, the
 tied embedding's transpose included) becomes ONNX Runtime's MatMulNBits, blockwise along the input
 dimension in blocks of QUANT_BLOCK_SIZE, by GGUF's rules (builder.quantize: int4 as Q4_1, int8 and
-every LM head as Q8_0), so weights imported from such blocks keep their values. The compressor (for a
+every LM head as Q8_0), so weights imported from such blocks keep their values. Such an export runs on
+ONNX Runtime only, so its backbone is written for it (builder.fused_backbone: its fused operators, a
+third of the nodes); an fp32 export's backbone is torch's portable graph, the reference and TensorRT's input. The compressor (for a
 baseline: the embedding lookup) stays fp32. Every manifest's settings name the precision
 ("weight_precision") and, when quantized, the quantizer's settings ("weight_quantization").
 """
@@ -28,6 +30,7 @@ import onnx
 import torch
 from torch import nn
 
+from builder.fused_backbone import write_backbone_graph
 from builder.quantize import LM_HEAD_BITS, quantize_weights
 from builder.quantize import RULES as QUANT_RULES
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
@@ -53,6 +56,9 @@ QUANT_BLOCK_SIZE = 32  # weights along the input dimension that share one scale 
 # multiplies on its integer dot-product units; ONNX Runtime's CPU kernels have no fast path on fp32
 # activations for these weights (reports/weight_precision_nll.txt).
 QUANT_ACCURACY_LEVEL = 4
+# A quantized export's backbone is builder.fused_backbone's graph (ONNX Runtime's fused operators); an fp32
+# export's is torch's portable one (the reference; TensorRT builds from it).
+FUSED_GRAPH = "onnxruntime-fused"
 
 
 class CompressorGraph(nn.Module):
@@ -132,7 +138,7 @@ def weight_settings(weight_precision: str) -> dict:
         raise ValueError(f"weight_precision {weight_precision!r}: expected one of {', '.join(WEIGHT_BITS)}")
     if weight_precision == "fp32":
         return {"weight_precision": weight_precision}
-    return {"weight_precision": weight_precision,
+    return {"weight_precision": weight_precision, "backbone_graph": FUSED_GRAPH,
             "weight_quantization": {"op": "MatMulNBits", "bits": WEIGHT_BITS[weight_precision],
                                     "block_size": QUANT_BLOCK_SIZE, "rule": QUANT_RULES[WEIGHT_BITS[weight_precision]],
                                     "lm_head_bits": LM_HEAD_BITS, "accuracy_level": QUANT_ACCURACY_LEVEL}}
@@ -190,10 +196,12 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
     dynamic |= {"past_valid": {0: "batch", 1: "past"}} | {name: {0: "batch", 2: "past"} for name in inputs[4:]}
     dynamic |= {"logits": {0: "batch", 1: "outputs"}, "hidden": {0: "batch", 1: "outputs"},
                 "present_keys": {1: "batch", 3: "new"}, "present_values": {1: "batch", 3: "new"}}
-    _export(BackboneGraph(model), example, out / "backbone" / MODEL_FILE, inputs, BACKBONE_OUTPUTS, dynamic)
     quantization = settings.get("weight_quantization")
-    if quantization:
+    if quantization:  # only ONNX Runtime runs MatMulNBits: its own graph, with its fused operators
+        write_backbone_graph(model, out / "backbone" / MODEL_FILE)
         _quantize(out / "backbone" / MODEL_FILE, quantization, cfg.vocab_size)
+    else:
+        _export(BackboneGraph(model), example, out / "backbone" / MODEL_FILE, inputs, BACKBONE_OUTPUTS, dynamic)
     write_manifest(out / "backbone", ckpt_id, "backbone", "onnx", settings)
 
     if cfg.has_mtp:

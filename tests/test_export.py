@@ -389,3 +389,49 @@ def test_the_past_is_a_view_of_the_cache_and_rows_stay_dense():
     kv.release(2)
     kv.compact()  # the long one left: back to one bucket (well below 4), the short one's keys kept
     assert kv.width == 4 and kv.past().keys[0][0, 0, 0, 0] == 3
+
+
+@pytest.mark.parametrize("shape", [
+    dict(pair_size=2, position_stride=2),                              # a pair model, RoPE at each pair's second token
+    dict(pair_size=1, n_kv_heads=2, qkv_bias=True, tie_embeddings=False, head_size=12),  # Qwen2-like grouped queries
+])
+def test_the_fused_backbone_graph_computes_what_the_model_code_does(tmp_path, shape):
+    """builder.fused_backbone writes the backbone node by node for ONNX Runtime (quantized exports run
+    it); the reference is the torch backbone, on rows of different lengths, for a decode step, a
+    verifying step and a prefill chunk."""
+    from builder.fused_backbone import write_backbone_graph
+    from dualend.engine.model import LanguageModel, ModelConfig
+    from dualend.engine.onnx_engine import BACKBONE_OUTPUTS, backbone_inputs, ort_session
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, pad_id=0, bos_id=1, eos_id=2, d_model=48, n_layers=3, n_heads=4,
+                      ffn_hidden=80, **shape)
+    model = LanguageModel(cfg).eval()
+    with torch.no_grad():  # norms and biases away from their initial ones and zeros, so each is checked
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+    write_backbone_graph(model, tmp_path / "backbone.onnx")
+    session = ort_session(tmp_path / "backbone.onnx", 2)
+    rng = np.random.default_rng(0)
+    for lengths, new in (([7, 3], 1), ([7, 3], 2), ([5], 6), ([0, 0], 4)):
+        batch, width = len(lengths), max(max(lengths), 1) + 3
+        past = rng.standard_normal((2, cfg.n_layers, batch, cfg.kv_heads, width, cfg.head_dim)).astype(np.float32)
+        latents = rng.standard_normal((batch, new, cfg.d_model)).astype(np.float32)
+        positions = np.array(lengths)[:, None] + np.arange(new)[None]
+        past_valid = np.arange(width)[None] < np.array(lengths)[:, None]
+        new_valid = np.ones((batch, new), bool)
+        new_valid[-1, -1] = new == 1  # a padded query in the last row where there are several
+        feeds = dict(zip(backbone_inputs(cfg.n_layers), (latents, positions, new_valid, past_valid, *past[0], *past[1])))
+        got = dict(zip(BACKBONE_OUTPUTS, session.run(list(BACKBONE_OUTPUTS), feeds)))
+        with torch.no_grad():
+            hidden, keys, values = model.backbone(*map(torch.from_numpy, (latents, positions, new_valid)),
+                                                  torch.from_numpy(past[0]), torch.from_numpy(past[1]),
+                                                  torch.from_numpy(past_valid), last=2)
+            logits = model.lm_head(hidden)
+        outputs = min(new, 2)
+        np.testing.assert_allclose(got["hidden"], hidden.numpy(), atol=1e-4)
+        np.testing.assert_allclose(got["logits"], logits.numpy(), atol=1e-4)
+        np.testing.assert_allclose(got["present_keys"], keys.numpy(), atol=1e-4)
+        np.testing.assert_allclose(got["present_values"], values.numpy(), atol=1e-4)
+        assert got["logits"].shape == (batch, outputs, cfg.vocab_size)

@@ -309,3 +309,18 @@ def test_a_variant_is_a_new_name_built_from_a_deployment_with_its_own_settings_a
     given = argparse.Namespace(kv_cache_mb=[("fast", 256)], raw_context_limit=[])
     assert setting(given, "kv_cache_mb", "fast", "smollm2") == 256
     assert setting(given, "raw_context_limit", "fast", "smollm2") == 2048  # smollm2's default
+
+
+def test_a_deployment_longer_than_the_fused_backbones_rope_table_is_refused_when_assembled():
+    import argparse
+    from types import SimpleNamespace
+
+    import builder.assemble as assemble
+    from builder.export import FUSED_GRAPH
+    from builder.fused_backbone import ROTARY_POSITIONS
+
+    exported = SimpleNamespace(settings={"pair_size": 1, "backbone_graph": FUSED_GRAPH})
+    args = argparse.Namespace(max_new_tokens=64)
+    with pytest.raises(SystemExit, match=f"smollm2: a sequence may reach {ROTARY_POSITIONS + 1} latents, beyond the "
+                                         f"{ROTARY_POSITIONS} positions of the backbone's RoPE table"):
+        assemble.deployment_values("smollm2", "smollm2", exported, args, 1.0, ROTARY_POSITIONS + 1, 256)

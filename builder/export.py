@@ -166,12 +166,32 @@ def export_matches(exported: ExportedModel, checkpoint: Checkpoint, weight_preci
             and all(settings.get(key) == value for key, value in weight_settings(weight_precision).items()))
 
 
+def write_backbone(model: LanguageModel, path: Path, fused: bool) -> None:
+    """The backbone, its LM head included, at `path`: builder.fused_backbone's graph for ONNX Runtime
+    (`fused`), else torch's portable one. Both take and give the same tensors."""
+    if fused:
+        write_backbone_graph(model, path)
+        return
+    cfg = model.cfg
+    batch, new, past = 2, 3, 4
+    cache = torch.randn(batch, cfg.kv_heads, past, cfg.head_dim)
+    example = (torch.randn(batch, new, cfg.d_model), torch.arange(past, past + new).repeat(batch, 1),
+               torch.ones(batch, new, dtype=torch.bool), torch.ones(batch, past, dtype=torch.bool),
+               *[cache.clone() for _ in range(2 * cfg.n_layers)])
+    inputs = backbone_inputs(cfg.n_layers)
+    dynamic = {name: {0: "batch", 1: "new"} for name in inputs[:3]}
+    dynamic |= {"past_valid": {0: "batch", 1: "past"}} | {name: {0: "batch", 2: "past"} for name in inputs[4:]}
+    dynamic |= {"logits": {0: "batch", 1: "outputs"}, "hidden": {0: "batch", 1: "outputs"},
+                "present_keys": {1: "batch", 3: "new"}, "present_values": {1: "batch", 3: "new"}}
+    _export(BackboneGraph(model), example, path, inputs, BACKBONE_OUTPUTS, dynamic)
+
+
 def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str = "fp32") -> str:
     model, cfg = checkpoint.model.eval(), checkpoint.config
     ckpt_id, settings = checkpoint.id, settings_of(checkpoint, weight_precision)
     if out.exists():
         shutil.rmtree(out)
-    kv_heads, head_dim, layers, dim = cfg.kv_heads, cfg.head_dim, cfg.n_layers, cfg.d_model
+    kv_heads, head_dim, dim = cfg.kv_heads, cfg.head_dim, cfg.d_model
 
     (out / "tokenizer").mkdir(parents=True)
     (out / "tokenizer" / TOKENIZER_FILE).write_text(checkpoint.tokenizer.to_json(), encoding="utf-8")
@@ -186,25 +206,15 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
     _weights_beside(out / "compressor" / MODEL_FILE)
     write_manifest(out / "compressor", ckpt_id, "compressor", "onnx", settings)
 
-    batch, new, past = 2, 3, 4
-    cache = torch.randn(batch, kv_heads, past, head_dim)
-    example = (torch.randn(batch, new, dim), torch.arange(past, past + new).repeat(batch, 1),
-               torch.ones(batch, new, dtype=torch.bool), torch.ones(batch, past, dtype=torch.bool),
-               *[cache.clone() for _ in range(2 * layers)])
-    inputs = backbone_inputs(layers)
-    dynamic = {name: {0: "batch", 1: "new"} for name in inputs[:3]}
-    dynamic |= {"past_valid": {0: "batch", 1: "past"}} | {name: {0: "batch", 2: "past"} for name in inputs[4:]}
-    dynamic |= {"logits": {0: "batch", 1: "outputs"}, "hidden": {0: "batch", 1: "outputs"},
-                "present_keys": {1: "batch", 3: "new"}, "present_values": {1: "batch", 3: "new"}}
     quantization = settings.get("weight_quantization")
-    if quantization:  # only ONNX Runtime runs MatMulNBits: its own graph, with its fused operators
-        write_backbone_graph(model, out / "backbone" / MODEL_FILE)
+    write_backbone(model, out / "backbone" / MODEL_FILE, fused=bool(quantization))
+    if quantization:
         _quantize(out / "backbone" / MODEL_FILE, quantization, cfg.vocab_size)
-    else:
-        _export(BackboneGraph(model), example, out / "backbone" / MODEL_FILE, inputs, BACKBONE_OUTPUTS, dynamic)
     write_manifest(out / "backbone", ckpt_id, "backbone", "onnx", settings)
 
     if cfg.has_mtp:
+        batch, past = 2, 4
+        cache = torch.randn(batch, kv_heads, past, head_dim)
         example = (torch.randint(3, cfg.vocab_size, (batch, 2)), torch.randn(batch, 2, dim),
                    torch.arange(past, past + 2).repeat(batch, 1), torch.ones(batch, past, dtype=torch.bool), cache,
                    cache.clone())

@@ -14,10 +14,10 @@ and chat template) and manifest.json. Every graph passes onnx.checker.
 weight matrices quantized: every MatMul by a constant weight (the projections and the LM head, the
 tied embedding's transpose included) becomes ONNX Runtime's MatMulNBits, blockwise along the input
 dimension in blocks of QUANT_BLOCK_SIZE, by GGUF's rules (builder.quantize: int4 as Q4_1, int8 and
-every LM head as Q8_0), so weights imported from such blocks keep their values. Such an export runs on
-ONNX Runtime only, so its backbone is written for it (builder.fused_backbone: its fused operators, a
-third of the nodes); an fp32 export's backbone is torch's portable graph, the reference and TensorRT's input. The compressor (for a
-baseline: the embedding lookup) stays fp32. Every manifest's settings name the precision
+every LM head as Q8_0), so weights imported from such blocks keep their values. Such an export runs
+on ONNX Runtime only, so its backbone is written for it (builder.fused_backbone, with its fused
+operators); an fp32 export's backbone is torch's portable graph, the reference and TensorRT's input.
+The compressor (for a baseline: the embedding lookup) stays fp32. Every manifest's settings name the precision
 ("weight_precision") and, when quantized, the quantizer's settings ("weight_quantization").
 """
 from __future__ import annotations
@@ -56,9 +56,7 @@ QUANT_BLOCK_SIZE = 32  # weights along the input dimension that share one scale 
 # multiplies on its integer dot-product units; ONNX Runtime's CPU kernels have no fast path on fp32
 # activations for these weights (reports/weight_precision_nll.txt).
 QUANT_ACCURACY_LEVEL = 4
-# A quantized export's backbone is builder.fused_backbone's graph (ONNX Runtime's fused operators); an fp32
-# export's is torch's portable one (the reference; TensorRT builds from it).
-FUSED_GRAPH = "onnxruntime-fused"
+FUSED_GRAPH = "onnxruntime-fused"  # settings' backbone_graph of an export whose backbone is builder.fused_backbone's
 
 
 class CompressorGraph(nn.Module):

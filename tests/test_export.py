@@ -198,6 +198,12 @@ def test_the_manifests_name_the_weight_precision_and_an_export_matches_only_its_
     assert int4.settings["weight_quantization"] == {"op": "MatMulNBits", "bits": 4, "block_size": 32,
                                                     "rule": "asymmetric, float block minimum",
                                                     "lm_head_bits": 8, "accuracy_level": 4}
+    assert int4.settings["backbone_graph"] == "onnxruntime-fused" and "backbone_graph" not in fp32.settings
+    assert any(node.domain == "com.microsoft" and node.op_type == "RotaryEmbedding"
+               for node in onnx.load(str(int4.path("backbone")), load_external_data=False).graph.node)
+    del int4.manifests["tokenizer"].settings["backbone_graph"]  # a quantized export from before the fused graph
+    assert not export_matches(int4, checkpoint, "int4")  # so assemble exports it again
+    int4 = ExportedModel.open(quantized["int4"])
     int4.manifests["tokenizer"].settings["weight_quantization"]["block_size"] = 128  # made by other settings
     assert not export_matches(int4, checkpoint, "int4")
 

@@ -80,6 +80,7 @@ CONVERT_DEFAULTS = dict(
     lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
     time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, chat_fraction=0.25, chat_tokens=96,
     hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2, device="cpu",
+    compressor_init="mean",
 )
 DRAFT_HEAD_DEFAULTS = dict(
     batch_size=8, seq_tokens=192, lr=1e-3, warmup=20, time_limit_minutes=10.0, eval_every=25, eval_rows=32,
@@ -336,7 +337,7 @@ def start_from_adapters(student, directory: str, base_id: str, spec: conversion.
     """Loads a run's (or the shipped) adapters into the student; returns what they were (their sha256,
     the tokens, steps and minutes they were trained for), for the recipe."""
     adapters, meta = conversion.load_adapters(directory)
-    if (meta["base"]["checkpoint_id"], meta["spec"]) != (base_id, asdict(spec)):
+    if (meta["base"]["checkpoint_id"], conversion.ConversionSpec(**meta["spec"])) != (base_id, spec):
         sys.exit(f"{directory} converts base {meta['base']['checkpoint_id']} with {meta['spec']}, "
                  f"not {base_id} with {asdict(spec)}")
     unknown = sorted(set(adapters) - set(conversion.trainable_state(student)))
@@ -362,7 +363,7 @@ def cmd_convert(args) -> None:
     teacher, tokenizer = base.model.eval().requires_grad_(False), base.tokenizer
     if teacher.cfg.is_dualend:
         sys.exit(f"{args.baseline} is a dual-end checkpoint; convert starts from a token-level one")
-    spec = conversion.ConversionSpec(args.lora_rank, args.lora_alpha, args.frozen_layers)
+    spec = conversion.ConversionSpec(args.lora_rank, args.lora_alpha, args.frozen_layers, args.compressor_init)
     base_ref = {"checkpoint_id": base.id, "source": base.recipe.get("source")}
     pad = teacher.cfg.pad_id
     run = Path(args.run)
@@ -375,7 +376,7 @@ def cmd_convert(args) -> None:
     data_rng = random.Random(data_seed)
     state = torch.load(state_path, weights_only=False) if state_path.exists() else None
     if state is not None:
-        if (state["base"], state["spec"]) != (base_ref["checkpoint_id"], asdict(spec)):
+        if (state["base"], conversion.ConversionSpec(**state["spec"])) != (base_ref["checkpoint_id"], spec):
             sys.exit(f"{run} converts base {state['base']} with {state['spec']}, not {base_ref['checkpoint_id']} "
                      f"with {asdict(spec)}")
         student.load_state_dict(state["trainable"], strict=False)

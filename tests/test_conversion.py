@@ -47,12 +47,16 @@ def test_lora_at_init_leaves_the_backbone_equal_to_the_teacher(base):
     assert any(isinstance(m, conversion.LoRALinear) for m in student.backbone.modules())
 
 
-def test_the_mean_initialised_compressor_gives_the_mean_of_the_pairs_embeddings(base):
-    student = conversion.build_student(base.model, SPEC)
+def test_the_compressor_starts_as_the_mean_or_as_pipos_sum_of_the_pairs_embeddings(base):
     pairs = torch.tensor([[[5, 9], [17, 3]]])
     embeddings = base.model.embedding(pairs)  # [1, 2, 2, D]
-    with torch.no_grad():
-        assert torch.allclose(student.latents(pairs), embeddings.mean(-2), atol=1e-6)
+    for start, expected in (("mean", embeddings.mean(-2)), ("sum", embeddings.sum(-2))):
+        student = conversion.build_student(base.model, conversion.ConversionSpec(4, 8.0, 0, start))
+        with torch.no_grad():
+            assert torch.allclose(student.latents(pairs), expected, atol=1e-6)
+    assert SPEC.compressor_init == "mean"  # adapters saved before the choice existed name none: the mean
+    with pytest.raises(ValueError, match="compressor_init 'second': expected one of mean, sum"):
+        conversion.build_student(base.model, conversion.ConversionSpec(compressor_init="second"))
 
 
 def test_a_few_steps_lower_the_loss(base, tiny_tokenizer):

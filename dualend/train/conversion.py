@@ -4,7 +4,7 @@ The student is the base model, frozen, plus what the conversion adds to it:
 - LoRA adapters on the linears of the backbone's blocks from `frozen_layers` up (fused q/k/v,
   attention output, fused gate/up, down) and of the MTP head's decoder layer, which starts as a
   copy of the base's last block (its final norm as the base's);
-- the compressor, started as the mean of the pair's embeddings; the MTP head's input projection
+- the compressor, started as the mean of the pair's embeddings (or their sum, PIPO's); the MTP head's input projection
   (started reading the normed hidden state only) and norms; the confidence head.
 Position stride 2: pair i's RoPE angle is the raw position of its second token, what the base knows.
 
@@ -46,6 +46,7 @@ from .training import Sample, baseline_forward, dualend_batch
 
 ADAPTERS, ADAPTERS_CONFIG = "adapters.safetensors", "adapters.json"
 LORA_TARGETS = (("attn", "qkv"), ("attn", "out"), ("ffn", "gate_up"), ("ffn", "down"))
+COMPRESSOR_STARTS = ("mean", "sum")
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ConversionSpec:
     lora_rank: int = 16  # 0: the blocks' own weights train (a full fine-tune; embeddings and LM head stay frozen)
     lora_alpha: float = 32.0
     frozen_layers: int = 0  # the lowest blocks keep the base's weights exactly (no adapters)
+    compressor_init: str = "mean"  # the compressor's start: "mean" or "sum" (PIPO's) of the pair's embeddings
 
 
 class LoRALinear(nn.Module):
@@ -91,7 +93,10 @@ def build_student(base: LanguageModel, spec: ConversionSpec) -> LanguageModel:
         raise ValueError("the base of a conversion is a token-level model (pair_size 1)")
     if not 0 <= spec.frozen_layers <= base.cfg.n_layers:
         raise ValueError(f"frozen_layers {spec.frozen_layers} outside 0..{base.cfg.n_layers}")
-    cfg = ModelConfig(**{**base.cfg.to_dict(), "pair_size": 2, "compressor_init": "mean", "position_stride": 2})
+    if spec.compressor_init not in COMPRESSOR_STARTS:
+        raise ValueError(f"compressor_init {spec.compressor_init!r}: expected one of {', '.join(COMPRESSOR_STARTS)}")
+    cfg = ModelConfig(**{**base.cfg.to_dict(), "pair_size": 2, "compressor_init": spec.compressor_init,
+                         "position_stride": 2})
     student = LanguageModel(cfg)
     missing, unexpected = student.load_state_dict(base.state_dict(), strict=False)
     assert not unexpected and all(n.split(".")[0] in ("compressor", "mtp", "confidence") for n in missing)

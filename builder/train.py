@@ -355,6 +355,8 @@ def cmd_convert(args) -> None:
     if args.autocast not in ("auto", "bf16", "none"):
         sys.exit(f"--autocast {args.autocast}: bf16 (measured on SmolLM2: losses within 0.5% of fp32), none, "
                  "or auto (bf16 where the device multiplies bf16 natively)")
+    if args.compressor_init not in conversion.COMPRESSOR_STARTS:
+        sys.exit(f"--compressor-init {args.compressor_init}: expected one of {', '.join(conversion.COMPRESSOR_STARTS)}")
     replicas = Replicas(args.device)
     device = replicas.device
     if args.autocast == "auto":

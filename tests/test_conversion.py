@@ -57,6 +57,8 @@ def test_the_compressor_starts_as_the_mean_or_as_pipos_sum_of_the_pairs_embeddin
     assert SPEC.compressor_init == "mean"  # adapters saved before the choice existed name none: the mean
     with pytest.raises(ValueError, match="compressor_init 'second': expected one of mean, sum"):
         conversion.build_student(base.model, conversion.ConversionSpec(compressor_init="second"))
+    with pytest.raises(SystemExit, match="--compressor-init second: expected one of mean, sum"):
+        train.main(["convert", "--baseline", "unused", "--run", "unused", "--compressor-init", "second"])
 
 
 def test_a_few_steps_lower_the_loss(base, tiny_tokenizer):

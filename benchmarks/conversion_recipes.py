@@ -28,8 +28,9 @@ def curve(run: Path) -> list[dict]:
 
 def recipe(run: Path) -> dict:
     meta = json.loads((run / "adapters" / "adapters.json").read_text(encoding="utf-8"))
-    return {"lora_rank": meta["spec"]["lora_rank"], "compressor_init": meta["spec"].get("compressor_init", "mean"),
-            **{k: meta["recipe"].get(k) for k in ("lr", "hidden_weight", "autocast", "batch_size", "seq_tokens")}}
+    return {"lora_rank": meta["spec"]["lora_rank"],
+            **{k: meta["recipe"].get(k) for k in ("lr", "hidden_weight", "autocast", "batch_size", "seq_tokens")},
+            "compressor_init": meta["spec"].get("compressor_init", "mean")}
 
 
 def table(curves: dict[str, list[dict]], recipes: dict[str, dict]) -> str:

@@ -27,5 +27,6 @@ def test_each_run_is_reported_by_its_gap_to_the_teacher_and_plotted(tmp_path, ca
     report = (tmp_path / "report" / "report.md").read_text()
     assert "| lora | lora_rank 16, lr 0.0005" in report and "| 2.000 (from 4.000) | 4.000 (from 6.500) |" in report
     assert "| full | lora_rank 0, lr 0.0001" in report and "| 1.500 (from 4.000) | 3.500 (from 6.500) |" in report
+    assert report.count("compressor_init mean |") == 2  # adapters from before the choice started from the mean
     assert (tmp_path / "report" / "curves.png").stat().st_size > 10_000
     assert "| 8 | 8192 | 5.0 | 27 |" in capsys.readouterr().out

@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from builder.export import WEIGHT_BITS, weight_settings, write_backbone
-from builder.quantize import quantize_weights
+from builder.export import WEIGHT_BITS, quantize_graph, weight_settings, write_backbone
 from client.api import median_and_spread
 from dualend.engine.checkpoint import load_checkpoint
 from dualend.engine.onnx_engine import BACKBONE_OUTPUTS, backbone_inputs, ort_session
@@ -74,8 +73,7 @@ def main(argv=None) -> dict:
                 path = scratch / f"{precision}_{graph}.onnx"
                 write_backbone(model, path, fused=graph == "fused")
                 if quantization:
-                    quantize_weights(path, quantization["bits"], quantization["block_size"],
-                                     quantization["accuracy_level"], lm_head_outputs=cfg.vocab_size)
+                    quantize_graph(path, quantization, cfg.vocab_size)
                 nodes[graph] = optimized_nodes(path, scratch)
                 sessions[graph] = ort_session(path, args.threads)
             print(f"\n{args.checkpoint} backbone, {precision} weights: nodes after ONNX Runtime's optimizations: "

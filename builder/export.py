@@ -142,7 +142,8 @@ def weight_settings(weight_precision: str) -> dict:
                                     "lm_head_bits": LM_HEAD_BITS, "accuracy_level": QUANT_ACCURACY_LEVEL}}
 
 
-def _quantize(path: Path, quantization: dict, vocab_size: int) -> None:
+def quantize_graph(path: Path, quantization: dict, vocab_size: int) -> None:
+    """The graph at `path` with its weights stored as `quantization` (an export's settings) says."""
     quantize_weights(path, quantization["bits"], quantization["block_size"], quantization["accuracy_level"],
                      lm_head_outputs=vocab_size)
 
@@ -205,9 +206,9 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
     write_manifest(out / "compressor", ckpt_id, "compressor", "onnx", settings)
 
     quantization = settings.get("weight_quantization")
-    write_backbone(model, out / "backbone" / MODEL_FILE, fused=bool(quantization))
+    write_backbone(model, out / "backbone" / MODEL_FILE, fused=settings.get("backbone_graph") == FUSED_GRAPH)
     if quantization:
-        _quantize(out / "backbone" / MODEL_FILE, quantization, cfg.vocab_size)
+        quantize_graph(out / "backbone" / MODEL_FILE, quantization, cfg.vocab_size)
     write_manifest(out / "backbone", ckpt_id, "backbone", "onnx", settings)
 
     if cfg.has_mtp:
@@ -222,7 +223,7 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
                    "present_keys": {1: "batch", 3: "new"}, "present_values": {1: "batch", 3: "new"}}
         _export(MTPGraph(model), example, out / "mtp" / MODEL_FILE, MTP_INPUTS, MTP_OUTPUTS, dynamic)
         if quantization:
-            _quantize(out / "mtp" / MODEL_FILE, quantization, cfg.vocab_size)
+            quantize_graph(out / "mtp" / MODEL_FILE, quantization, cfg.vocab_size)
         write_manifest(out / "mtp", ckpt_id, "mtp", "onnx", settings)
     return ckpt_id
 

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from dualend.engine.model import LanguageModel
+from dualend.engine.model import LanguageModel, rotary
 from dualend.engine.onnx_engine import OUTPUT_POSITIONS, backbone_inputs
 
 # RoPE angles are a table indexed by position (pair index): this many rows (8 MB for SmolLM2's head
@@ -62,15 +63,6 @@ class _Graph:
         if bias is not None:
             out = self.node("Add", [out, self.weight(f"{name}.bias", bias)], [self.activation(name, weight.shape[0])])
         return out
-
-
-def _rotary_tables(cfg, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [positions, Dh/2] of each pair index's angles, as `model.rotary` computes them."""
-    half = cfg.head_dim // 2
-    inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float32) / half)
-    pair_positions = np.arange(positions, dtype=np.float32) * cfg.position_stride + (cfg.position_stride - 1)
-    angles = pair_positions[:, None] * inv_freq
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def _attention_bias(g: _Graph, groups: int) -> tuple[str, str]:
@@ -117,9 +109,10 @@ def write_backbone_graph(model: LanguageModel, path: Path) -> None:
     dim, heads, kv_heads, head_dim, layers = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.n_layers
     groups, names = heads // kv_heads, backbone_inputs(cfg.n_layers)
     g = _Graph()
-    cos, sin = _rotary_tables(cfg, ROTARY_POSITIONS)
-    g.weight("cos_table", cos)
-    g.weight("sin_table", sin)
+    with torch.no_grad():  # model.rotary's angles for every position index: [1, 1, positions, Dh/2]
+        cos, sin = rotary(torch.arange(ROTARY_POSITIONS)[None], cfg)
+    g.weight("cos_table", cos[0, 0].numpy())
+    g.weight("sin_table", sin[0, 0].numpy())
     bias, past_new_split = _attention_bias(g, groups)
     q_shape, kv_shape = (g.weight("q_heads", np.array([0, 0, heads, head_dim], np.int64)),
                          g.weight("kv_heads", np.array([0, 0, kv_heads, head_dim], np.int64)))

@@ -388,80 +388,173 @@ def test_a_deployment_marked_down_refuses_new_requests_and_ends_stalled_ones_wit
     assert client(api).completions.create(model="baseline", prompt=PROMPTS[0], max_tokens=2).choices
 
 
-def test_through_the_launchers_gateway_a_killed_step_ends_v1_streams_within_5_s(tmp_path):
-    """`python -m dualend.ops.launch` as users run it: /v1 behind nginx with the same keys; kill -9 of
-    the dual-end mtp_verify under 4 /v1 streams (tritonserver 2.51 never ends them): each ends with an
-    error event saying retry within 5 s, and the deployment serves again; the service, killed, is
-    started again by the watchdog."""
-    import os
-    import signal
+CAROL = "e5" * 16
 
-    from dualend.ops.processes import stub_processes
 
-    http_port, grpc_port, metrics_port, triton_http, triton_grpc, openai_port, usage_port = free_ports("127.0.0.1", 7)
-    repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(tmp_path / "repository"),
-                                "--export-dir", str(tmp_path / "export"), "--deployments", "dualend", "baseline"])
-    (tmp_path / "keys").write_text(f"bob {BOB}\n")
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """`python -m dualend.ops.launch` as users run it: tritonserver, nginx, the service in front of every
+    route (/v1, Triton's HTTP generate routes, Triton's gRPC), the watchdog; keys bob and carol (cap 2)."""
+    root = tmp_path_factory.mktemp("launched")
+    ports = dict(zip(("http", "grpc", "metrics", "triton_http", "triton_grpc", "openai", "front_grpc", "usage_metrics"),
+                     free_ports("127.0.0.1", 8)))
+    repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(root / "repository"),
+                                "--export-dir", str(root / "export"), "--deployments", "dualend", "baseline"])
+    (root / "keys").write_text(f"bob {BOB}\ncarol {CAROL} max_requests=2\n")
+    flags = [f"--{name.replace('_', '-')}-port" for name in ports]
     launcher = subprocess.Popen(
         [sys.executable, "-m", "dualend.ops.launch", "--model-repository", str(repository), "--no-source-check",
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-         "--triton-http-port", str(triton_http), "--triton-grpc-port", str(triton_grpc), "--openai-port",
-         str(openai_port), "--usage-metrics-port", str(usage_port), "--api-keys", str(tmp_path / "keys"),
-         "--log-file", str(tmp_path / "server.log")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--api-keys", str(root / "keys"), "--log-file", str(root / "server.log")]
+        + [part for flag, port in zip(flags, ports.values()) for part in (flag, str(port))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in launcher.stdout:
             if "Ctrl-C or SIGTERM stops it" in line:
                 break
         threading.Thread(target=launcher.stdout.read, daemon=True).start()
-        gateway = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=BOB, max_retries=0)
-        assert [m.id for m in gateway.models.list().data] == ["dualend", "baseline", "llm"]
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=BOB.upper(),
-                          max_retries=0).models.list()
-        usage_url = f"http://127.0.0.1:{usage_port}/metrics"
-        assert gateway.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=4).usage.completion_tokens
-        assert metric_value(usage_url, "dualend_api_completion_tokens_total", "dualend", client="bob") > 0
-
-        ended = []
-
-        def stream():
-            chunks = gateway.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=1000, stream=True,
-                                                extra_body={"ignore_eos": True})
-            try:
-                for _ in chunks:
-                    pass
-                ended.append(("finished", time.monotonic()))
-            except openai.APIError as error:
-                ended.append((str(error), time.monotonic()))
-
-        threads = [threading.Thread(target=stream) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        live = lambda: metric_value(f"http://127.0.0.1:{metrics_port}/metrics",  # noqa: E731
-                                    "dualend_kv_live_sequences", "dualend_v1_backbone")
-        assert wait_for(lambda: live() == 4, 30)
-        server_pid = int(subprocess.check_output(["pgrep", "-P", str(launcher.pid), "tritonserver"]).split()[0])
-        killed = time.monotonic()
-        os.kill(stub_processes(server_pid)["dualend_v1_mtp_verify"][0], signal.SIGKILL)
-        for thread in threads:
-            thread.join(10)
-        assert len(ended) == 4 and all("retry" in message for message, _ in ended), ended
-        assert max(at for _, at in ended) - killed < 5
-
-        def serves():
-            try:
-                return gateway.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=4).choices[0].text
-            except openai.APIError:
-                return False
-
-        assert wait_for(serves, 60, poll_s=0.3)  # the watchdog reloads backbone and mtp_verify
-        service = int(subprocess.check_output(["pgrep", "-P", str(launcher.pid), "-f", "dualend.ops.openai_api"]).split()[0])
-        os.kill(service, signal.SIGKILL)
-        assert wait_for(serves, 30, poll_s=0.3)
+        launcher.ports, launcher.root = ports, root
+        launcher.http, launcher.grpc = f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['grpc']}"
+        launcher.v1 = openai.OpenAI(base_url=f"http://{launcher.http}/v1", api_key=BOB, max_retries=0)
+        yield launcher
     finally:
         launcher.terminate()
         launcher.wait(60)
     assert launcher.returncode == 0
+
+
+ROUTES = ("v1", "http", "grpc")
+
+
+def generate_on(launched, route: str, max_tokens: int, api_key: str = BOB, **params):
+    """One streamed request over a route; (text, counters) or RequestError / openai.APIError."""
+    from client.api import stream_http
+
+    if route == "v1":
+        client = openai.OpenAI(base_url=f"http://{launched.http}/v1", api_key=api_key, max_retries=0)
+        text = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model="dualend", prompt=PROMPTS[0], max_tokens=max_tokens, stream=True, extra_body=params) if chunk.choices)
+        return text, None
+    call = stream_http if route == "http" else stream_grpc
+    result = call(launched.http if route == "http" else launched.grpc, "dualend", PROMPTS[0], max_tokens,
+                  api_key=api_key, **params)
+    return result.text, result.counters
+
+
+def test_through_the_launchers_gateway_every_route_is_served_and_counted(launched):
+    """/v1, HTTP generate_stream and gRPC through nginx and the front: the same greedy text, and the
+    tokens each route's client was told are what the usage database adds up for the key."""
+    from dualend.ops.gateway import DEFAULT_PREFIX
+    from dualend.ops.usage import UsageStore
+
+    assert [m.id for m in launched.v1.models.list().data] == ["dualend", "baseline", "llm"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://{launched.http}/v1", api_key=BOB.upper(), max_retries=0).models.list()
+    store = UsageStore(DEFAULT_PREFIX / "usage.sqlite")
+    before = store.tokens("bob")
+    http_text, http_counters = generate_on(launched, "http", 6)
+    grpc_text, grpc_counters = generate_on(launched, "grpc", 6)
+    v1 = launched.v1.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=6)
+    assert grpc_text == http_text == PROMPTS[0] + v1.choices[0].text  # Triton's routes echo the prompt
+    told = sum(c["num_prompt_tokens"] + c["num_output_tokens"] for c in (http_counters, grpc_counters))
+    assert wait_for(lambda: store.tokens("bob") - before == told + v1.usage.total_tokens, 5)
+
+
+def serves_every_route(launched, api_key: str = BOB) -> bool:
+    from client.api import RequestError
+
+    try:
+        return all(generate_on(launched, route, 2, api_key=api_key)[0] for route in ROUTES)
+    except (RequestError, openai.APIError):
+        return False
+
+
+def test_one_cap_per_key_counts_requests_on_every_route(launched):
+    """carol (max_requests=2) holds two requests on one gRPC stream: a third on the same stream, one over
+    HTTP and one over /v1 are refused with the cap's code; bob is served meanwhile; once carol's
+    requests end, hers pass again."""
+    import tritonclient.grpc as grpcclient
+
+    from client.api import RequestError, _grpc_inputs, auth_headers, request_body
+
+    answers = []
+    holder = grpcclient.InferenceServerClient(launched.grpc)
+    holder.start_stream(callback=lambda result, error: answers.append((result, error)), headers=auth_headers(CAROL))
+    try:
+        for number in range(3):
+            holder.async_stream_infer("dualend", _grpc_inputs(grpcclient, request_body(PROMPTS[0], 1000, True,
+                                                                                        ignore_eos=True)),
+                                      request_id=f"carol-{number}", enable_empty_final_response=True)
+        assert wait_for(lambda: any(error is not None for _, error in answers), 10)
+        refused = [str(error) for _, error in answers if error is not None]
+        assert len(refused) == 1 and "[too_many_requests_for_key]" in refused[0] and "max_requests 2" in refused[0]
+        with pytest.raises(RequestError, match=r"\[too_many_requests_for_key\]"):
+            generate_on(launched, "http", 2, api_key=CAROL)
+        with pytest.raises(openai.RateLimitError) as over:
+            generate_on(launched, "v1", 2, api_key=CAROL)
+        assert over.value.code == "too_many_requests_for_key"
+        assert generate_on(launched, "grpc", 2)[1]["num_output_tokens"] == 2  # another key is served
+        assert {result.get_response().id for result, error in answers if error is None} == {"carol-0", "carol-1"}
+    finally:
+        holder.stop_stream(cancel_requests=True)
+        holder.close()
+    assert wait_for(lambda: serves_every_route(launched, CAROL), 10, poll_s=0.3)
+
+
+@pytest.mark.parametrize("step, how, bound_s", [
+    ("mtp_verify", "SIGKILL", 5), ("postprocessing", "SIGKILL", 5),
+    ("mtp_verify", "SIGSTOP", 15), ("postprocessing", "SIGSTOP", 15)])
+def test_a_dead_or_stopped_step_ends_streams_on_every_route(launched, step, how, bound_s):
+    """4 streams on each route (/v1, HTTP generate_stream, gRPC) decoding through the step; kill -9 or
+    kill -STOP of its stub (tritonserver 2.51 ends none of them): all 12 end with a retryable error
+    within the bound (the issue's 5 s and 15 s), and the deployment serves again within 15 s (the
+    watchdog restores a dead stub, and kills and restores one stopped for 3 s)."""
+    import os
+    import signal
+
+    from client.api import RequestError
+    from dualend.ops.processes import stub_processes
+    from dualend.serving.outcomes import disposition
+
+    ended = []
+
+    def stream(route):
+        try:
+            generate_on(launched, route, 1000, ignore_eos=True)
+            ended.append((route, "finished", time.monotonic()))
+        except (RequestError, openai.APIError) as error:
+            ended.append((route, str(error), time.monotonic()))
+
+    threads = [threading.Thread(target=stream, args=(route,)) for route in ROUTES for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    live = lambda: metric_value(f"http://127.0.0.1:{launched.ports['metrics']}/metrics",  # noqa: E731
+                                "dualend_kv_live_sequences", "dualend_v1_backbone")
+    assert wait_for(lambda: live() == 12, 30)
+    server_pid = int(subprocess.check_output(["pgrep", "-P", str(launched.pid), "tritonserver"]).split()[0])
+    stub = stub_processes(server_pid)[f"dualend_v1_{step}"][0]
+    stopped = time.monotonic()
+    os.kill(stub, getattr(signal, how))
+    for thread in threads:
+        thread.join(bound_s + 5)
+    assert sorted(route for route, _, _ in ended) == sorted(ROUTES * 4), ended
+    assert not [message for _, message, _ in ended if message == "finished"], ended
+    for route, message, _ in ended:  # Triton's routes: our code, or tritonserver's own error (retryable)
+        retryable = "retry" in message if route == "v1" else disposition(message)[1].http_status == 503
+        assert retryable, (route, message)
+    assert max(at for _, _, at in ended) - stopped < bound_s
+    assert wait_for(lambda: serves_every_route(launched), 15, poll_s=0.3)
+
+
+@pytest.mark.parametrize("process", ["dualend.ops.openai_api", "tritonserver"])
+def test_the_service_in_front_and_tritonserver_are_started_again_when_they_die(launched, process):
+    """The front by the watchdog; tritonserver by the launcher (2.51 aborts when a stub dies holding a
+    lock it shares with the server)."""
+    import os
+    import signal
+
+    pid = int(subprocess.check_output(["pgrep", "-P", str(launched.pid), "-f", process]).split()[0])
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: serves_every_route(launched), 60, poll_s=0.3)
 
 
 def test_a_client_gone_before_a_whole_answer_cancels_its_request(api):

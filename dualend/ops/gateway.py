@@ -84,7 +84,10 @@ class GatewaySettings:
     grpc_max_stream: str = "64m"
     rate_per_s: int = 50              # per client (API key), with a burst of `burst`
     burst: int = 100
-    openai_api: str | None = None     # host:port of the OpenAI-compatible service; None: no /v1 routes
+    # host:port of the OpenAI-compatible service: /v1, and Triton's generate routes through it (which
+    # then caps each key's requests across routes); None: no /v1 routes, generate goes to tritonserver
+    openai_api: str | None = None
+    front_grpc: str | None = None     # host:port of that service's gRPC front; None: gRPC goes to tritonserver
 
 
 def public_inputs(model_repository: Path) -> dict[str, dict]:
@@ -111,7 +114,12 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
         # a leading backslash: a key named like a map keyword ("default", the launcher's first key) stays a name
         + "".join(f'        "\\{key.name}" "{key.name}";\n' for key in keys if key.max_requests == cap)
         + f"    }}\n    limit_conn_zone $cap_{cap} zone=cap_{cap}:1m;" for cap in caps)
+    # a key's cap: counted per request across every route by the service in front, where there is one;
+    # else per connection (a gRPC stream once) by nginx
     cap_limits = " ".join(f"limit_conn cap_{cap} {cap};" for cap in caps)
+    http_caps = "" if settings.openai_api else cap_limits
+    grpc_caps = "" if settings.front_grpc else cap_limits
+    generate_upstream = "openai_api" if settings.openai_api else "triton_http"
     if settings.baseline_percent <= 0:
         split = "* dualend;"
     elif settings.baseline_percent >= 100:
@@ -132,7 +140,6 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
     v1_location = f"""location /v1/ {{
             {v1_check}
             limit_req zone=per_client burst={settings.burst} nodelay;
-            {cap_limits}
             proxy_pass http://openai_api;
         }}""" if settings.openai_api else ""
     v1_upstream = f"upstream openai_api {{ server {settings.openai_api}; keepalive 32; }}" if settings.openai_api else ""
@@ -154,7 +161,7 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
         return f"""location ~ ^/v2/models/{model_pattern}/(generate|generate_stream)$ {{
             {check}
             limit_req zone=per_client burst={settings.burst} nodelay;
-            {cap_limits}
+            {http_caps}
             set $deployment {deployment};
             if ($request_method != POST) {{
                 add_header Allow POST always;
@@ -211,6 +218,7 @@ http {{
     limit_req_status 429;
     upstream triton_http {{ server {settings.triton_http}; keepalive 32; }}
     upstream triton_grpc {{ server {settings.triton_grpc}; keepalive 32; }}
+    {f"upstream front_grpc {{ server {settings.front_grpc}; keepalive 32; }}" if settings.front_grpc else ""}
     {v1_upstream}
     error_page 413 = @too_large;
     error_page 429 = @too_many;
@@ -225,7 +233,7 @@ http {{
         add_header X-Dualend-Deployment $deployment always;
         {generate_location(f"({models})", "$1", "$uri")}
         {generate_location(CANARY_MODEL, "$canary", "/v2/models/$canary/$1")}
-        location @triton {{ proxy_pass http://triton_http$triton_uri; }}  # a checked generate request
+        location @triton {{ proxy_pass http://{generate_upstream}$triton_uri; }}  # a checked generate request
         {v1_location}
         {model_location("", keyed=True)}
         {model_location("/ready", keyed=False)}
@@ -269,9 +277,9 @@ http {{
         location ~ ^/inference\\.GRPCInferenceService/({grpc_methods})$ {{
             {grpc_check}
             limit_req zone=per_client burst={settings.burst} nodelay;
-            {cap_limits}
+            {grpc_caps}
             grpc_read_timeout 300s;
-            grpc_pass grpc://triton_grpc;
+            grpc_pass grpc://{"front_grpc" if settings.front_grpc else "triton_grpc"};
         }}
         location @grpc_too_large {{
             add_header grpc-status 8;

@@ -66,6 +66,8 @@ DEFAULT_GRPC_PORT = 8001
 DEFAULT_METRICS_PORT = 8002
 INTERNAL_HTTP_PORT, INTERNAL_GRPC_PORT = 18000, 18001  # tritonserver's own, on 127.0.0.1 behind the gateway
 INTERNAL_OPENAI_PORT = 18080  # the OpenAI-compatible service, on 127.0.0.1 behind the gateway
+INTERNAL_FRONT_GRPC_PORT = 18081  # its front of Triton's gRPC InferenceService
+SERVER_RESTARTS, SERVER_RESTART_WINDOW_S = 3, 600.0  # a tritonserver that exits is started again, this often
 DEFAULT_USAGE_METRICS_PORT = 8003  # its counters of tokens per API key name
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")
 DEFAULT_MODEL_CONTROL_MODE = "none"
@@ -558,9 +560,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--triton-grpc-port", type=int, default=INTERNAL_GRPC_PORT)
     parser.add_argument("--openai-port", type=int, default=INTERNAL_OPENAI_PORT,
                         help="the OpenAI-compatible service's port on 127.0.0.1, behind the gateway's /v1/")
+    parser.add_argument("--front-grpc-port", type=int, default=INTERNAL_FRONT_GRPC_PORT,
+                        help="the same service's front of Triton's gRPC routes, on 127.0.0.1 behind the gateway")
     parser.add_argument("--usage-metrics-port", type=int, default=DEFAULT_USAGE_METRICS_PORT,
                         help="tokens per API key name (Prometheus), served by the OpenAI-compatible service")
-    parser.add_argument("--no-openai-api", action="store_true", help="no /v1/ routes")
+    parser.add_argument("--no-openai-api", action="store_true",
+                        help="no /v1/ routes, and Triton's routes go from the gateway to tritonserver itself "
+                             "(each key's cap then counts connections, and usage is not recorded)")
     parser.add_argument("--api-keys", type=Path, default=None,
                         help="gateway API keys, `name key [max_requests=N] [daily_tokens=N]` per line (default build/gateway/api_keys, "
                              "created with one new key when missing)")
@@ -631,9 +637,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gateway is not None and not args.no_openai_api:
             api = ApiService(ServiceSettings(server.grpc_url, Path(args.model_repository).resolve(), DEFAULT_HOST,
                                              args.openai_port, gateway.settings.keys_file, gateway.prefix,
-                                             args.baseline_percent, usage_db=gateway.prefix / "usage.sqlite"),
+                                             args.baseline_percent, usage_db=gateway.prefix / "usage.sqlite",
+                                             triton_http=server.http_url, grpc_port=args.front_grpc_port),
                              args.host, args.usage_metrics_port, server.log_file.with_suffix(".openai.log")).start()
-            gateway.settings.openai_api = api.url
+            gateway.settings.openai_api, gateway.settings.front_grpc = api.url, api.grpc_url
         if gateway is not None:
             gateway.settings.triton_http, gateway.settings.triton_grpc = server.http_url, server.grpc_url
             gateway.start()
@@ -652,17 +659,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 services=(api,) if api else ()).start()
         print("Ctrl-C or SIGTERM stops it.", flush=True)
         next_rotation = time.monotonic()
-        while server.poll() is None:
-            if gateway is not None and time.monotonic() >= next_rotation:
-                gateway.rotate_logs()
-                next_rotation += LOG_CHECK_S
-            time.sleep(0.5)
-        print(
-            f"error: tritonserver exited with code {server.poll()}; last lines of "
-            f"{server.log_file}:\n{_tail(server.log_file)}",
-            file=sys.stderr,
-        )
-        return 1
+        restarts: list[float] = []
+        while True:
+            while server.poll() is None:
+                if gateway is not None and time.monotonic() >= next_rotation:
+                    gateway.rotate_logs()
+                    next_rotation += LOG_CHECK_S
+                time.sleep(0.5)
+            restarts = [at for at in restarts if time.monotonic() - at < SERVER_RESTART_WINDOW_S]
+            print(f"error: tritonserver exited with code {server.poll()}; last lines of "
+                  f"{server.log_file}:\n{_tail(server.log_file)}", file=sys.stderr, flush=True)
+            if len(restarts) >= SERVER_RESTARTS:
+                return 1
+            # tritonserver 2.51 aborts (boost::interprocess::lock_exception) when a Python stub dies
+            # holding a lock it shares with the server: started again, as a supervisor would
+            restarts.append(time.monotonic())
+            server.stop(keep_log=True, drain=False)
+            server.start()
+            print(f"tritonserver started again (pid {server.pid}; {len(restarts)} of {SERVER_RESTARTS} restarts "
+                  f"in {SERVER_RESTART_WINDOW_S / 60:.0f} minutes)", flush=True)
     except KeyboardInterrupt:
         print("stopping tritonserver", flush=True)
     except RepositoryMissingError as err:

@@ -23,6 +23,15 @@ def stub_processes(server_pid: int) -> dict[str, tuple[int, str]]:
     return stubs
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether a process is stopped (kill -STOP, a debugger): state T or t in /proc/PID/stat."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] in "Tt"
+
+
 def server_tree(server_pid: int) -> dict[str, int]:
     """{name: pid} of one tritonserver and its Python backend stubs (by model)."""
     return {"tritonserver": server_pid} | {model: pid for model, (pid, _) in stub_processes(server_pid).items()}

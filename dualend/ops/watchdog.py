@@ -5,29 +5,35 @@ launcher runs this watchdog: every `interval_s` it compares the stubs alive with
 lists as READY. A READY model without a stub has failed: its deployment is marked down at the gateway
 (routes and readiness answer 503 with a message that says so), a new instance of the model is
 loaded through the repository API and takes over (`RepositoryAPI.replace`: the model never goes away,
-so its ensemble keeps serving), and the mark is removed once its stub is back. Only the generation the loaded ensemble runs is restored:
+so its ensemble keeps serving), and the mark is removed once its stub is back. A stub that is stopped
+(kill -STOP) marks its deployment down at once, and is killed once stopped for `STOPPED_KILL_AFTER_S`,
+then restored as a dead one: tritonserver 2.51 soon finds it "not healthy", and aborts (the whole
+server, on a boost::interprocess::lock_exception) when such a stub runs again. Only the generation the loaded ensemble runs is restored:
 a redeploy's old generation, draining or unloaded, is left alone. A model whose restores keep failing
 (`STUCK_AFTER` in a row) makes the gateway's liveness answer 503, so an orchestrator restarts the server. Streams that were using a dead
 backbone end with the decode loop's error; streams inside a dead mtp_verify get no end (tritonserver
-2.51's Python backend never sends it): their clients time out, except those of the OpenAI-compatible
-service, which ends them when it sees the mark. That service, a process of its own, is started again
+2.51's Python backend never sends it) from tritonserver: the service in front of every route (the
+OpenAI-compatible service, which also fronts Triton's HTTP and gRPC routes) ends them when it sees the mark. That service, a process of its own, is started again
 if it exits (`services`).
 """
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from pathlib import Path
 
 from dualend.serving.repository import PUBLIC_DEPLOYMENTS, generation_of, pipeline_name
 
-from .processes import stub_processes
+from .processes import is_stopped, stub_processes
 from .repository_api import RepositoryAPI
 
 log = logging.getLogger(__name__)
 
 STUCK_MARK = "_server"  # in down_dir: the gateway's liveness answers 503, so an orchestrator restarts the server
+STOPPED_KILL_AFTER_S = 3.0  # a stub stopped this long is killed and restored
 STUCK_AFTER = 3  # failed restores of one model in a row (a load can hang in tritonserver, e.g. a stub killed
                  # while its replacement starts leaves the model LOADING for good)
 
@@ -40,12 +46,39 @@ class Watchdog:
         self.stopping = threading.Event()
         self.repository = RepositoryAPI(server.grpc_url, server.admin_key, timeout_s=60.0)
         self.failures: dict[str, int] = {}  # model -> restores failed in a row; retried each round
+        self.stopped: set[str] = set()      # deployments marked down because a stub of theirs is stopped
+        self.stopped_since: dict[int, float] = {}  # stub pid -> when it was first seen stopped
 
     def failed_models(self, ready: list[str]) -> list[str]:
         """Of the READY models, the Python models of our deployments whose stub is gone."""
         alive = stub_processes(self.server.pid)
         return [name for name in ready if name.startswith(tuple(f"{d}_v" for d in self.deployments))
                 and name not in alive]
+
+    def mark_stopped(self) -> None:
+        """Marks down the deployments a stopped stub belongs to (their requests make no progress, so the
+        front ends them and refuses new ones), and unmarks them once every stub of theirs runs again."""
+        prefixes = tuple(f"{d}_v" for d in self.deployments)
+        stopped_stubs = {model: pid for model, (pid, _) in stub_processes(self.server.pid).items()
+                         if model.startswith(prefixes) and is_stopped(pid)}
+        now = time.monotonic()
+        self.stopped_since = {pid: self.stopped_since.get(pid, now) for pid in stopped_stubs.values()}
+        for model, pid in stopped_stubs.items():
+            if now - self.stopped_since[pid] >= STOPPED_KILL_AFTER_S:
+                log.error("watchdog: the stub of %s has been stopped for %.0f s; killed, to be restored", model,
+                          now - self.stopped_since[pid])
+                os.kill(pid, signal.SIGKILL)
+        stopped = {self.deployment_of(model) for model in stopped_stubs}
+        for deployment in sorted(stopped - self.stopped):
+            log.error("watchdog: a stub of %s is stopped; %s is marked down while it stays so", deployment, deployment)
+            if self.down_dir:
+                self.down_dir.mkdir(parents=True, exist_ok=True)
+                (self.down_dir / deployment).touch()
+        for deployment in sorted(self.stopped - stopped):
+            log.warning("watchdog: the stubs of %s run again", deployment)
+            if self.down_dir:
+                (self.down_dir / deployment).unlink(missing_ok=True)
+        self.stopped = stopped
 
     def deployment_of(self, model: str) -> str:
         return next(d for d in self.deployments if model.startswith(f"{d}_v"))
@@ -85,6 +118,7 @@ class Watchdog:
                 except Exception as error:  # noqa: BLE001 - retried next round
                     log.warning("watchdog: restarting a service failed (retried next round): %s", error)
             try:
+                self.mark_stopped()
                 ready = self.repository.ready_models()
                 failed = set(self.failed_models(ready))
                 if failed:  # again, just before acting: a redeploy may be unloading models right now

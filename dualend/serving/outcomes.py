@@ -23,6 +23,8 @@ class Outcome(str, Enum):
     SHUTTING_DOWN = "shutting_down"                      # the deployment drains for a redeploy or a stop
     STEP_FAILED = "step_failed"                          # a step failed or lost the sequence: retry
     NOT_ALLOWED = "not_allowed"                          # an internal model called without the pipeline key
+    KEY_CAP = "too_many_requests_for_key"                # the API key has its max_requests running or waiting
+    QUOTA_EXCEEDED = "quota_exceeded"                    # the API key used its daily_tokens today (UTC)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ DISPOSITIONS = {
     Outcome.SHUTTING_DOWN: Disposition(503, "retry", 2, False),
     Outcome.STEP_FAILED: Disposition(503, "retry", 2, False),
     Outcome.NOT_ALLOWED: Disposition(403, "not_allowed", None, False),
+    Outcome.KEY_CAP: Disposition(429, "too_many_requests_for_key", 1, False),
+    Outcome.QUOTA_EXCEEDED: Disposition(429, "quota_exceeded", None, False),  # Retry-After: to the next day
 }
 # tritonserver's own errors (no code of ours): a model being restored or a step's process gone
 UNTAGGED = Disposition(503, "retry", 2, False)

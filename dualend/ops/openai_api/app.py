@@ -31,16 +31,18 @@ import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dualend.engine.tokenizer import TextTokenizer
 from dualend.serving.contract import COUNTERS, merge_counters
+from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served_generation
 
 from ..api_keys import ApiKey, client_of, read_keys
 from ..usage import UsageStore, seconds_to_next_day
-from .front import DownMarks, KeyCaps, Progress, Readiness
+from .front import DisconnectAwareStream, DownMarks, KeyCaps, Progress, Readiness
+from .triton_routes import UNLIMITED, GrpcFront, HttpGenerate
 from .translation import (ApiError, Generation, chunk_body, finish_reason, parse_body, parse_chat,
                           parse_completion, response_body, triton_error, triton_inputs, usage, usage_chunk)
 
@@ -63,6 +65,8 @@ class ServiceSettings:
     stall_s: float = 1.0                   # no response this long while the deployment is (was) down: 503
     max_body_bytes: int = 1 << 20
     usage_db: Path | None = None           # tokens per key and day (dualend.ops.usage); None: not kept
+    triton_http: str | None = None         # host:port of tritonserver's HTTP endpoint: the generate routes here
+    grpc_port: int | None = None           # Triton's gRPC InferenceService, fronted here; None: not fronted
 
 
 @dataclass
@@ -178,9 +182,12 @@ class Service:
         return await self.client.is_model_ready(deployment, client_timeout=READY_TIMEOUT_S)
 
     def authorize(self, request: Request) -> ApiKey:
+        return self.authorize_header(request.headers.get("authorization"))
+
+    def authorize_header(self, authorization: str | None) -> ApiKey:
         if self.keys is None:  # no keys, no one to be fair between: no cap
             return ApiKey("anonymous", "", sys.maxsize)
-        client = client_of(request.headers.get("authorization"), self.keys)
+        client = client_of(authorization, self.keys)
         if client is None:
             raise ApiError(401, "missing or unknown API key: send Authorization: Bearer <key>", code="invalid_api_key")
         return client
@@ -268,9 +275,9 @@ class Service:
             return
         used = self.usage.tokens(client.name)
         if used >= client.daily_tokens:
-            raise ApiError(429, f"API key {client.name!r} used {used} tokens today (UTC), its daily_tokens quota is "
-                                f"{client.daily_tokens}; it renews at 00:00 UTC", code="quota_exceeded",
-                           retry_after_s=seconds_to_next_day())
+            raise ApiError.of(Outcome.QUOTA_EXCEEDED, f"API key {client.name!r} used {used} tokens today (UTC), its "
+                                                     f"daily_tokens quota is {client.daily_tokens}; it renews at 00:00 UTC",
+                              retry_after_s=seconds_to_next_day())
 
     async def models(self, request: Request) -> Response:
         try:
@@ -424,47 +431,36 @@ class Service:
 
             self.client = grpcaio.InferenceServerClient(self.settings.triton_grpc)
             poller = asyncio.create_task(self.marks.run())
+            await http_generate.start()
+            grpc_server = None
+            if self.settings.grpc_port is not None:
+                grpc_front = GrpcFront(self, self.settings.triton_grpc)
+                grpc_server = grpc.aio.server(options=UNLIMITED)
+                grpc_server.add_generic_rpc_handlers((grpc_front.handler(),))
+                grpc_server.add_insecure_port(f"{self.settings.host}:{self.settings.grpc_port}")
+                await grpc_server.start()
             try:
                 yield
             finally:
+                if grpc_server is not None:
+                    await grpc_server.stop(grace=1.0)
+                    await grpc_front.close()
                 poller.cancel()
+                await http_generate.close()
                 await self.client.close()
+
+        http_generate = HttpGenerate(self, self.settings.triton_http)
 
         routes = [Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/v1/completions", self.generate, methods=["POST"]),
                   Route("/v1/chat/completions", self.generate, methods=["POST"]),
+                  Route("/v2/models/{model}/generate", http_generate.generate, methods=["POST"]),
+                  Route("/v2/models/{model}/generate_stream", http_generate.generate, methods=["POST"]),
                   Route("/metrics", self.metrics, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"])]
         return Starlette(routes=routes, lifespan=lifespan,
                          exception_handlers={404: not_found, 405: not_allowed, Exception: internal_error})
-
-
-class DisconnectAwareStream(StreamingResponse):
-    """A streaming response that always listens for the client's disconnect, so a client gone while
-    no token comes still cancels its request (Starlette on ASGI 2.4 learns it only from a failed send);
-    `close` runs however the response ends."""
-
-    def __init__(self, content, close, **options):
-        super().__init__(content, **options)
-        self.close = close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as group:
-                async def respond():
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass  # the client went away mid-send
-                    group.cancel_scope.cancel()
-
-                group.start_soon(respond)
-                await self.listen_for_disconnect(receive)
-                group.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.close()
 
 
 def sse(payload: dict) -> bytes:

@@ -7,6 +7,7 @@ request whose deployment failed under it.
   polled; every time a deployment goes down its epoch counts up, so a request knows whether its
   deployment failed since it started, even once the mark is gone again (tritonserver 2.51 never ends
   the requests of a dead Python stub: the front must).
+- `DisconnectAwareStream`: a streamed answer that learns at once that its client left.
 - `Readiness`: whether tritonserver has a deployment loaded and ready, asked at most once a second, so
   /v1/models names only what is served and a request for an unloaded deployment is refused at once.
 """
@@ -16,6 +17,11 @@ import asyncio
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+import anyio
+from starlette.responses import StreamingResponse
+
+from dualend.serving.outcomes import Outcome
 
 from ..api_keys import ApiKey
 from ..watchdog import STUCK_MARK
@@ -30,8 +36,9 @@ class KeyCaps:
     def admit(self, client: ApiKey):
         held = self.in_flight.get(client.name, 0)
         if held >= client.max_requests:
-            raise ApiError(429, f"this API key has {held} requests running or waiting, its cap (max_requests "
-                                f"{client.max_requests}); wait for one to end", code="too_many_requests_for_key")
+            raise ApiError.of(Outcome.KEY_CAP, f"this API key has {held} requests running or waiting on this "
+                                                f"service's routes, its cap (max_requests {client.max_requests}); "
+                                                "wait for one to end")
         self.in_flight[client.name] = held + 1
         try:
             yield
@@ -71,7 +78,8 @@ class DownMarks:
 
     def check_up(self, deployment: str) -> None:
         if self.is_down(deployment):
-            raise ApiError(503, f"{deployment} is restoring a failed component; retry in a few seconds", code="retry")
+            raise ApiError.of(Outcome.STEP_FAILED, f"{deployment} is restoring a failed or stopped component; retry "
+                                                   "in a few seconds")
 
 
 class Progress:
@@ -89,8 +97,9 @@ class Progress:
     def check(self) -> None:
         failed = self.marks.is_down(self.deployment) or self.marks.epoch(self.deployment) != self.epoch
         if failed and time.monotonic() - self.last > self.stall_s:
-            raise ApiError(503, f"a component of {self.deployment} failed while serving this request and it made "
-                                f"no progress for {self.stall_s:g} s; the request ends here, retry", code="retry")
+            raise ApiError.of(Outcome.STEP_FAILED, f"a component of {self.deployment} failed while serving this "
+                                                   f"request and it made no progress for {self.stall_s:g} s; the "
+                                                   "request ends here, retry")
 
 
 class Readiness:
@@ -115,3 +124,30 @@ class Readiness:
         except Exception as error:  # noqa: BLE001 - unreachable or timed out: whatever it is, retry later
             raise ApiError(503, f"the inference server does not answer whether `{deployment}` is ready ({error}); "
                                 "retry", code="retry") from None
+
+
+class DisconnectAwareStream(StreamingResponse):
+    """A streaming response that always listens for the client's disconnect, so a client gone while
+    no token comes still cancels its request (Starlette on ASGI 2.4 learns it only from a failed send);
+    `close` runs however the response ends."""
+
+    def __init__(self, content, close, **options):
+        super().__init__(content, **options)
+        self.close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def respond():
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client went away mid-send
+                    group.cancel_scope.cancel()
+
+                group.start_soon(respond)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.close()

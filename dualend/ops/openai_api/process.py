@@ -31,6 +31,10 @@ class ApiService:
     def url(self) -> str:
         return f"{self.settings.host}:{self.settings.port}"
 
+    @property
+    def grpc_url(self) -> str | None:
+        return f"{self.settings.host}:{self.settings.grpc_port}" if self.settings.grpc_port else None
+
     def command(self) -> list[str]:
         s = self.settings
         args = [sys.executable, "-m", "dualend.ops.openai_api", "--triton-grpc", s.triton_grpc,
@@ -42,6 +46,10 @@ class ApiService:
             args += ["--gateway-prefix", str(s.gateway_prefix)]
         if s.usage_db:
             args += ["--usage-db", str(s.usage_db)]
+        if s.triton_http:
+            args += ["--triton-http", s.triton_http]
+        if s.grpc_port:
+            args += ["--grpc-port", str(s.grpc_port)]
         if self.metrics_port:
             args += ["--metrics-host", self.metrics_host, "--metrics-port", str(self.metrics_port)]
         return args

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dualend.serving.contract import MAX_CACHE_SALT_CHARS
-from dualend.serving.outcomes import DISPOSITIONS, Outcome, disposition
+from dualend.serving.outcomes import DISPOSITIONS, Outcome, disposition, tagged
 
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}  # OpenAI's default for completions; chat has none here
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -39,10 +39,22 @@ class ApiError(Exception):
              503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None):
+                 retry_after_s: int | None = None, outcome: Outcome | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after_s = retry_after_s if retry_after_s is not None else RETRY_AFTER_S.get(status)
+        self.outcome = outcome
+
+    @classmethod
+    def of(cls, outcome: Outcome, message: str, retry_after_s: int | None = None) -> "ApiError":
+        """A refusal of the front's own, decided by its outcome's disposition on every route."""
+        found = DISPOSITIONS[outcome]
+        return cls(found.http_status, message, None, found.openai_code,
+                   retry_after_s if retry_after_s is not None else found.retry_after_s, outcome)
+
+    def triton_message(self) -> str:
+        """The message as Triton's routes carry it: the outcome's code at its head, when it has one."""
+        return tagged(self.outcome, self.message) if self.outcome else self.message
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
@@ -254,7 +266,7 @@ def triton_error(message: str, request: Generation | None = None) -> ApiError:
         else:
             named = next((f for triton, f in TRITON_FIELDS.items() if re.search(rf"\b{triton}\b", text)), None)
             param = prompt_field if named == "prompt" else named
-    return ApiError(found.http_status, text, param, found.openai_code)
+    return ApiError(found.http_status, text, param, found.openai_code, outcome=outcome)
 
 
 def usage(counters: dict[str, int], dual_end: bool) -> dict:

@@ -1,0 +1,344 @@
+"""Triton's own routes, fronted by this service as /v1 is: the gateway passes Triton's gRPC
+InferenceService (`GrpcFront`, a proxy that reads each request of a stream and each response) and the
+HTTP generate / generate_stream routes (`HttpGenerate`, relayed to tritonserver's HTTP endpoint) here.
+
+So every route gets what /v1 gets: one cap per API key counted per request (not per stream or
+connection) across every route, the daily quota, tokens recorded in the usage database, and an end,
+with a retryable `[step_failed]` error, to a request whose deployment failed or stopped under it
+(tritonserver 2.51 never ends the requests of a dead Python stub). The front's own refusals lead their
+message with their outcome's code (`[too_many_requests_for_key] ...`), as the decode loop's do.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from tritonclient.grpc import service_pb2
+
+from dualend.serving.contract import COUNTERS, merge_counters
+
+from ..api_keys import ApiKey
+from .front import DisconnectAwareStream, Progress
+from .translation import ApiError, triton_error
+
+GRPC_SERVICE = "inference.GRPCInferenceService"
+UNARY_METHODS = ("ModelInfer", "ModelMetadata", "ModelReady", "ServerLive", "ServerReady", "ServerMetadata")
+FINAL = "triton_final_response"
+EMPTY_FINAL = "triton_enable_empty_final_response"
+UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+TICK_S = 0.1  # how often the requests in flight are checked against their deployment's marks
+
+
+def forwarded_metadata(context) -> tuple:
+    """The caller's metadata for tritonserver, without its API key and gRPC's own headers."""
+    return tuple((key, value) for key, value in context.invocation_metadata()
+                 if key not in ("authorization", "user-agent") and not key.startswith((":", "grpc-")))
+
+
+def counters_of(response: service_pb2.ModelInferResponse) -> dict[str, int]:
+    """The contract's counter outputs (INT32 [1]) of one response, from its raw output contents."""
+    found = {}
+    for output, raw in zip(response.outputs, response.raw_output_contents):
+        if output.name in COUNTERS and len(raw) >= 4:
+            found[output.name] = int.from_bytes(raw[:4], "little", signed=True)
+    return found
+
+
+def error_response(request_id: str, model: str, version: str, error: ApiError) -> bytes:
+    """A stream's answer that ends one request with the front's error (the final one of that request)."""
+    response = service_pb2.ModelStreamInferResponse(error_message=error.triton_message())
+    response.infer_response.id, response.infer_response.model_name = request_id, model
+    response.infer_response.model_version = version
+    response.infer_response.parameters[FINAL].bool_param = True
+    return response.SerializeToString()
+
+
+@dataclass
+class InFlight:
+    """One request of a gRPC stream: its id as the client sent it, its key's place, its progress."""
+    client_id: str
+    model: str
+    version: str
+    wants_empty_final: bool
+    admission: object
+    progress: Progress
+    counters: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    status: int = 200
+
+
+class GrpcFront:
+    """`inference.GRPCInferenceService` in front of tritonserver's: the unary methods passed as they are,
+    ModelStreamInfer read request by request (each under the key's cap, ended by the front if its
+    deployment fails or stops under it)."""
+
+    def __init__(self, service, triton_grpc: str):
+        self.service = service
+        self.channel = grpc.aio.insecure_channel(triton_grpc, options=UNLIMITED)
+        self.ids = itertools.count()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        handlers = {name: grpc.unary_unary_rpc_method_handler(self.passed(name)) for name in UNARY_METHODS}
+        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(self.stream_infer)
+        return grpc.method_handlers_generic_handler(GRPC_SERVICE, handlers)
+
+    def passed(self, method: str):
+        call = self.channel.unary_unary(f"/{GRPC_SERVICE}/{method}")
+
+        async def handle(request: bytes, context):
+            try:
+                return await call(request, metadata=forwarded_metadata(context))
+            except grpc.aio.AioRpcError as error:
+                await context.abort(error.code(), error.details())
+        return handle
+
+    async def stream_infer(self, requests, context):
+        try:
+            client = self.service.authorize_header(dict(context.invocation_metadata()).get("authorization"))
+        except ApiError as error:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, error.message)
+        upstream = self.channel.stream_stream(f"/{GRPC_SERVICE}/ModelStreamInfer")(
+            metadata=forwarded_metadata(context))
+        await FrontedStream(self, client, context, upstream).run(requests)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class FrontedStream:
+    """One client's ModelStreamInfer stream and the one it opens to tritonserver. Each request is given
+    an id of the front's own upstream (clients may send none, or the same twice) and asks for the empty
+    final response, so the front knows when every request ends; the client gets its own ids back, and
+    the empty final response only if it asked for it."""
+
+    def __init__(self, front: GrpcFront, client: ApiKey, context, upstream):
+        self.front, self.service, self.client, self.context, self.upstream = front, front.service, client, context, upstream
+        self.in_flight: dict[str, InFlight] = {}
+        self.out: asyncio.Queue = asyncio.Queue()  # serialized responses for the client; None: the stream ends
+        self.client_done = False
+
+    async def run(self, requests) -> None:
+        tasks = [asyncio.create_task(job) for job in (self.send(requests), self.receive(), self.watch())]
+        try:
+            while (response := await self.out.get()) is not None:
+                await self.context.write(response)
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.upstream.cancel()
+            for request_id in list(self.in_flight):
+                self.end(request_id, 499)
+
+    async def send(self, requests) -> None:
+        try:
+            async for raw in requests:
+                request = service_pb2.ModelInferRequest.FromString(raw)
+                try:
+                    request_id = self.admit(request)
+                except ApiError as error:
+                    self.out.put_nowait(error_response(request.id, request.model_name, request.model_version, error))
+                    continue
+                request.id = request_id
+                request.parameters[EMPTY_FINAL].bool_param = True
+                await self.upstream.write(request.SerializeToString())
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # tritonserver closed its stream: receive() ends what is in flight
+        self.client_done = True
+        self.end_if_done()
+
+    def admit(self, request: service_pb2.ModelInferRequest) -> str:
+        """The request's upstream id, once its key may run one more and its deployment is not down."""
+        self.service.check_quota(self.client)
+        self.service.marks.check_up(request.model_name)
+        admission = self.service.caps.admit(self.client)
+        admission.__enter__()
+        wants = EMPTY_FINAL in request.parameters and request.parameters[EMPTY_FINAL].bool_param
+        request_id = f"front-{next(self.front.ids)}"
+        self.in_flight[request_id] = InFlight(request.id, request.model_name, request.model_version, wants, admission,
+                                              Progress(self.service.marks, request.model_name, self.service.settings.stall_s))
+        return request_id
+
+    async def receive(self) -> None:
+        ended_by = "tritonserver ended the stream"
+        try:
+            async for raw in self.upstream:
+                response = service_pb2.ModelStreamInferResponse.FromString(raw)
+                request_id = response.infer_response.id
+                request = self.in_flight.get(request_id)
+                if request is None:
+                    continue  # ended by the front already
+                request.progress.advanced()
+                merge_counters(request.counters, counters_of(response.infer_response))
+                parameters = response.infer_response.parameters
+                final = FINAL in parameters and parameters[FINAL].bool_param
+                if response.error_message:
+                    request.status = triton_error(response.error_message).status
+                response.infer_response.id = request.client_id
+                empty = not response.infer_response.outputs and not response.error_message
+                if not (final and empty and not request.wants_empty_final):
+                    self.out.put_nowait(response.SerializeToString())
+                if final:
+                    self.end(request_id, request.status)
+        except grpc.aio.AioRpcError as error:
+            ended_by = f"tritonserver ended the stream ({error.code().name}: {error.details()})"
+        except asyncio.CancelledError:
+            return
+        for request_id, request in list(self.in_flight.items()):
+            self.out.put_nowait(error_response(request.client_id, request.model, request.version,
+                                               ApiError(503, f"{ended_by}; retry", code="retry")))
+            self.end(request_id, 503)
+        self.out.put_nowait(None)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            for request_id, request in list(self.in_flight.items()):
+                try:
+                    request.progress.check()
+                except ApiError as error:
+                    self.out.put_nowait(error_response(request.client_id, request.model, request.version, error))
+                    self.end(request_id, error.status)
+
+    def end(self, request_id: str, status: int) -> None:
+        request = self.in_flight.pop(request_id)
+        request.admission.__exit__(None, None, None)
+        self.service.count(self.client, request.model, request.counters, status)
+        self.end_if_done()
+
+    def end_if_done(self) -> None:
+        if self.client_done and not self.in_flight:
+            self.out.put_nowait(None)
+
+
+class HttpGenerate:
+    """POST /v2/models/{model}/generate and generate_stream, checked by the gateway, relayed to
+    tritonserver's HTTP endpoint as they are and answered as it answers; the front adds the key's cap,
+    quota and usage, and ends a request whose deployment failed or stopped under it (503, or a last
+    event `{"error": "[step_failed] ..."}` on a stream that already answered)."""
+
+    def __init__(self, service, triton_http: str):
+        self.service, self.triton_http = service, triton_http
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=None))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def generate(self, request: Request) -> Response:
+        deployment, route = request.path_params["model"], request.url.path.rpartition("/")[2]
+        try:
+            client = self.service.authorize(request)
+            self.service.check_quota(client)
+            self.service.marks.check_up(deployment)
+            admission = self.service.caps.admit(client)
+            admission.__enter__()
+        except ApiError as error:
+            return triton_error_response(error)
+        counters, status = dict.fromkeys(COUNTERS, 0), 499
+        progress = Progress(self.service.marks, deployment, self.service.settings.stall_s)
+        body = await request.body()
+        upstream, closed = None, False
+
+        async def close() -> None:
+            """Frees the key's place, counts the tokens and lets go of the upstream answer, once."""
+            nonlocal closed
+            if not closed:
+                closed = True
+                admission.__exit__(None, None, None)
+                self.service.count(client, deployment, counters, status)
+                if upstream is not None:
+                    upstream.release() if status == upstream.status else upstream.close()
+
+        try:
+            upstream = await self.watched(self.session.post(
+                f"http://{self.triton_http}/v2/models/{deployment}/{route}", data=body,
+                headers={"Content-Type": request.headers.get("content-type", "application/json")}), progress)
+            if route == "generate":
+                answer = await self.watched(upstream.read(), progress)
+                merge_counters(counters, counters_in(answer) if upstream.status == 200 else {})
+                status = upstream.status
+                await close()
+                return Response(answer, status_code=upstream.status,
+                                media_type=upstream.headers.get("Content-Type", "application/json"))
+        except ApiError as error:
+            status = error.status
+            await close()
+            return triton_error_response(error)
+        except aiohttp.ClientError as error:
+            status = 503
+            await close()
+            return triton_error_response(ApiError(503, f"the inference server is not answering ({error}); retry",
+                                                  code="retry"))
+
+        async def events():
+            nonlocal status
+            try:
+                async for event in self.events_of(upstream, progress):
+                    merge_counters(counters, counters_in(event))
+                    yield event
+                status = upstream.status
+            except ApiError as error:
+                status = error.status
+                yield b"data: " + json.dumps({"error": error.triton_message()}).encode() + b"\n\n"
+            except aiohttp.ClientError as error:  # tritonserver went away mid-stream
+                status = 503
+                yield b"data: " + json.dumps({"error": f"the inference server ended the stream ({error}); "
+                                                        "retry"}).encode() + b"\n\n"
+            finally:
+                await close()
+
+        return DisconnectAwareStream(events(), close, status_code=upstream.status,
+                                     media_type=upstream.headers.get("Content-Type", "text/event-stream"),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def events_of(self, upstream: aiohttp.ClientResponse, progress: Progress):
+        """The upstream's SSE events (`data: ...` blocks) one by one, as they come."""
+        pending = b""
+        while True:
+            chunk = await self.watched(upstream.content.readany(), progress)
+            if not chunk:
+                if pending:
+                    yield pending
+                return
+            progress.advanced()
+            pending += chunk
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                yield event + b"\n\n"
+
+    @staticmethod
+    async def watched(awaitable, progress: Progress):
+        """The awaitable's result, or ApiError once the request's deployment failed under it."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=TICK_S)
+                if done:
+                    return task.result()
+                progress.check()
+        finally:
+            task.cancel()
+
+
+def counters_in(payload: bytes) -> dict[str, int]:
+    """The counters of one generate answer or SSE event (`data: {...}`) of tritonserver's."""
+    text = payload.decode(errors="replace").strip()
+    text = text[len("data:"):].strip() if text.startswith("data:") else text
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return {}
+    return {name: int(answer[name]) for name in COUNTERS if isinstance(answer, dict) and isinstance(answer.get(name), int)}
+
+
+def triton_error_response(error: ApiError) -> JSONResponse:
+    """A refusal as tritonserver's HTTP routes answer one: {"error": "<message>"}."""
+    return JSONResponse({"error": error.triton_message()}, status_code=error.status, headers=error.headers())

@@ -3,6 +3,11 @@ Triton's gRPC stream, against one running server, interleaved.
 
     python -m benchmarks.api_overhead --model smollm2 --requests 60 --concurrency 16 --pass-s 30
     python -m benchmarks.api_overhead --model dualend     # no chat template: /v1/completions
+    python -m benchmarks.api_overhead --direct-grpc 127.0.0.1:18001   # the front on Triton's gRPC route
+
+With `--direct-grpc` (tritonserver's own gRPC endpoint, behind the gateway) the comparison is instead
+gRPC through the gateway and the service in front against gRPC straight to tritonserver: what the front
+costs Triton's route.
 
 Both paths go through the gateway, as clients reach it (`--openai` base URL, `--grpc` host:port; the
 key from --api-key or $DUALEND_API_KEY). Over gRPC the prompt is the chat turn rendered by the
@@ -52,7 +57,7 @@ class Paths:
                                chat=self.chat, ignore_eos=True)
         return result, result.ttft_s
 
-    def grpc(self, question: str) -> tuple[Result, float]:
+    def grpc(self, question: str, url: str | None = None) -> tuple[Result, float]:
         """As over /v1, the time to the first response with text (a response's tokens can be held back
         a step, e.g. an incomplete UTF-8 character)."""
         prompt = self.render([{"role": "user", "content": question}]) if self.chat else question
@@ -61,16 +66,20 @@ class Paths:
         def on_text(_):
             if not first_text:
                 first_text.append(time.perf_counter())
-        result = stream_grpc(self.args.grpc, self.args.model, prompt, self.args.max_tokens, api_key=self.args.api_key,
-                             exclude_input_in_output=True, ignore_eos=True, on_text=on_text)
+        result = stream_grpc(url or self.args.grpc, self.args.model, prompt, self.args.max_tokens,
+                             api_key=self.args.api_key, exclude_input_in_output=True, ignore_eos=True, on_text=on_text)
         return result, first_text[0] - result.sent_at if first_text else float("nan")
 
+    def direct(self, question: str) -> tuple[Result, float]:
+        """gRPC straight to tritonserver (`--direct-grpc`), past the gateway and the front."""
+        return self.grpc(question, self.args.direct_grpc)
 
-def ttft_pairs(paths: Paths, questions, pairs: int) -> dict[str, list[float]]:
-    ttft = {"openai": [], "grpc": []}
+
+def ttft_pairs(paths: Paths, questions, pairs: int, names: tuple[str, str]) -> dict[str, list[float]]:
+    ttft = {name: [] for name in names}
     for index in range(pairs):
         question = next(questions)
-        for name in (("openai", "grpc") if index % 2 else ("grpc", "openai")):
+        for name in (names if index % 2 else names[::-1]):
             ttft[name].append(getattr(paths, name)(question)[1])
     return ttft
 
@@ -115,31 +124,38 @@ def main(argv=None) -> dict:
     for key, value in DEFAULTS.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--api-key", default=os.environ.get("DUALEND_API_KEY"))
+    parser.add_argument("--direct-grpc", help="tritonserver's own gRPC host:port: compare the gateway's gRPC route "
+                                              "with it instead of /v1 with the gateway's gRPC route")
     args = parser.parse_args(argv)
     paths = Paths(args)
+    tested, reference = ("grpc", "direct") if args.direct_grpc else ("openai", "grpc")
+    labels = {"openai": paths.route, "grpc": "gRPC, gateway", "direct": "gRPC, tritonserver"}
     questions = itertools.cycle([e.prompt for family in FAMILIES for e in eval_set(family, 20, seed=5)])
     for _ in range(3):  # warm-up
-        paths.openai(next(questions)), paths.grpc(next(questions))
+        getattr(paths, tested)(next(questions)), getattr(paths, reference)(next(questions))
 
-    ttft = ttft_pairs(paths, questions, args.requests)
-    differences = [a - b for a, b in zip(ttft["openai"], ttft["grpc"])]
-    print(f"{args.model}, {args.max_tokens} tokens per request, EOS ignored; /v1 at {args.openai}, gRPC at {args.grpc}")
+    ttft = ttft_pairs(paths, questions, args.requests, (tested, reference))
+    differences = [a - b for a, b in zip(ttft[tested], ttft[reference])]
+    print(f"{args.model}, {args.max_tokens} tokens per request, EOS ignored; {labels[tested]} against "
+          f"{labels[reference]} ({args.openai if tested == 'openai' else args.grpc} against "
+          f"{args.grpc if reference == 'grpc' else args.direct_grpc})")
     print(f"TTFT at concurrency 1, {args.requests} interleaved pairs: median (p10-p90)")
-    print(f"  {paths.route:20} {ms(ttft['openai'])}\n  {'gRPC stream':20} {ms(ttft['grpc'])}")
-    print(f"  /v1 less gRPC, paired {ms(differences)}")
+    print(f"  {labels[tested]:20} {ms(ttft[tested])}\n  {labels[reference]:20} {ms(ttft[reference])}")
+    print(f"  {labels[tested]} less {labels[reference]}, paired {ms(differences)}")
 
-    rates = {"openai": [], "grpc": []}
+    rates = {tested: [], reference: []}
     failures = 0
-    for name in ("grpc", "openai", "openai", "grpc"):
+    for name in (reference, tested, tested, reference):
         rate, failed = throughput(getattr(paths, name), questions, args.concurrency, args.pass_s / 2)
         rates[name].append(rate)
         failures += failed
-    halves = [a / b for a, b in zip(rates["openai"], rates["grpc"])]  # (gRPC, /v1) then (/v1, gRPC)
-    ratio = sum(rates["openai"]) / sum(rates["grpc"])
+    halves = [a / b for a, b in zip(rates[tested], rates[reference])]  # (B, A) then (A, B)
+    ratio = sum(rates[tested]) / sum(rates[reference])
     print(f"Output tokens/s at concurrency {args.concurrency}, {args.pass_s:g} s per path (ABBA halves):")
-    print(f"  /v1 {statistics.mean(rates['openai']):.1f}, gRPC {statistics.mean(rates['grpc']):.1f}: "
-          f"/v1 / gRPC {ratio:.2f}x (halves {', '.join(f'{h:.2f}' for h in halves)}); {failures} failed")
-    return {"ttft_openai_s": median_and_spread(ttft["openai"])[0], "ttft_grpc_s": median_and_spread(ttft["grpc"])[0],
+    print(f"  {labels[tested]} {statistics.mean(rates[tested]):.1f}, {labels[reference]} "
+          f"{statistics.mean(rates[reference]):.1f}: ratio {ratio:.2f}x (halves {', '.join(f'{h:.2f}' for h in halves)}); "
+          f"{failures} failed")
+    return {"ttft_tested_s": median_and_spread(ttft[tested])[0], "ttft_reference_s": median_and_spread(ttft[reference])[0],
             "ttft_difference_s": median_and_spread(differences)[0], "throughput_ratio": ratio, "failed": failures}
 
 

@@ -1,5 +1,6 @@
-"""The gateway (nginx) in front of a real tritonserver, and tritonserver's own closed doors:
-API keys, public routes only, a bounded body, rate limits, the canary split, the admin key."""
+"""The gateway (nginx) in front of a real tritonserver and the service that fronts its routes, as the
+launcher runs them, and tritonserver's own closed doors: API keys, public routes only, a bounded body,
+rate limits, the canary split, the admin key."""
 import secrets
 import time
 import urllib.error
@@ -16,6 +17,8 @@ from dualend.ops.api_keys import write_new_keys
 from dualend.ops.gateway import Gateway, GatewaySettings
 from dualend.ops.host import free_ports
 from dualend.ops.launch import ADMIN_HEADER, TritonServer
+from dualend.ops.openai_api.app import ServiceSettings
+from dualend.ops.openai_api.process import ApiService
 
 pytestmark = pytest.mark.server
 PROMPT = "Q: 3+4-2\nA:"
@@ -30,14 +33,21 @@ def stack(tmp_path_factory):
     admin = secrets.token_hex(16)
     key = write_new_keys(root / "keys")  # named "default", as the launcher's first key: a keyword of nginx's map
     with TritonServer(repository, admin_key=admin, log_file=root / "server.log") as triton:
-        http_port, grpc_port = free_ports("127.0.0.1", 2)  # after the server took its own
+        http_port, grpc_port, front_port, front_grpc_port = free_ports("127.0.0.1", 4)  # after the server took its own
+        front = ApiService(ServiceSettings(triton.grpc_url, repository, port=front_port, keys_file=root / "keys",
+                                           gateway_prefix=root / "nginx", triton_http=triton.http_url,
+                                           grpc_port=front_grpc_port), "127.0.0.1", None, root / "front.log").start()
         gateway = Gateway(GatewaySettings(triton.http_url, triton.grpc_url, repository, http_port=http_port, grpc_port=grpc_port,
-                                          keys_file=root / "keys", baseline_percent=10, rate_per_s=2000, burst=2000),
+                                          keys_file=root / "keys", baseline_percent=10, rate_per_s=2000, burst=2000,
+                                          openai_api=front.url, front_grpc=front.grpc_url),
                           root / "nginx")
         with gateway:
             gateway.key, gateway.admin, gateway.triton, gateway.root = key, admin, triton, root
             gateway.repository = repository
-            yield gateway
+            try:
+                yield gateway
+            finally:
+                front.stop()
 
 
 def http(gateway, path, body=None, key=True, headers=None, url=None):

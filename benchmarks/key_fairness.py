@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from client.api import _grpc_inputs, auth_headers, metric_value, percentile, request_body, stream_grpc
+from client.api import _grpc_inputs, auth_headers, median_and_spread, metric_value, request_body, stream_grpc
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -113,8 +113,8 @@ def main(argv=None) -> int:
     print(f"model {args.model}, {args.requests} requests of the other key ({args.max_tokens} tokens), the flooding key "
           f"keeping {args.outstanding} requests of {args.flood_max_tokens} tokens on one gRPC stream")
     for name, values in (("idle", idle), ("flood", loaded)):
-        print(f"  TTFT {name:5s} median {statistics.median(values):7.1f} ms  p10 {percentile(values, 10):7.1f}  "
-              f"p90 {percentile(values, 90):7.1f}")
+        median, low, high = median_and_spread(values)
+        print(f"  TTFT {name:5s} median {median:7.1f} ms  p10 {low:7.1f}  p90 {high:7.1f}")
     print(f"  ratio flood / idle (medians): {statistics.median(loaded) / statistics.median(idle):.2f}")
     print(f"  flooding key: {flood.sent} sent, {flood.finished} finished, {flood.refused} refused by its cap")
     print(f"  live sequences while flooding (the flood plus the other key's one): max {max(seen) if seen else 'n/a'}, "

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import grpc
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from tritonclient.grpc import service_pb2
 
 from dualend.serving.contract import COUNTERS, merge_counters

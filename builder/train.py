@@ -484,7 +484,7 @@ def cmd_convert(args) -> None:
     if replicas.main:
         print(f"stopped at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes of training); "
               f"adapters -> {run / 'adapters'}")
-    replicas.close()
+    replicas.exit_together()
 
 
 def token_rows(samples: list[Sample], pad_id: int, length: int) -> tuple[torch.Tensor, ...]:

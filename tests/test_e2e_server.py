@@ -679,9 +679,10 @@ def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
 
 
 def test_a_keys_cap_counts_its_requests_on_every_route_together(tmp_path):
-    """A key with max_requests=2 holding two gRPC streams (their client stops reading, so they stay
-    open) is refused a third request on every route (HTTP generate, gRPC, /v1), while another key is
-    served; once its streams end, it is served again."""
+    """A key with max_requests=2 holding two requests on two gRPC streams (their client stops reading,
+    so they stay open) is refused a third request on every route (HTTP generate, gRPC, /v1) with the
+    cap's code, counted by the service in front, while another key is served; once its streams end, it
+    is served again."""
     import threading
 
     import openai
@@ -703,12 +704,13 @@ def test_a_keys_cap_counts_its_requests_on_every_route_together(tmp_path):
             held = [pool.submit(launched.stream, 40, ignore_eos=True, on_text=hold) for _ in range(2)]
             try:
                 assert wait_for(lambda: len(arrived) == 2, 30)  # both streams open, their readers stopped
-                with pytest.raises(RequestError, match="cap of open requests"):
+                with pytest.raises(RequestError, match=r"^\[too_many_requests_for_key\] .*max_requests 2"):
                     generate_http(http, "dualend", PROMPTS[0], 2, api_key=capped)
-                with pytest.raises(RequestError, match="cap of open streams"):
+                with pytest.raises(RequestError, match=r"^\[too_many_requests_for_key\] .*max_requests 2"):
                     stream_grpc(grpc_url, "dualend", PROMPTS[0], 2, api_key=capped)
-                with pytest.raises(openai.RateLimitError, match="cap of open requests"):
+                with pytest.raises(openai.RateLimitError, match="max_requests 2") as refused:
                     v1.completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2)
+                assert refused.value.code == "too_many_requests_for_key"
                 assert generate_http(http, "dualend", PROMPTS[0], 2, api_key=other).output_tokens == 2
             finally:
                 reading.set()

@@ -347,14 +347,16 @@ def test_one_key_sending_60_long_requests_holds_only_its_cap_and_another_keys_sh
             return sum(1 for _ in chunks) > 0
         except openai.RateLimitError:
             return "refused"
+        except openai.APIError as error:  # not expected: said in the assertion below
+            return f"{type(error).__name__}: {error}"
 
     with ThreadPoolExecutor(60) as pool:
         hogs = [pool.submit(hog, i) for i in range(60)]
-        assert wait_for(lambda: sum(h.done() for h in hogs) == 52, 30)  # the refusals come at once
+        assert wait_for(lambda: sum(h.done() for h in hogs) >= 52, 30)  # the refusals come at once
         loaded = sorted(ttft(api, BOB) for _ in range(3))[1]
         release.set()
         outcomes = [h.result() for h in hogs]
-    assert outcomes.count("refused") == 52 and outcomes.count(True) == 8
+    assert outcomes.count("refused") == 52 and outcomes.count(True) == 8, [o for o in outcomes if o != "refused"]
     print(f"bob's TTFT p50: idle {idle * 1e3:.1f} ms, beside 8 of hog's long streams {loaded * 1e3:.1f} ms")
     assert loaded < 4 * idle + 0.05  # on 2 shared CPU cores a batch of 8 slows every step; no wait for a place
 

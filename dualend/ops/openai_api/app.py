@@ -269,6 +269,14 @@ class Service:
         if self.usage is not None:
             self.usage.record(client.name, prompt, counters.get("num_cached_tokens", 0), completion)
 
+    def admit(self, client: ApiKey, deployment: str):
+        """The key's place for one request of a deployment that is up, taken (the caller gives it back
+        with `__exit__` however the request ends); every route's admission."""
+        self.marks.check_up(deployment)
+        admission = self.caps.admit(client)
+        admission.__enter__()
+        return admission
+
     def check_quota(self, client: ApiKey) -> None:
         """429 `quota_exceeded` once the key's tokens today (UTC) reached its daily_tokens."""
         if client.daily_tokens is None or self.usage is None:
@@ -317,9 +325,7 @@ class Service:
             if self.keys is not None:  # one key's prefixes are its own, whatever salt it sends (names hold no /)
                 generation.cache_salt = f"{client.name}/{generation.cache_salt}"
             self.deployment(deployment)
-            self.marks.check_up(deployment)
-            admission = self.caps.admit(client)
-            admission.__enter__()
+            admission = self.admit(client, deployment)
         except ApiError as error:
             return error_response(error)
         headers = {"X-Dualend-Deployment": deployment}

@@ -154,9 +154,7 @@ class FrontedStream:
     def admit(self, request: service_pb2.ModelInferRequest) -> str:
         """The request's upstream id, once its key may run one more and its deployment is not down."""
         self.service.check_quota(self.client)
-        self.service.marks.check_up(request.model_name)
-        admission = self.service.caps.admit(self.client)
-        admission.__enter__()
+        admission = self.service.admit(self.client, request.model_name)
         wants = EMPTY_FINAL in request.parameters and request.parameters[EMPTY_FINAL].bool_param
         request_id = f"front-{next(self.front.ids)}"
         self.in_flight[request_id] = InFlight(request.id, request.model_name, request.model_version, wants, admission,
@@ -237,9 +235,7 @@ class HttpGenerate:
         try:
             client = self.service.authorize(request)
             self.service.check_quota(client)
-            self.service.marks.check_up(deployment)
-            admission = self.service.caps.admit(client)
-            admission.__enter__()
+            admission = self.service.admit(client, deployment)
         except ApiError as error:
             return triton_error_response(error)
         counters, status = dict.fromkeys(COUNTERS, 0), 499

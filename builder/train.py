@@ -75,12 +75,13 @@ DEFAULTS = dict(
     distill_weight=0.5, seed=0, threads=2, device="cpu", data_workers=0, time_limit_minutes=0.0,
 )
 # `convert`: per invocation, --time-limit-minutes of training (0: no limit) or up to --steps in all (0: none).
+# --decay-tokens: the rate falls by a cosine to a tenth over that many tokens (0: constant after warm-up).
 STARTED_FROM = "started_from.json"  # in a run folder: the adapters it started from (--init-adapters)
 CONVERT_DEFAULTS = dict(
     lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
     time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, chat_fraction=0.25, chat_tokens=96,
     hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2, device="cpu",
-    compressor_init="mean",
+    compressor_init="mean", decay_tokens=0,
 )
 DRAFT_HEAD_DEFAULTS = dict(
     batch_size=8, seq_tokens=192, lr=1e-3, warmup=20, time_limit_minutes=10.0, eval_every=25, eval_rows=32,
@@ -409,8 +410,8 @@ def cmd_convert(args) -> None:
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
     stream = conversion.sample_stream(tokenizer, data_seed + step, args.seq_tokens, chat_train, args.chat_fraction)
-    keys = ("batch_size", "seq_tokens", "lr", "warmup", "chat_prompts", "chat_fraction", "chat_tokens",
-            "hidden_weight", "confidence_weight", "autocast", "seed")
+    keys = ("batch_size", "seq_tokens", "lr", "warmup", "decay_tokens", "chat_prompts", "chat_fraction",
+            "chat_tokens", "hidden_weight", "confidence_weight", "autocast", "seed")
     recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
               **{k: getattr(args, k) for k in keys}, "replicas": replicas.world}
     if (run / STARTED_FROM).exists():  # the tokens count on from these; steps and minutes are this run's
@@ -454,7 +455,8 @@ def cmd_convert(args) -> None:
         started = time.time()
         student.train()
         for group in optimizer.param_groups:
-            group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+            group["lr"] = lr_at(step, tokens / args.decay_tokens, args.lr, args.warmup) if args.decay_tokens \
+                else args.lr * min(1.0, (step + 1) / args.warmup)
         batch = dualend_batch([next(stream) for _ in range(args.batch_size)], pad, data_rng)
         batch = {name: tensor.to(device) for name, tensor in batch.items()}
         with torch.autocast(**autocast):

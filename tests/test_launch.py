@@ -1,12 +1,18 @@
 """End-to-end: the launcher starts the real tritonserver, serves a Python-backend model, stops."""
 import os
 import socket
+import subprocess
 import textwrap
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from dualend.ops import hidden_argument
 from dualend.ops.launch import ServerStartError, TritonServer
+from dualend.ops.repository_api import ADMIN_HEADER
 
 pytestmark = pytest.mark.server
 
@@ -95,16 +101,39 @@ def test_serves_identity_model_and_stops_cleanly(identity_repository, tmp_path):
     assert port_is_free("127.0.0.1", http_port)
 
 
-def test_the_admin_key_is_in_no_log_line(identity_repository, tmp_path, caplog):
-    """tritonserver takes the key as an argument (it is there), and the launcher's line that starts it
-    shows it replaced; tritonserver's own log does not print it either."""
+def process_tree(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid] + [p for child in children for p in process_tree(int(child))]
+
+
+def repository_index_status(server: TritonServer, headers: dict[str, str]) -> int:
+    request = urllib.request.Request(f"http://{server.http_url}/v2/repository/index", b"{}", headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_the_admin_key_is_in_no_command_line_environment_or_log(identity_repository, tmp_path, caplog):
+    """tritonserver 2.51 takes the admin key only as an argument; the launcher preloads
+    dualend/ops/hidden_argument.c, so tritonserver gets it while `ps`, /proc and the logs never show it."""
     key = "k" * 32
     server = TritonServer(identity_repository, model_control_mode="explicit", load_models=["identity"],
                           log_file=tmp_path / "tritonserver.log", startup_timeout=60, admin_key=key)
     with caplog.at_level("INFO", logger="dualend.ops.launch"), server:
-        assert any(key in part for part in server.command(tmp_path))  # the home folder only places files
+        assert repository_index_status(server, {}) == 403
+        assert repository_index_status(server, {ADMIN_HEADER: key}) == 200  # the key reached tritonserver
+        assert repository_index_status(server, {ADMIN_HEADER: "k" * 31 + "j"}) == 403
+        shown = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, check=True).stdout
+        assert "tritonserver" in shown and key not in shown
+        tree = process_tree(server.pid)
+        assert len(tree) >= 2  # tritonserver and the identity model's stub
+        for pid in tree:
+            assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert key.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
     started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("starting ")]
-    assert started and "<admin key>" in started[0] and key not in started[0]
+    assert started and key not in started[0] and hidden_argument.MARKER in started[0]
     assert key not in (tmp_path / "tritonserver.log").read_text()
 
 

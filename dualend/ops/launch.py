@@ -52,6 +52,7 @@ from dualend.serving.repository import (
     served_generation,
 )
 
+from . import hidden_argument
 from .host import client_host, free_ports, write_private_file
 from .repository_api import ADMIN_HEADER
 
@@ -316,6 +317,7 @@ class TritonServer:
         self.shm_prefix = f"dualend_{secrets.token_hex(6)}"
         self._process: subprocess.Popen | None = None
         self._owns_log_file = False
+        self._hiding_library: Path | None | bool = None  # False: none could be built
 
     # endpoints
 
@@ -361,13 +363,20 @@ class TritonServer:
         ]
         args += [f"--load-model={name}" for name in models_to_load(self.model_repository, self.load_models)]
         if self.admin_key:
-            restriction = f"{RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}"
+            key = hidden_argument.MARKER if self._hiding_library else self.admin_key
+            restriction = f"{RESTRICTED_APIS}:{ADMIN_HEADER}={key}"
             args += [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
         return args + self.extra_args
 
+    def environment(self) -> dict[str, str]:
+        env = server_environment() | {PIPELINE_SECRET_ENV: self.pipeline_secret}
+        if self.admin_key and self._hiding_library:
+            env |= hidden_argument.environment(self._hiding_library, self.admin_key)
+        return env
+
     def printable(self, command: list[str]) -> list[str]:
-        """`command` as the log shows it: the admin key replaced (tritonserver 2.51 takes it only as an
-        argument, so `ps` still shows it to local users: docs/operations.md#closed-by-default)."""
+        """`command` as the log shows it: the admin key replaced (it is in the command itself only where
+        no C compiler could build dualend/ops/hidden_argument.c)."""
         if not self.admin_key:
             return command
         return [part.replace(self.admin_key, "<admin key>") for part in command]
@@ -392,6 +401,11 @@ class TritonServer:
             self.log_file, self._owns_log_file = Path(name), True
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
 
+        if self.admin_key and self._hiding_library is None:
+            self._hiding_library = hidden_argument.library()
+            if not self._hiding_library:
+                log.warning("no C compiler to build %s: the admin key is on tritonserver's command line, "
+                            "where `ps` shows it to every local user", hidden_argument.SOURCE.name)
         command = self.command(home)
         log.info("starting %s", " ".join(self.printable(command)))
         with open(self.log_file, "ab") as log_handle:
@@ -402,7 +416,7 @@ class TritonServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log_handle,
                 stderr=subprocess.STDOUT,
-                env=server_environment() | {PIPELINE_SECRET_ENV: self.pipeline_secret},
+                env=self.environment(),
                 start_new_session=True,
             )
         atexit.register(self.stop)

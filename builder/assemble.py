@@ -89,7 +89,7 @@ DEFAULTS = dict(
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
     prefix_cache_entries=16, prefix_cache_ttl_s=600.0,
     engine_threads=2, preprocessing_instances=1, weight_precision="fp32", draft_max_batch=4,
-    draft_min_acceptance=None,
+    draft_min_acceptance=None, fair_rows_per_client=4, fair_linger_s=2.0,
 )
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
                         "requests are admitted while their reservations (fp32 keys and values of prompt + max_tokens) "
@@ -106,6 +106,12 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
                                  "for a while (decode.DraftPacer; A for every deployment, NAME=A for one; "
                                  "repeatable; 0: never); default: a draft head's break-even by weight precision "
                                  "(fp32 0.05, int8 and int4 0.3), 0 for pair models",
+            fair_rows_per_client="while more than one client (API key) has requests running, each decodes at most this "
+                                 "many of them per step, and a new client's first token gets a step of its own, so "
+                                 "one key's flood slows another's first token only as far as this many rows do "
+                                 "(0: every row, always; default: %(default)s)",
+            fair_linger_s="... counting a client whose last request ended this many seconds ago (its next turn is "
+                          "likely on its way; default: %(default)s)",
             kv_block_size="slots of the KV budget's blocks; a cache's layout grows by one block (default: %(default)s)",
             prefix_cache_entries="ended requests whose KV a deployment keeps so that a request extending one (the "
                                  "next turn of a chat) prefills only the rest (N for every deployment, NAME=N for "
@@ -455,6 +461,7 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
         compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
         synthetic_acceptance=synthetic_acceptance, weights=weights, draft_max_batch=args.draft_max_batch,
         draft_min_acceptance=draft_min_acceptance,
+        fair_rows_per_client=args.fair_rows_per_client, fair_linger_s=args.fair_linger_s,
     )
     return asdict(config) | {
         "parameters": config.pbtxt(), "benchmark_notices": config.benchmark_notices(),

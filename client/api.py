@@ -26,9 +26,9 @@ from dualend.serving.contract import COUNTERS, REQUEST_INPUT_TYPES, merge_counte
 from dualend.serving.outcomes import Outcome, outcome_of
 
 API_KEY_ENV = "DUALEND_API_KEY"
-NUMPY_TYPES = {"FP32": np.float32, "INT32": np.int32, "UINT64": np.uint64, "BOOL": np.bool_}
-PARAM_TYPES = {name: (kind, NUMPY_TYPES[kind]) for name, (kind, _, _) in REQUEST_INPUT_TYPES.items()
-               if kind in NUMPY_TYPES and name != "max_tokens"}  # the optional scalar parameters
+NUMPY_TYPES = {"FP32": np.float32, "INT32": np.int32, "UINT64": np.uint64, "BOOL": np.bool_, "BYTES": np.object_}
+PARAM_TYPES = {name: (kind, NUMPY_TYPES[kind]) for name, (kind, dims, _) in REQUEST_INPUT_TYPES.items()
+               if dims == (1,) and name not in ("text_input", "max_tokens")}  # the optional scalar parameters
 
 
 class RequestError(RuntimeError):

@@ -27,8 +27,17 @@ class FakeClock:
 
 
 class Seq:
-    def __init__(self, num_latents, max_tokens=8):
+    def __init__(self, num_latents, max_tokens=8, client=""):
         self.num_latents, self.reserve_slots, self.prefilled = num_latents, num_latents + max_tokens, 0
+        self.client = client
+
+
+def decoding_seqs(s, client, count):
+    found = [Seq(2, client=client) for _ in range(count)]
+    for sequence in found:
+        sequence.prefilled = 2
+        s.submit(sequence)
+    return found
 
 
 def scheduler(**overrides):
@@ -106,6 +115,49 @@ def test_prefill_is_chunked_under_the_budget_while_every_decoder_steps():
         (long_one, 16, 20, True), (short_one, 0, 3, True)]
 
 
+def test_shared_steps_give_each_client_at_most_fair_rows_taking_turns_and_a_lone_client_every_row():
+    s = scheduler(max_running=8, fair_rows=2, fair_linger_s=1.0)
+    flood = decoding_seqs(s, "flood", 4)
+    assert s.plan().decode == flood  # alone: every row, nothing to share
+    other = decoding_seqs(s, "other", 1)
+    first, second = s.plan().decode, s.plan().decode
+    assert first == flood[:2] + other and second == flood[2:] + other  # the rows that waited longest go next
+    assert s.plan().decode == flood[:2] + other
+
+
+def test_a_new_clients_last_prompt_chunk_runs_alone_and_earlier_chunks_beside_the_shared_rows():
+    s = scheduler(max_running=8, prefill_chunk=8, fair_rows=2, fair_linger_s=1.0)
+    flood = decoding_seqs(s, "flood", 4)
+    short, long_one = Seq(3, client="other"), Seq(20, client="third")
+    s.submit(long_one)
+    plan = s.plan()  # the long prompt's first chunk does not hold its first token: the shared rows go with it
+    assert plan.decode == flood[:2] and [(c.sequence, c.start, c.stop) for c in plan.prefill] == [(long_one, 0, 8)]
+    long_one.prefilled = 8
+    s.submit(short)
+    plan = s.plan()  # the short prompt's only chunk is its last: its first token comes out of an iteration of its own
+    assert plan.decode == [] and [(c.sequence, c.start, c.stop) for c in plan.prefill] == [(short, 0, 3)]
+    short.prefilled = 3
+    plan = s.plan()  # decoding now, `other` is served as the flood: fair rows each, the long prompt's next chunk beside
+    assert plan.decode == flood[2:] + [short] and [(c.sequence, c.start, c.stop) for c in plan.prefill] == [
+        (long_one, 8, 16)]
+
+
+def test_the_steps_stay_shared_for_the_linger_after_another_clients_request_ends_then_the_flood_gets_every_row():
+    s = scheduler(max_running=8, fair_rows=2, fair_linger_s=1.0)
+    flood = decoding_seqs(s, "flood", 4)
+    other, = decoding_seqs(s, "other", 1)
+    s.finish(other)
+    assert len(s.plan().decode) == 2  # its user's next turn is likely on its way
+    s.clock.now += 1.0
+    assert s.plan().decode == flood
+
+
+def test_without_fair_rows_every_decoder_steps_whatever_its_client():
+    s = scheduler(max_running=8)
+    everyone = decoding_seqs(s, "flood", 4) + decoding_seqs(s, "other", 1)
+    assert s.plan().decode == everyone
+
+
 class ListOutput:
     def __init__(self):
         self.responses, self.error, self.ended, self.cancel_asked = [], None, False, False
@@ -141,8 +193,9 @@ def make_loop(directory, tokenizer, threshold, **overrides):
     return engine, DecodeLoop(Executor.in_process(engine), tokenizer, Scheduler(**settings), threshold)
 
 
-def submit(loop, engine, tokenizer, request_id, prompt, max_tokens=24, sends=None, stream=True):
-    prepared = PreparedRequest(tokenizer.encode_prompt(prompt), SamplingParams(max_tokens=max_tokens), stream, True)
+def submit(loop, engine, tokenizer, request_id, prompt, max_tokens=24, sends=None, stream=True, client=""):
+    prepared = PreparedRequest(tokenizer.encode_prompt(prompt), SamplingParams(max_tokens=max_tokens), stream, True,
+                               client=client)
     prompt_ids = pad_prompt(prepared.prompt_ids, engine.pair_size, engine.pad_id)
     output = ListOutput()
     loop.submit(request_id, prepared, engine.compress(np.asarray(prompt_ids).reshape(-1, engine.pair_size)),
@@ -169,6 +222,23 @@ def test_batched_chunked_decoding_equals_one_at_a_time(exported, tiny_tokenizer,
         assert output.tokens == alone.tokens and output.error is None
         assert sum(r.counters["num_accepted_drafts"] for r in output.responses) == alone.accepted
         assert output.responses[-1].finish_reason == alone.finish_reason
+    assert not engine.backbone.cache.sequences and not engine.mtp_pool_sequences()
+
+
+@pytest.mark.parametrize("name, threshold", [("baseline", 1.0), ("dualend", 0.5)])
+def test_shared_steps_skip_rows_and_still_decode_exactly_what_each_request_decodes_alone(exported, tiny_tokenizer,
+                                                                                        name, threshold):
+    _, directory = exported[name]
+    engine, loop = make_loop(directory, tiny_tokenizer, threshold, fair_rows=1, fair_linger_s=1.0)
+    clients = ["flood", "flood", "flood", "other", "third"]
+    outputs = [submit(loop, engine, tiny_tokenizer, i + 1, p, client=c) for i, (p, c) in enumerate(zip(PROMPTS, clients))]
+    loop.run_once()
+    loop.run_once()
+    assert len(loop.scheduler.plan().decode) <= 3  # one row per client
+    run_until_idle(loop)
+    for prompt, output in zip(PROMPTS, outputs):
+        alone = reference_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), threshold)
+        assert output.tokens == alone.tokens and output.error is None
     assert not engine.backbone.cache.sequences and not engine.mtp_pool_sequences()
 
 

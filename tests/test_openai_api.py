@@ -461,6 +461,23 @@ def test_through_the_launchers_gateway_every_route_is_served_and_counted(launche
     assert wait_for(lambda: store.tokens("bob") - before == told + v1.usage.total_tokens, 5)
 
 
+def test_one_keys_kept_prefixes_are_its_own_on_tritons_routes_too(launched):
+    """As on /v1: the front puts the key's name before any `cache_salt` on HTTP and gRPC, so another
+    key re-sending a conversation reuses nothing of it, and the key itself reuses it."""
+    from client.api import stream_http
+
+    for route, call, address in (("http", stream_http, launched.http), ("grpc", stream_grpc, launched.grpc)):
+        prompt = f" {route} qq:17 rr:28 ss:39 tt:40 uu:51\nget rr:"  # sent by no other test
+        first = call(address, "baseline", prompt, 4, api_key=CAROL)
+        follow = first.text + "\nget ss:"  # Triton's routes echo the prompt
+        other = call(address, "baseline", follow, 4, api_key=BOB)
+        salted = call(address, "baseline", follow, 4, api_key=CAROL, cache_salt="another conversation")
+        again = call(address, "baseline", follow, 4, api_key=CAROL)
+        assert other.counters["num_cached_tokens"] == salted.counters["num_cached_tokens"] == 0, route
+        assert again.counters["num_cached_tokens"] >= first.counters["num_prompt_tokens"] - 1, route
+        assert other.text == salted.text == again.text
+
+
 def serves_every_route(launched, api_key: str = BOB) -> bool:
     from client.api import RequestError
 

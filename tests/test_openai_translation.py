@@ -397,3 +397,54 @@ def test_refusals_worth_retrying_say_when_and_the_others_do_not(tmp_path, tiny_t
     assert (restoring.status_code, restoring.headers["retry-after"]) == (503, "2")
     assert json.loads(restoring.body)["error"]["code"] == "retry"
     assert malformed.status_code == 400 and "retry-after" not in malformed.headers
+
+
+def test_a_triton_generate_body_gets_the_keys_name_as_client_and_salt_prefix_whatever_salt_it_sent():
+    from dualend.ops.openai_api.triton_routes import keyed_body
+
+    def keyed(body):
+        return json.loads(keyed_body(json.dumps(body).encode(), "alice"))
+
+    assert keyed({"text_input": "hi", "max_tokens": 4}) == {"text_input": "hi", "max_tokens": 4, "cache_salt": "alice/",
+                                                           "client": "alice"}
+    sent = keyed({"text_input": "hi", "cache_salt": "s", "client": "bob"})  # a client names no one but its key
+    assert (sent["cache_salt"], sent["client"]) == ("alice/s", "alice")
+    assert keyed({"text_input": "hi", "cache_salt": ["s"]})["cache_salt"] == ["alice/s"]
+    for untouched in (b"not json", b"[1, 2]"):  # tritonserver refuses these itself
+        assert keyed_body(untouched, "alice") == untouched
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_a_grpc_request_gets_the_keys_name_as_client_and_salt_prefix_in_its_own_layout(raw):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+
+    from dualend.ops.openai_api.triton_routes import key_request
+
+    request = service_pb2.ModelInferRequest(model_name="smollm2")
+    given = {"text_input": np.array([b"hello"], dtype=object), "cache_salt": np.array([b"s"], dtype=object),
+             "client": np.array([b"bob"], dtype=object), "max_tokens": np.array([4], dtype=np.int32)}
+    for name, value in given.items():
+        tensor = request.inputs.add(name=name, datatype=grpcclient.np_to_triton_dtype(value.dtype), shape=[1])
+        if raw:
+            request.raw_input_contents.append(serialize_byte_tensor(value).item() if value.dtype == object
+                                              else value.tobytes())
+        elif value.dtype == object:
+            tensor.contents.bytes_contents.extend(value.tolist())
+        else:
+            tensor.contents.int_contents.extend(value.tolist())
+    key_request(request, "alice")
+    unsalted = service_pb2.ModelInferRequest(model_name="smollm2")
+    unsalted.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    unsalted.raw_input_contents.append(serialize_byte_tensor(np.array([b"hi"], dtype=object)).item())
+    key_request(unsalted, "alice")
+    for sent, expected in ((request, {"text_input": b"hello", "cache_salt": b"alice/s", "client": b"alice"}),
+                           (unsalted, {"text_input": b"hi", "cache_salt": b"alice/", "client": b"alice"})):
+        for index, tensor in enumerate(sent.inputs):
+            if tensor.name in expected:
+                found = (deserialize_bytes_tensor(sent.raw_input_contents[index]).tolist() if sent.raw_input_contents
+                         else list(tensor.contents.bytes_contents))
+                assert found == [expected[tensor.name]] and tensor.datatype == "BYTES"
+        assert {t.name for t in sent.inputs} >= set(expected)
+    assert len(request.raw_input_contents) in (0, len(request.inputs))

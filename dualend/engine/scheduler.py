@@ -6,7 +6,12 @@ Engine-free and clock-injected, so it is tested without a server, as vLLM keeps 
   the queue is full or its wait runs out, and the message says which;
 - chunked prefill: each iteration prefills at most `prefill_chunk` prompt latents, spread over the
   sequences still prefilling in arrival order, so a long prompt never stalls the decoding ones;
-- decode: every sequence past its prefill takes one step in every iteration.
+- decode: every sequence past its prefill takes one step in every iteration, except while the steps
+  are shared (`fair_rows`): when more than one client has requests running, or had one end within
+  `fair_linger_s`, each client decodes at most `fair_rows` of its sequences per iteration (those that
+  waited longest), and a prompt's last chunk of a client with nothing decoding yet runs in an iteration
+  of its own. A client that floods the loop then slows the step, and another client's first token,
+  only as far as `fair_rows` sequences do; alone, it gets every row.
 A sequence takes its KV blocks from the scheduler's `kv_blocks.KVBlockManager` when it is admitted
 and gives them back in `finish`: the one account of KV blocks. With a `prefix_cache.PrefixCache`, an
 ended sequence's row may be kept (`keep`, charged to the account at its length); an admitted
@@ -35,6 +40,7 @@ class Schedulable(Protocol):
     prefilled: int      # prompt latents already in the cache
     prompt_pairs: np.ndarray             # [num_latents, pair_size] token ids, what the prefix cache matches
     cache_salt: str                      # ... among the kept rows of the same salt
+    client: str                          # whom it is for: decode rows are shared by client
     reuse: tuple[int, int] | None        # set at admission: (kept sequence, slots) whose row it takes over
 
 
@@ -65,8 +71,13 @@ class Plan:
 
 class Scheduler:
     def __init__(self, max_running: int, max_queue: int, wait_s: float, prefill_chunk: int,
-                 kv_blocks: int, kv_block_size: int, clock=time.monotonic, prefix_cache: PrefixCache | None = None):
+                 kv_blocks: int, kv_block_size: int, clock=time.monotonic, prefix_cache: PrefixCache | None = None,
+                 fair_rows: int = 0, fair_linger_s: float = 0.0):
         self.max_running, self.max_queue, self.wait_s = max_running, max_queue, wait_s
+        self.fair_rows, self.fair_linger_s = fair_rows, fair_linger_s
+        self._iterations = 0
+        self._last_decoded: dict[int, int] = {}    # id(sequence) -> the iteration it last decoded in
+        self._recent_clients: dict[str, float] = {}  # client -> when its last sequence ended
         self.prefill_chunk, self.kv_blocks, self.kv_block_size = prefill_chunk, kv_blocks, kv_block_size
         self.clock = clock
         self.kv = KVBlockManager(kv_blocks, kv_block_size)
@@ -166,20 +177,55 @@ class Scheduler:
 
     def plan(self) -> Plan:
         plan, budget = Plan(), self.prefill_chunk
-        for sequence in self.running:
-            if sequence.prefilled == sequence.num_latents:
-                plan.decode.append(sequence)
-            elif budget > 0:
-                stop = min(sequence.num_latents, sequence.prefilled + budget)
-                plan.prefill.append(PrefillChunk(sequence, sequence.prefilled, stop))
-                budget -= stop - sequence.prefilled
+        decoding = [s for s in self.running if s.prefilled == s.num_latents]
+        prefilling = [s for s in self.running if s.prefilled < s.num_latents]
+        if decoding and self._shared():
+            busy = {s.client for s in decoding}
+            first = [s for s in prefilling if s.client not in busy and s.num_latents - s.prefilled <= budget]
+            if first:  # their first tokens come out of this iteration: nobody else's rows slow it
+                decoding, prefilling = [], first
+            else:
+                decoding = self._fair_share(decoding)
+        plan.decode = decoding
+        for sequence in prefilling:
+            if budget <= 0:
+                break
+            stop = min(sequence.num_latents, sequence.prefilled + budget)
+            plan.prefill.append(PrefillChunk(sequence, sequence.prefilled, stop))
+            budget -= stop - sequence.prefilled
+        self._iterations += 1
+        for sequence in plan.decode:
+            self._last_decoded[id(sequence)] = self._iterations
         return plan
+
+    def _shared(self) -> bool:
+        """Whether the steps are shared between clients now: more than one has a sequence running or
+        had one end within fair_linger_s (a chat user's next turn comes soon)."""
+        if not self.fair_rows:
+            return False
+        now = self.clock()
+        self._recent_clients = {c: t for c, t in self._recent_clients.items() if now - t < self.fair_linger_s}
+        return len({s.client for s in self.running} | set(self._recent_clients)) > 1
+
+    def _fair_share(self, decoding: list[Schedulable]) -> list[Schedulable]:
+        """At most fair_rows sequences of each client, those that decoded least recently, in running order."""
+        by_client: dict[str, list[Schedulable]] = {}
+        for sequence in decoding:
+            by_client.setdefault(sequence.client, []).append(sequence)
+        chosen = set()
+        for sequences in by_client.values():
+            ranked = sorted(sequences, key=lambda s: self._last_decoded.get(id(s), 0))
+            chosen.update(id(s) for s in ranked[:self.fair_rows])
+        return [s for s in decoding if id(s) in chosen]
 
     def finish(self, sequence: Schedulable) -> bool:
         """Frees the sequence's place and blocks, or takes it out of the queue; True when it held
         blocks (only then may the caches hold anything of it), and only the first time."""
         if sequence in self.running:
             self.running.remove(sequence)
+            self._last_decoded.pop(id(sequence), None)
+            if self.fair_rows:
+                self._recent_clients[sequence.client] = self.clock()
             return self.kv.free(sequence)
         self.waiting = deque(item for item in self.waiting if item[0] is not sequence)
         return False

@@ -17,8 +17,9 @@ REQUEST_INPUT_TYPES = {
     "temperature": ("FP32", (1,), True), "top_k": ("INT32", (1,), True), "top_p": ("FP32", (1,), True),
     "random_seed": ("UINT64", (1,), True), "stop_words": ("BYTES", (-1,), True),
     "exclude_input_in_output": ("BOOL", (1,), True), "acceptance_threshold": ("FP32", (1,), True),
-    "ignore_eos": ("BOOL", (1,), True), "cache_salt": ("BYTES", (1,), True)}
+    "ignore_eos": ("BOOL", (1,), True), "cache_salt": ("BYTES", (1,), True), "client": ("BYTES", (1,), True)}
 MAX_CACHE_SALT_CHARS = 512
+MAX_CLIENT_CHARS = 128
 REQUEST_INPUTS = tuple(REQUEST_INPUT_TYPES)  # prepare_request's
 STEP_COUNTERS = ("num_output_tokens", "num_drafts", "num_accepted_drafts", "num_steps")  # per response, summed
 REQUEST_COUNTERS = ("num_prompt_tokens", "num_prompt_latents", "num_cached_tokens")    # per request, repeated
@@ -59,6 +60,7 @@ class PreparedRequest:
     stream: bool
     exclude_input_in_output: bool
     cache_salt: str = ""     # the prefix cache reuses only the KV of requests with the same salt
+    client: str = ""         # who asks (the front sets its API key's name): the loop shares its steps by client
     turn_starts: list[int] = field(default_factory=list)  # a conversation's turns, paired one by one
 
     def to_json(self) -> str:
@@ -84,7 +86,7 @@ class PreparedRequest:
 def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max_tokens,
                     stream=None, temperature=None, top_k=None, top_p=None, random_seed=None,
                     stop_words=None, exclude_input_in_output=None, acceptance_threshold=None,
-                    ignore_eos=None, cache_salt=None) -> PreparedRequest:
+                    ignore_eos=None, cache_salt=None, client=None) -> PreparedRequest:
     """Validates one request's raw tensors (numpy arrays or None) into a PreparedRequest."""
     texts = np.asarray(text_input, dtype=object).reshape(-1)
     if texts.size != 1:
@@ -130,9 +132,12 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
     salt = "" if cache_salt is None else _text(np.asarray(cache_salt, dtype=object).reshape(-1)[0], "cache_salt")
     if len(salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequest(f"cache_salt is {len(salt)} characters long, at most {MAX_CACHE_SALT_CHARS}")
+    who = "" if client is None else _text(np.asarray(client, dtype=object).reshape(-1)[0], "client")
+    if len(who) > MAX_CLIENT_CHARS:
+        raise InvalidRequest(f"client is {len(who)} characters long, at most {MAX_CLIENT_CHARS}")
     return PreparedRequest(prompt_ids, params, bool(_scalar(stream, "stream", int) or False),
                            bool(_scalar(exclude_input_in_output, "exclude_input_in_output", int) or False), salt,
-                           turn_starts)
+                           who, turn_starts)
 
 
 def _scalar(value, name: str, kind):

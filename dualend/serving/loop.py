@@ -261,6 +261,10 @@ class LiveSequence:
         return self.request.cache_salt
 
     @property
+    def client(self) -> str:
+        return self.request.client
+
+    @property
     def reserve_slots(self) -> int:
         # One slot per prompt pair and at most one per generated token.
         return self.num_latents + self.request.params.max_tokens

@@ -61,6 +61,10 @@ class DeploymentConfig:
     draft_max_batch: int = 0
     # ... and a sequence whose recent drafts were kept less often than this pauses drafting (decode.DraftPacer).
     draft_min_acceptance: float = 0.0
+    # While more than one client (API key) has requests running, or had one end within fair_linger_s,
+    # each decodes at most this many of them per step (scheduler.Scheduler; 0: every row, always).
+    fair_rows_per_client: int = 0
+    fair_linger_s: float = 0.0
 
     def __post_init__(self):
         if self.synthetic_acceptance != -1.0 and not (self.pair_size == 2 and 0 <= self.synthetic_acceptance <= 1):

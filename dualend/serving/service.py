@@ -44,6 +44,7 @@ class DecodeService:
             max_running=config.max_concurrent_requests, max_queue=config.max_queue_size, wait_s=config.queue_wait_s,
             prefill_chunk=config.prefill_chunk_latents, kv_blocks=config.kv_capacity_blocks,
             kv_block_size=config.kv_block_size,
+            fair_rows=config.fair_rows_per_client, fair_linger_s=config.fair_linger_s,
             prefix_cache=PrefixCache(config.prefix_cache_entries, config.prefix_cache_ttl_s, MIN_PREFIX_REUSE)
             if config.prefix_cache_entries else None)
         executor = Executor(backbone, local, exported.settings["d_model"], call_timeout_s=BACKBONE_CALL_TIMEOUT_S)

@@ -323,7 +323,7 @@ class Service:
             else:
                 generation = parse_completion(parsed)
             if self.keys is not None:  # one key's prefixes are its own, whatever salt it sends (names hold no /)
-                generation.cache_salt = f"{client.name}/{generation.cache_salt}"
+                generation.cache_salt, generation.client = f"{client.name}/{generation.cache_salt}", client.name
             self.deployment(deployment)
             admission = self.admit(client, deployment)
         except ApiError as error:

@@ -80,6 +80,7 @@ class Generation:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False      # our extension, for benchmarks (as vLLM's)
     cache_salt: str = ""          # the prefix cache's partition: the API key's name, or the body's (vLLM's)
+    client: str = ""              # the API key's name: the decode loop shares its steps by client
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -249,6 +250,8 @@ def triton_inputs(request: Generation) -> dict[str, np.ndarray]:
         inputs["stop_words"] = np.array([w.encode() for w in request.stop], dtype=object)
     if request.cache_salt:
         inputs["cache_salt"] = np.array([request.cache_salt.encode()], dtype=object)
+    if request.client:
+        inputs["client"] = np.array([request.client.encode()], dtype=object)
     return inputs
 
 

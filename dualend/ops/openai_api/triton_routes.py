@@ -50,6 +50,57 @@ def counters_of(response: service_pb2.ModelInferResponse) -> dict[str, int]:
     return found
 
 
+def keyed_body(body: bytes, name: str) -> bytes:
+    """A generate body (JSON) with the API key's name as its `client` and its `cache_salt` under the
+    key's name, as /v1 sends them: one key's prefixes are its own. A body that is not a JSON object goes
+    as it is, for tritonserver to refuse."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return body
+    if not isinstance(parsed, dict):
+        return body
+    salt = parsed.get("cache_salt", "")
+    if isinstance(salt, list) and salt and isinstance(salt[0], str):
+        parsed["cache_salt"] = [f"{name}/{salt[0]}", *salt[1:]]
+    elif isinstance(salt, str):
+        parsed["cache_salt"] = f"{name}/{salt}"
+    parsed["client"] = name
+    return json.dumps(parsed).encode()
+
+
+def key_request(request: service_pb2.ModelInferRequest, name: str) -> None:
+    """The gRPC request, in place, with the API key's name as its `client` and leading its `cache_salt`
+    (BYTES inputs, in the request's own layout: raw contents or typed ones)."""
+    prefix = f"{name}/".encode()
+    _set_first_bytes(request, "cache_salt", lambda old: prefix + (old or b""))
+    _set_first_bytes(request, "client", lambda old: name.encode())
+
+
+def _set_first_bytes(request: service_pb2.ModelInferRequest, input_name: str, value_of) -> None:
+    raw = len(request.raw_input_contents) > 0
+    index = next((i for i, tensor in enumerate(request.inputs) if tensor.name == input_name), None)
+    if index is None:
+        tensor = request.inputs.add(name=input_name, datatype="BYTES", shape=[1])
+        index = len(request.inputs) - 1
+        if raw:
+            request.raw_input_contents.append(b"")
+    tensor = request.inputs[index]
+    if raw:
+        contents = request.raw_input_contents[index]
+        size = int.from_bytes(contents[:4], "little") if len(contents) >= 4 else 0
+        first, rest = (contents[4:4 + size], contents[4 + size:]) if len(contents) >= 4 else (None, b"")
+        value = value_of(first)
+        request.raw_input_contents[index] = len(value).to_bytes(4, "little") + value + rest
+    else:
+        elements = tensor.contents.bytes_contents
+        value = value_of(elements[0] if elements else None)
+        if elements:
+            elements[0] = value
+        else:
+            elements.append(value)
+
+
 def error_response(request_id: str, model: str, version: str, error: ApiError) -> bytes:
     """A stream's answer that ends one request with the front's error (the final one of that request)."""
     response = service_pb2.ModelStreamInferResponse(error_message=error.triton_message())
@@ -145,6 +196,8 @@ class FrontedStream:
                     continue
                 request.id = request_id
                 request.parameters[EMPTY_FINAL].bool_param = True
+                if self.service.keys is not None:
+                    key_request(request, self.client.name)
                 await self.upstream.write(request.SerializeToString())
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # tritonserver closed its stream: receive() ends what is in flight
@@ -241,6 +294,8 @@ class HttpGenerate:
         counters, status = dict.fromkeys(COUNTERS, 0), 499
         progress = Progress(self.service.marks, deployment, self.service.settings.stall_s)
         body = await request.body()
+        if self.service.keys is not None:
+            body = keyed_body(body, client.name)
         upstream, closed = None, False
 
         async def close() -> None:

@@ -39,7 +39,7 @@ class Flood:
         self.args, self.grpcclient = args, grpcclient
         self.client = grpcclient.InferenceServerClient(args.grpc)
         self.lock = threading.Condition()
-        self.open, self.refused, self.finished, self.sent = 0, 0, 0, 0
+        self.open, self.refused, self.finished, self.sent, self.tokens = 0, 0, 0, 0, 0
         self.stopping = False
 
     def on_response(self, result, error) -> None:
@@ -47,9 +47,12 @@ class Flood:
             if error is not None:
                 self.open -= 1
                 self.refused += "too_many_requests_for_key" in str(error)
-            elif result.get_response().parameters["triton_final_response"].bool_param:
-                self.open -= 1
-                self.finished += 1
+            else:
+                emitted = result.as_numpy("num_output_tokens")
+                self.tokens += 0 if emitted is None else int(emitted[0])
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    self.open -= 1
+                    self.finished += 1
             self.lock.notify()
 
     def run(self) -> None:
@@ -102,7 +105,9 @@ def main(argv=None) -> int:
     time.sleep(3)  # the flood at its cap
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    tokens_before, started = flood.tokens, time.perf_counter()
     loaded = ttfts(args, args.requests)
+    flood_rate = (flood.tokens - tokens_before) / (time.perf_counter() - started)
     watching = False
     with flood.lock:
         flood.stopping = True
@@ -116,7 +121,8 @@ def main(argv=None) -> int:
         median, low, high = median_and_spread(values)
         print(f"  TTFT {name:5s} median {median:7.1f} ms  p10 {low:7.1f}  p90 {high:7.1f}")
     print(f"  ratio flood / idle (medians): {statistics.median(loaded) / statistics.median(idle):.2f}")
-    print(f"  flooding key: {flood.sent} sent, {flood.finished} finished, {flood.refused} refused by its cap")
+    print(f"  flooding key: {flood.sent} sent, {flood.finished} finished, {flood.refused} refused by its cap; "
+          f"{flood_rate:.1f} output tokens/s while the other key asked")
     print(f"  live sequences while flooding (the flood plus the other key's one): max {max(seen) if seen else 'n/a'}, "
           f"median {statistics.median(seen) if seen else 'n/a'}")
     return 0

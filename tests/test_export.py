@@ -397,6 +397,20 @@ def test_the_past_is_a_view_of_the_cache_and_rows_stay_dense():
     assert kv.width == 4 and kv.past().keys[0][0, 0, 0, 0] == 3
 
 
+def test_the_past_of_some_rows_is_a_view_when_they_are_consecutive_and_a_copy_in_their_order_otherwise():
+    kv = cache(max_sequences=4)
+    for seq_id in (1, 2, 3):
+        row = kv.reserve(seq_id, 16)
+        kv.make_room([row], seq_id)
+        kv.write([row], filled(seq_id, seq_id), filled(-seq_id, seq_id))
+    consecutive = kv.past(rows=[1, 2])
+    assert np.shares_memory(consecutive.keys[0], kv.keys[0]) and consecutive.lengths.tolist() == [2, 3]
+    picked = kv.past(rows=[2, 0])
+    assert not np.shares_memory(picked.keys[0], kv.keys[0])
+    assert picked.keys[0][:, 0, 0, 0].tolist() == [3, 1] and picked.values[0][:, 0, 0, 0].tolist() == [-3, -1]
+    assert picked.lengths.tolist() == [3, 1] and picked.valid.sum(axis=1).tolist() == [3, 1]
+
+
 @pytest.mark.parametrize("shape", [
     dict(pair_size=2, position_stride=2),                              # a pair model, RoPE at each pair's second token
     dict(pair_size=1, n_kv_heads=2, qkv_bias=True, tie_embeddings=False, head_size=12),  # Qwen2-like grouped queries

@@ -212,9 +212,15 @@ class KVCache:
             raise NoRoom(f"sequence {self.row_owner[row]} outgrew its reservation of "
                          f"{sequence.reserved_slots} pair slots")
 
-    def past(self, one: int | None = None) -> Past:
-        """The past of every row in use, or of row `one` alone: views, no copy."""
-        span = slice(0, len(self.row_owner)) if one is None else slice(one, one + 1)
+    def past(self, one: int | None = None, rows: list[int] | None = None) -> Past:
+        """The past of every row in use, or of row `one` alone: views, no copy; or of `rows`, in
+        their order: a copy of theirs unless they are consecutive."""
+        if rows is not None and list(rows) != list(range(rows[0], rows[0] + len(rows))):
+            span = np.asarray(rows)
+        elif rows is not None:
+            span = slice(rows[0], rows[0] + len(rows))
+        else:
+            span = slice(0, len(self.row_owner)) if one is None else slice(one, one + 1)
         lengths = self.lengths[span]
         return Past([k[span] for k in self.keys], [v[span] for v in self.values],
                     np.arange(self.width)[None] < lengths[:, None], lengths)

@@ -210,6 +210,24 @@ def test_a_request_whose_deployment_went_down_and_stalls_ends_even_after_the_mar
         marks.check_up("baseline")
 
 
+def test_a_streamed_request_silent_past_hang_s_ends_with_a_retry_whatever_the_marks_and_progress_resets_it(tmp_path):
+    from test_batch_loop import FakeClock
+
+    marks, clock = DownMarks(tmp_path), FakeClock()
+    streamed = Progress(marks, "dualend", stall_s=1.0, hang_s=60.0, clock=clock)
+    whole = Progress(marks, "dualend", stall_s=1.0, hang_s=None, clock=clock)  # one response at the end: no hang check
+    clock.now = 59.0
+    streamed.check()
+    streamed.advanced()  # a response came
+    clock.now = 119.0
+    streamed.check()
+    clock.now = 119.5
+    with pytest.raises(ApiError, match="sent nothing for this request for 60 s") as ended:
+        streamed.check()
+    assert ended.value.status == 503 and ended.value.code == "retry"
+    whole.check()
+
+
 class ScriptedServer:
     """Answers ModelReady from `ready` (a name missing is not ready; `None` for all: the server does not
     answer) and counts the questions."""
@@ -448,3 +466,25 @@ def test_a_grpc_request_gets_the_keys_name_as_client_and_salt_prefix_in_its_own_
                 assert found == [expected[tensor.name]] and tensor.datatype == "BYTES"
         assert {t.name for t in sent.inputs} >= set(expected)
     assert len(request.raw_input_contents) in (0, len(request.inputs))
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_a_grpc_request_is_watched_for_hangs_only_when_it_asks_for_a_stream(raw):
+    from tritonclient.grpc import service_pb2
+
+    from dualend.ops.openai_api.triton_routes import streamed
+
+    def request(stream):
+        built = service_pb2.ModelInferRequest(model_name="smollm2")
+        built.inputs.add(name="max_tokens", datatype="INT32", shape=[1])
+        if raw:
+            built.raw_input_contents.append(np.array([4], np.int32).tobytes())
+        if stream is not None:
+            tensor = built.inputs.add(name="stream", datatype="BOOL", shape=[1])
+            if raw:
+                built.raw_input_contents.append(np.array([stream]).tobytes())
+            else:
+                tensor.contents.bool_contents.append(stream)
+        return built
+
+    assert streamed(request(True)) and not streamed(request(False)) and not streamed(request(None))

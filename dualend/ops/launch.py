@@ -586,6 +586,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "created with one new key when missing)")
     parser.add_argument("--baseline-percent", type=float, default=10.0,
                         help="share of the gateway's `llm` requests sent to the baseline (canary)")
+    parser.add_argument("--hang-s", type=float, default=60.0,
+                        help="a streamed request that gets no response this long ends with a retryable error (a hung "
+                             "step; default: %(default)s, beyond a queue wait and a long prompt's prefill)")
     parser.add_argument("--log-file", type=Path, help="server log (default: a temporary file)")
     parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
     parser.add_argument(
@@ -651,7 +654,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gateway is not None and not args.no_openai_api:
             api = ApiService(ServiceSettings(server.grpc_url, Path(args.model_repository).resolve(), DEFAULT_HOST,
                                              args.openai_port, gateway.settings.keys_file, gateway.prefix,
-                                             args.baseline_percent, usage_db=gateway.prefix / "usage.sqlite",
+                                             args.baseline_percent, hang_s=args.hang_s,
+                                             usage_db=gateway.prefix / "usage.sqlite",
                                              triton_http=server.http_url, grpc_port=args.front_grpc_port),
                              args.host, args.usage_metrics_port, server.log_file.with_suffix(".openai.log")).start()
             gateway.settings.openai_api, gateway.settings.front_grpc = api.url, api.grpc_url

@@ -30,6 +30,9 @@ def main(argv=None) -> int:
                                                      "(dualend.ops.usage); with it, daily_tokens quotas apply")
     parser.add_argument("--stall-s", type=float, default=DEFAULTS.stall_s,
                         help="a request of a failed deployment without a response this long ends with 503")
+    parser.add_argument("--hang-s", type=float, default=DEFAULTS.hang_s,
+                        help="a streamed request without a response this long ends with 503 (a hung step); longer "
+                             "than a queue wait and a long prompt's prefill")
     parser.add_argument("--triton-http", help="tritonserver's HTTP host:port: its generate routes are served here too")
     parser.add_argument("--grpc-port", type=int, help="front Triton's gRPC InferenceService on this port")
     args = parser.parse_args(argv)
@@ -37,7 +40,7 @@ def main(argv=None) -> int:
 
     service = Service(ServiceSettings(args.triton_grpc, args.model_repository.resolve(), args.host, args.port,
                                       args.api_keys, args.gateway_prefix, args.baseline_percent, args.stall_s,
-                                      usage_db=args.usage_db, triton_http=args.triton_http,
+                                      hang_s=args.hang_s, usage_db=args.usage_db, triton_http=args.triton_http,
                                       grpc_port=args.grpc_port))
     if args.metrics_port:
         from prometheus_client import start_http_server

@@ -63,6 +63,7 @@ class ServiceSettings:
     gateway_prefix: Path | None = None     # the watchdog's down marks and the canary weight live there
     baseline_percent: float = 10.0         # the canary's share, unless the gateway's settings say otherwise
     stall_s: float = 1.0                   # no response this long while the deployment is (was) down: 503
+    hang_s: float = 60.0                   # no response this long to a streamed request, whatever the marks: 503
     max_body_bytes: int = 1 << 20
     usage_db: Path | None = None           # tokens per key and day (dualend.ops.usage); None: not kept
     triton_http: str | None = None         # host:port of tritonserver's HTTP endpoint: the generate routes here
@@ -340,7 +341,7 @@ class Service:
     async def complete(self, request: Request, generation: Generation, deployment: str, client: ApiKey,
                        headers: dict) -> Response:
         text, reason, counters = "", "", dict.fromkeys(COUNTERS, 0)
-        progress = Progress(self.marks, deployment, self.settings.stall_s)
+        progress = Progress(self.marks, deployment, self.settings.stall_s, self.settings.hang_s)
         gone = False
 
         async def watch_disconnect(scope):
@@ -373,7 +374,7 @@ class Service:
                      headers: dict) -> Response:
         """SSE chunks; an error before the first token is an HTTP status, after it an error event."""
         counters = dict.fromkeys(COUNTERS, 0)
-        progress = Progress(self.marks, deployment, self.settings.stall_s)
+        progress = Progress(self.marks, deployment, self.settings.stall_s, self.settings.hang_s)
         pieces = self.triton_stream(generation, deployment, progress)
         try:
             first = await anext(pieces, None)

@@ -84,22 +84,28 @@ class DownMarks:
 
 class Progress:
     """One request's watch: ended with 503 "retry" when its deployment was marked down since it
-    started and no response came for `stall_s`."""
+    started and no response came for `stall_s`, or, for a request answered in a stream, when no response
+    came for `hang_s` whatever the marks say (a step that hangs without dying or being stopped)."""
 
-    def __init__(self, marks: DownMarks, deployment: str, stall_s: float):
-        self.marks, self.deployment, self.stall_s = marks, deployment, stall_s
+    def __init__(self, marks: DownMarks, deployment: str, stall_s: float, hang_s: float | None = None,
+                 clock=time.monotonic):
+        self.marks, self.deployment, self.stall_s, self.hang_s, self.clock = marks, deployment, stall_s, hang_s, clock
         self.epoch = marks.epoch(deployment)
-        self.last = time.monotonic()
+        self.last = clock()
 
     def advanced(self) -> None:
-        self.last = time.monotonic()
+        self.last = self.clock()
 
     def check(self) -> None:
+        silent = self.clock() - self.last
         failed = self.marks.is_down(self.deployment) or self.marks.epoch(self.deployment) != self.epoch
-        if failed and time.monotonic() - self.last > self.stall_s:
+        if failed and silent > self.stall_s:
             raise ApiError.of(Outcome.STEP_FAILED, f"a component of {self.deployment} failed while serving this "
                                                    f"request and it made no progress for {self.stall_s:g} s; the "
                                                    "request ends here, retry")
+        if self.hang_s is not None and silent > self.hang_s:
+            raise ApiError.of(Outcome.STEP_FAILED, f"{self.deployment} sent nothing for this request for "
+                                                   f"{self.hang_s:g} s (a step is hung); the request ends here, retry")
 
 
 class Readiness:

@@ -39,7 +39,8 @@ class ApiService:
         s = self.settings
         args = [sys.executable, "-m", "dualend.ops.openai_api", "--triton-grpc", s.triton_grpc,
                 "--model-repository", str(s.model_repository), "--host", s.host, "--port", str(s.port),
-                "--baseline-percent", str(s.baseline_percent), "--stall-s", str(s.stall_s)]
+                "--baseline-percent", str(s.baseline_percent), "--stall-s", str(s.stall_s),
+                "--hang-s", str(s.hang_s)]
         if s.keys_file:
             args += ["--api-keys", str(s.keys_file)]
         if s.gateway_prefix:

@@ -101,6 +101,16 @@ def _set_first_bytes(request: service_pb2.ModelInferRequest, input_name: str, va
             elements.append(value)
 
 
+def streamed(request: service_pb2.ModelInferRequest) -> bool:
+    """Whether the request asks for a stream of responses (its `stream` input; false when absent)."""
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name == "stream":
+            if request.raw_input_contents:
+                return request.raw_input_contents[index][:1] not in (b"", b"\x00")
+            return bool(tensor.contents.bool_contents) and tensor.contents.bool_contents[0]
+    return False
+
+
 def error_response(request_id: str, model: str, version: str, error: ApiError) -> bytes:
     """A stream's answer that ends one request with the front's error (the final one of that request)."""
     response = service_pb2.ModelStreamInferResponse(error_message=error.triton_message())
@@ -210,8 +220,10 @@ class FrontedStream:
         admission = self.service.admit(self.client, request.model_name)
         wants = EMPTY_FINAL in request.parameters and request.parameters[EMPTY_FINAL].bool_param
         request_id = f"front-{next(self.front.ids)}"
+        settings = self.service.settings
         self.in_flight[request_id] = InFlight(request.id, request.model_name, request.model_version, wants, admission,
-                                              Progress(self.service.marks, request.model_name, self.service.settings.stall_s))
+                                              Progress(self.service.marks, request.model_name, settings.stall_s,
+                                                       settings.hang_s if streamed(request) else None))
         return request_id
 
     async def receive(self) -> None:
@@ -292,7 +304,9 @@ class HttpGenerate:
         except ApiError as error:
             return triton_error_response(error)
         counters, status = dict.fromkeys(COUNTERS, 0), 499
-        progress = Progress(self.service.marks, deployment, self.service.settings.stall_s)
+        settings = self.service.settings
+        progress = Progress(self.service.marks, deployment, settings.stall_s,
+                            settings.hang_s if route == "generate_stream" else None)
         body = await request.body()
         if self.service.keys is not None:
             body = keyed_body(body, client.name)

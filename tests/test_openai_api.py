@@ -478,6 +478,54 @@ def test_one_keys_kept_prefixes_are_its_own_on_tritons_routes_too(launched):
         assert other.text == salted.text == again.text
 
 
+def whole_answer_over_http(address: str, body: dict, api_key: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+    request = urllib.request.Request(f"http://{address}/v2/models/dualend/generate", data=json.dumps(body).encode(),
+                                     headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_whole_answer_on_tritons_routes_is_tritonservers_own_and_a_down_mark_ends_it_only_if_it_stalls(launched):
+    """HTTP `generate` and gRPC with stream false: the front asks tritonserver for a stream and joins it
+    (so it sees the request progress), and the client gets what tritonserver itself answers: one response,
+    the same text and counters. A down mark while such a request progresses does not end it."""
+    from dualend.ops.gateway import DEFAULT_PREFIX
+
+    direct_http, direct_grpc = (f"127.0.0.1:{launched.ports[name]}" for name in ("triton_http", "triton_grpc"))
+    body = {"text_input": PROMPTS[0], "max_tokens": 12, "stop_words": ["\n"]}
+    (status, fronted), (_, own) = whole_answer_over_http(launched.http, body, BOB), whole_answer_over_http(direct_http, body)
+    assert status == 200 and {k: v for k, v in fronted.items() if k != "num_cached_tokens"} == {
+        k: v for k, v in own.items() if k != "num_cached_tokens"}
+    assert whole_answer_over_http(launched.http, body | {"max_tokens": 0}, BOB)[0] == 400
+    fronted_grpc = stream_grpc(launched.grpc, "dualend", PROMPTS[0], 12, stream=False, api_key=BOB)
+    own_grpc = stream_grpc(direct_grpc, "dualend", PROMPTS[0], 12, stream=False)
+    assert len(fronted_grpc.arrivals) == len(own_grpc.arrivals) == 1 and fronted_grpc.text == own_grpc.text
+    assert fronted_grpc.counters["num_output_tokens"] == own_grpc.counters["num_output_tokens"] == 12
+
+    answers = []
+    long_body = {"text_input": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True}
+    thread = threading.Thread(target=lambda: answers.append(
+        (whole_answer_over_http(launched.http, long_body, BOB), time.monotonic())))
+    thread.start()
+    mark = DEFAULT_PREFIX / "down" / "dualend"
+    time.sleep(0.5)
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    mark.touch()
+    marked = time.monotonic()
+    try:
+        time.sleep(2.0)
+    finally:
+        mark.unlink()
+    thread.join(60)
+    (status, answer), ended = answers[0]
+    assert status == 200 and answer["num_output_tokens"] == 1000, answer
+    assert ended - marked > 1.5  # it ran on under the mark past the front's 1 s for a silent request
+
+
 def serves_every_route(launched, api_key: str = BOB) -> bool:
     from client.api import RequestError
 

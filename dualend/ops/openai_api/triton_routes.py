@@ -111,6 +111,54 @@ def streamed(request: service_pb2.ModelInferRequest) -> bool:
     return False
 
 
+def stream_it(request: service_pb2.ModelInferRequest) -> None:
+    """The request, in place, with its `stream` input true (in its own layout)."""
+    raw = len(request.raw_input_contents) > 0
+    index = next((i for i, tensor in enumerate(request.inputs) if tensor.name == "stream"), None)
+    if index is None:
+        request.inputs.add(name="stream", datatype="BOOL", shape=[1])
+        if raw:
+            request.raw_input_contents.append(b"\x01")
+        else:
+            request.inputs[-1].contents.bool_contents.append(True)
+    elif raw:
+        request.raw_input_contents[index] = b"\x01"
+    else:
+        request.inputs[index].contents.bool_contents[:] = [True]
+
+
+def joined(request: "InFlight", final: bool) -> service_pb2.ModelStreamInferResponse:
+    """The one response a request that asked for one gets: its streamed responses' texts joined and its
+    counters merged, in the last one's layout."""
+    whole = service_pb2.ModelStreamInferResponse()
+    whole.infer_response.CopyFrom(request.gathered[-1])
+    whole.infer_response.id = request.client_id
+    whole.infer_response.parameters[FINAL].bool_param = final
+    text = b"".join(_first_bytes(r, "text_output") for r in request.gathered)
+    for index, output in enumerate(whole.infer_response.outputs):
+        if output.name == "text_output":
+            whole.infer_response.raw_output_contents[index] = len(text).to_bytes(4, "little") + text
+        elif output.name in COUNTERS:
+            whole.infer_response.raw_output_contents[index] = int(request.counters[output.name]).to_bytes(
+                4, "little", signed=True)
+    return whole
+
+
+def empty_final(request: "InFlight") -> service_pb2.ModelStreamInferResponse:
+    final = service_pb2.ModelStreamInferResponse()
+    final.infer_response.id, final.infer_response.model_name = request.client_id, request.model
+    final.infer_response.model_version = request.version
+    final.infer_response.parameters[FINAL].bool_param = True
+    return final
+
+
+def _first_bytes(response: service_pb2.ModelInferResponse, name: str) -> bytes:
+    for output, raw in zip(response.outputs, response.raw_output_contents):
+        if output.name == name and len(raw) >= 4:
+            return raw[4:4 + int.from_bytes(raw[:4], "little")]
+    return b""
+
+
 def error_response(request_id: str, model: str, version: str, error: ApiError) -> bytes:
     """A stream's answer that ends one request with the front's error (the final one of that request)."""
     response = service_pb2.ModelStreamInferResponse(error_message=error.triton_message())
@@ -131,6 +179,7 @@ class InFlight:
     progress: Progress
     counters: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     status: int = 200
+    gathered: list | None = None  # a request that asked for one response: its streamed ones, joined at its end
 
 
 class GrpcFront:
@@ -206,6 +255,9 @@ class FrontedStream:
                     continue
                 request.id = request_id
                 request.parameters[EMPTY_FINAL].bool_param = True
+                if not streamed(request):  # asked of tritonserver as a stream, so its progress shows
+                    self.in_flight[request_id].gathered = []
+                    stream_it(request)
                 if self.service.keys is not None:
                     key_request(request, self.client.name)
                 await self.upstream.write(request.SerializeToString())
@@ -241,6 +293,17 @@ class FrontedStream:
                 final = FINAL in parameters and parameters[FINAL].bool_param
                 if response.error_message:
                     request.status = triton_error(response.error_message).status
+                    request.gathered = None  # the error is the answer
+                if request.gathered is not None:
+                    if response.infer_response.outputs:
+                        request.gathered.append(response.infer_response)
+                    if final:
+                        if request.gathered:
+                            self.out.put_nowait(joined(request, not request.wants_empty_final).SerializeToString())
+                        if request.wants_empty_final:
+                            self.out.put_nowait(empty_final(request).SerializeToString())
+                        self.end(request_id, request.status)
+                    continue
                 response.infer_response.id = request.client_id
                 empty = not response.infer_response.outputs and not response.error_message
                 if not (final and empty and not request.wants_empty_final):
@@ -280,9 +343,11 @@ class FrontedStream:
 
 class HttpGenerate:
     """POST /v2/models/{model}/generate and generate_stream, checked by the gateway, relayed to
-    tritonserver's HTTP endpoint as they are and answered as it answers; the front adds the key's cap,
-    quota and usage, and ends a request whose deployment failed or stopped under it (503, or a last
-    event `{"error": "[step_failed] ..."}` on a stream that already answered)."""
+    tritonserver's HTTP endpoint and answered as it answers; the front adds the key's cap, quota and
+    usage, and ends a request whose deployment failed, stopped or hung under it (503, or a last event
+    `{"error": "[step_failed] ..."}` on a stream that already answered). A `generate` request is asked of
+    generate_stream and its answer put together here, so that its progress shows; its error's status
+    follows the error's outcome code (tritonserver answers 400 to every one)."""
 
     def __init__(self, service, triton_http: str):
         self.service, self.triton_http = service, triton_http
@@ -305,8 +370,7 @@ class HttpGenerate:
             return triton_error_response(error)
         counters, status = dict.fromkeys(COUNTERS, 0), 499
         settings = self.service.settings
-        progress = Progress(self.service.marks, deployment, settings.stall_s,
-                            settings.hang_s if route == "generate_stream" else None)
+        progress = Progress(self.service.marks, deployment, settings.stall_s, settings.hang_s)  # both stream upstream
         body = await request.body()
         if self.service.keys is not None:
             body = keyed_body(body, client.name)
@@ -322,13 +386,18 @@ class HttpGenerate:
                 if upstream is not None:
                     upstream.release() if status == upstream.status else upstream.close()
 
+        stream_body = streamed_body(body) if route == "generate" else None
         try:
             upstream = await self.watched(self.session.post(
-                f"http://{self.triton_http}/v2/models/{deployment}/{route}", data=body,
+                f"http://{self.triton_http}/v2/models/{deployment}/{route if stream_body is None else 'generate_stream'}",
+                data=body if stream_body is None else stream_body,
                 headers={"Content-Type": request.headers.get("content-type", "application/json")}), progress)
-            if route == "generate":
+            if stream_body is not None:
+                status, answer, headers = await self.gathered(upstream, progress, counters)
+                await close()
+                return JSONResponse(answer, status_code=status, headers=headers)
+            if route == "generate":  # not a JSON object: tritonserver's refusal, as it is
                 answer = await self.watched(upstream.read(), progress)
-                merge_counters(counters, counters_in(answer) if upstream.status == 200 else {})
                 status = upstream.status
                 await close()
                 return Response(answer, status_code=upstream.status,
@@ -379,6 +448,24 @@ class HttpGenerate:
             for event in events:
                 yield event + b"\n\n"
 
+    async def gathered(self, upstream: aiohttp.ClientResponse, progress: Progress,
+                       counters: dict) -> tuple[int, dict, dict]:
+        """(status, answer, headers) of a `generate` request asked of generate_stream, so the front sees
+        it progress: the answer tritonserver's `generate` gives (the texts joined, the counters merged,
+        the last response's other fields), or the error's, its status by its outcome code."""
+        answer, texts = {}, []
+        async for event in self.events_of(upstream, progress):
+            parsed = event_json(event)
+            if "error" in parsed:
+                error = triton_error(str(parsed["error"]))
+                return error.status, {"error": error.triton_message()}, error.headers()
+            merge_counters(counters, counters_in(event))
+            texts.append(str(parsed.get("text_output", "")))
+            answer = parsed
+        if not answer:
+            raise ApiError(503, "the inference server ended the answer before any response; retry", code="retry")
+        return 200, answer | {"text_output": "".join(texts)} | {name: counters[name] for name in COUNTERS}, {}
+
     @staticmethod
     async def watched(awaitable, progress: Progress):
         """The awaitable's result, or ApiError once the request's deployment failed under it."""
@@ -393,15 +480,30 @@ class HttpGenerate:
             task.cancel()
 
 
-def counters_in(payload: bytes) -> dict[str, int]:
-    """The counters of one generate answer or SSE event (`data: {...}`) of tritonserver's."""
+def event_json(payload: bytes) -> dict:
+    """One generate answer or SSE event (`data: {...}`) of tritonserver's as a JSON object ({} if not one)."""
     text = payload.decode(errors="replace").strip()
     text = text[len("data:"):].strip() if text.startswith("data:") else text
     try:
         answer = json.loads(text)
     except ValueError:
         return {}
-    return {name: int(answer[name]) for name in COUNTERS if isinstance(answer, dict) and isinstance(answer.get(name), int)}
+    return answer if isinstance(answer, dict) else {}
+
+
+def counters_in(payload: bytes) -> dict[str, int]:
+    """The counters of one generate answer or SSE event of tritonserver's."""
+    answer = event_json(payload)
+    return {name: int(answer[name]) for name in COUNTERS if isinstance(answer.get(name), int)}
+
+
+def streamed_body(body: bytes) -> bytes | None:
+    """A `generate` body asking for a stream instead (None when it is not a JSON object)."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return json.dumps(parsed | {"stream": True}).encode() if isinstance(parsed, dict) else None
 
 
 def triton_error_response(error: ApiError) -> JSONResponse:

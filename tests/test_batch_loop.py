@@ -142,6 +142,19 @@ def test_a_new_clients_last_prompt_chunk_runs_alone_and_earlier_chunks_beside_th
         (long_one, 8, 16)]
 
 
+def test_new_clients_get_a_step_alone_only_together_within_the_budget_and_never_twice_in_a_row():
+    s = scheduler(max_running=8, prefill_chunk=8, fair_rows=2, fair_linger_s=1.0)
+    flood = decoding_seqs(s, "flood", 2)
+    one, two, three = (Seq(3, client=name) for name in ("one", "two", "three"))
+    for sequence in (one, two, three):
+        s.submit(sequence)
+    plan = s.plan()  # two prompts fit the 8-latent budget together; the third waits
+    assert plan.decode == [] and [c.sequence for c in plan.prefill] == [one, two]
+    one.prefilled = two.prefilled = 3
+    plan = s.plan()  # no second such step in a row, however many new clients keep coming: the flood decodes
+    assert plan.decode == flood + [one, two] and [c.sequence for c in plan.prefill] == [three]
+
+
 def test_the_steps_stay_shared_for_the_linger_after_another_clients_request_ends_then_the_flood_gets_every_row():
     s = scheduler(max_running=8, fair_rows=2, fair_linger_s=1.0)
     flood = decoding_seqs(s, "flood", 4)
@@ -232,11 +245,12 @@ def test_shared_steps_skip_rows_and_still_decode_exactly_what_each_request_decod
     engine, loop = make_loop(directory, tiny_tokenizer, threshold, fair_rows=1, fair_linger_s=1.0)
     clients = ["flood", "flood", "flood", "flood", "other"]
     outputs = [submit(loop, engine, tiny_tokenizer, i + 1, p, client=c) for i, (p, c) in enumerate(zip(PROMPTS, clients))]
-    calls = []
+    calls = []  # (rows the engine call ran, rows in use)
     run = engine.backbone._run
-    engine.backbone._run = lambda latents, *rest: calls.append(len(latents)) or run(latents, *rest)
+    engine.backbone._run = lambda latents, *rest: calls.append(
+        (len(latents), len(engine.backbone.cache.row_owner))) or run(latents, *rest)
     run_until_idle(loop)
-    assert 2 in calls  # two rows of five stepped, run over their own (copied) past
+    assert (2, 5) in calls  # two rows of five stepped, run over their own (copied) past
     for prompt, output in zip(PROMPTS, outputs):
         alone = reference_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), threshold)
         assert output.tokens == alone.tokens and output.error is None

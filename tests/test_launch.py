@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import textwrap
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -135,6 +136,22 @@ def test_the_admin_key_is_in_no_command_line_environment_or_log(identity_reposit
     started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("starting ")]
     assert started and key not in started[0] and hidden_argument.MARKER in started[0]
     assert key not in (tmp_path / "tritonserver.log").read_text()
+
+
+def test_whether_the_shim_ran_in_a_process_is_read_from_its_starting_environment(tmp_path):
+    built = hidden_argument.library(tmp_path)
+    if not built:
+        pytest.skip("no C compiler (cc, gcc or $CC) to build dualend/ops/hidden_argument.c")
+    secret = "s" * 32
+    shimmed = subprocess.Popen(["sleep", "10"], env=os.environ | hidden_argument.environment(built, secret))
+    plain = subprocess.Popen(["sleep", "10"], env=os.environ | {hidden_argument.VARIABLE: secret})
+    try:
+        time.sleep(0.3)
+        assert hidden_argument.took_effect(shimmed.pid, secret) and not hidden_argument.took_effect(plain.pid, secret)
+    finally:
+        for process in (shimmed, plain):
+            process.kill()
+            process.wait()
 
 
 def test_start_failure_reports_log_tail(identity_repository, tmp_path):

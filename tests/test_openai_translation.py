@@ -417,19 +417,24 @@ def test_refusals_worth_retrying_say_when_and_the_others_do_not(tmp_path, tiny_t
     assert malformed.status_code == 400 and "retry-after" not in malformed.headers
 
 
-def test_a_triton_generate_body_gets_the_keys_name_as_client_and_salt_prefix_whatever_salt_it_sent():
-    from dualend.ops.openai_api.triton_routes import keyed_body
+def test_a_triton_generate_body_gets_the_keys_name_as_client_and_salt_prefix_and_a_whole_answer_a_stream():
+    from dualend.ops.openai_api.triton_routes import upstream_body
 
-    def keyed(body):
-        return json.loads(keyed_body(json.dumps(body).encode(), "alice"))
+    def sent(body, whole=False, key="alice"):
+        return json.loads(upstream_body(json.dumps(body).encode(), whole, key))
 
-    assert keyed({"text_input": "hi", "max_tokens": 4}) == {"text_input": "hi", "max_tokens": 4, "cache_salt": "alice/",
-                                                           "client": "alice"}
-    sent = keyed({"text_input": "hi", "cache_salt": "s", "client": "bob"})  # a client names no one but its key
-    assert (sent["cache_salt"], sent["client"]) == ("alice/s", "alice")
-    assert keyed({"text_input": "hi", "cache_salt": ["s"]})["cache_salt"] == ["alice/s"]
-    for untouched in (b"not json", b"[1, 2]"):  # tritonserver refuses these itself
-        assert keyed_body(untouched, "alice") == untouched
+    assert sent({"text_input": "hi", "max_tokens": 4}) == {"text_input": "hi", "max_tokens": 4, "cache_salt": "alice/",
+                                                          "client": "alice"}
+    named = sent({"text_input": "hi", "cache_salt": "s", "client": "bob"})  # a client names no one but its key
+    assert (named["cache_salt"], named["client"]) == ("alice/s", "alice")
+    assert sent({"text_input": "hi", "cache_salt": ["s"]})["cache_salt"] == "alice/s"
+    assert sent({"text_input": "hi", "stream": False}, whole=True)["stream"] is True  # the front joins the answer
+    assert sent({"text_input": "hi", "stream": False}, key=None) == {"text_input": "hi", "stream": False}  # no keys
+    for refused, param in ((b"not json", None), (b"[1, 2]", None), (b'{"x": "\xff"}', None),
+                           (json.dumps({"text_input": "hi", "cache_salt": 7}).encode(), "cache_salt")):
+        with pytest.raises(ApiError) as error:
+            upstream_body(refused, False, "alice")
+        assert error.value.status == 400 and error.value.param == param
 
 
 @pytest.mark.parametrize("raw", [True, False])
@@ -465,14 +470,15 @@ def test_a_grpc_request_gets_the_keys_name_as_client_and_salt_prefix_in_its_own_
                          else list(tensor.contents.bytes_contents))
                 assert found == [expected[tensor.name]] and tensor.datatype == "BYTES"
         assert {t.name for t in sent.inputs} >= set(expected)
-    assert len(request.raw_input_contents) in (0, len(request.inputs))
+    for sent in (request, unsalted):  # raw contents stay one per input when inputs are added
+        assert len(sent.raw_input_contents) in (0, len(sent.inputs))
 
 
 @pytest.mark.parametrize("raw", [True, False])
-def test_a_grpc_request_is_watched_for_hangs_only_when_it_asks_for_a_stream(raw):
+def test_a_grpc_request_that_wants_one_answer_is_told_apart_and_asked_as_a_stream(raw):
     from tritonclient.grpc import service_pb2
 
-    from dualend.ops.openai_api.triton_routes import streamed
+    from dualend.ops.openai_api.triton_routes import stream_it, streamed
 
     def request(stream):
         built = service_pb2.ModelInferRequest(model_name="smollm2")
@@ -488,3 +494,6 @@ def test_a_grpc_request_is_watched_for_hangs_only_when_it_asks_for_a_stream(raw)
         return built
 
     assert streamed(request(True)) and not streamed(request(False)) and not streamed(request(None))
+    for wants_one in (request(False), request(None)):
+        stream_it(wants_one)
+        assert streamed(wants_one) and len(wants_one.raw_input_contents) in (0, len(wants_one.inputs))

@@ -22,7 +22,7 @@ Sequences idle past `idle_timeout_s` are evicted, a safety net for a caller that
 account went with it); a later step of one says it was evicted (`EvictedSequence`).
 
 The prefix cache's rows (`keep`, `adopt`) are copies of ended sequences' keys and values, held
-outside the rows (so a decode step, which runs over every row in use, never computes them), until
+outside the rows (so a decode step, which runs over the rows in use, never computes them), until
 a new sequence starts from one (copied into its row) or the caller releases it; a copy not taken
 within `kept_timeout_s` is dropped, the same safety net.
 """
@@ -215,6 +215,8 @@ class KVCache:
     def past(self, one: int | None = None, rows: list[int] | None = None) -> Past:
         """The past of every row in use, or of row `one` alone: views, no copy; or of `rows`, in
         their order: a copy of theirs unless they are consecutive."""
+        if rows is not None and not rows:
+            raise ValueError("the past of no rows")
         if rows is not None and list(rows) != list(range(rows[0], rows[0] + len(rows))):
             span = np.asarray(rows)
         elif rows is not None:

@@ -197,7 +197,8 @@ class BackboneRunner:
         return BackboneOutput(result.logits[0], result.hidden[0])
 
     def run_batch(self, batch: BackboneBatch) -> BackboneResult:
-        """Every single-latent segment in one engine call over all cache rows; each longer prefill
+        """Every single-latent segment in one engine call (over all cache rows, or over its own when
+        they are at most half of them); each longer prefill
         chunk in its own. A sequence that fails (unknown, evicted, no room) fails alone, with its
         status and message."""
         for seq_id in batch.keeps:

@@ -10,8 +10,10 @@ Engine-free and clock-injected, so it is tested without a server, as vLLM keeps 
   are shared (`fair_rows`): when more than one client has requests running, or had one end within
   `fair_linger_s`, each client decodes at most `fair_rows` of its sequences per iteration (those that
   waited longest), and a prompt's last chunk of a client with nothing decoding yet runs in an iteration
-  of its own. A client that floods the loop then slows the step, and another client's first token,
-  only as far as `fair_rows` sequences do; alone, it gets every row.
+  of its own (never two such iterations in a row). A client that floods the loop then slows the step,
+  and another client's first token, only as far as `fair_rows` sequences do (prefill chunks are not
+  shared by client: a flood of long prompts still takes the chunk budget); alone, it gets every row,
+  once the linger of the last other client has passed.
 A sequence takes its KV blocks from the scheduler's `kv_blocks.KVBlockManager` when it is admitted
 and gives them back in `finish`: the one account of KV blocks. With a `prefix_cache.PrefixCache`, an
 ended sequence's row may be kept (`keep`, charged to the account at its length); an admitted
@@ -76,6 +78,7 @@ class Scheduler:
         self.max_running, self.max_queue, self.wait_s = max_running, max_queue, wait_s
         self.fair_rows, self.fair_linger_s = fair_rows, fair_linger_s
         self._iterations = 0
+        self._solo_last = False  # the last iteration ran new clients' last prompt chunks alone
         self._last_decoded: dict[int, int] = {}    # id(sequence) -> the iteration it last decoded in
         self._recent_clients: dict[str, float] = {}  # client -> when its last sequence ended
         self.prefill_chunk, self.kv_blocks, self.kv_block_size = prefill_chunk, kv_blocks, kv_block_size
@@ -179,13 +182,14 @@ class Scheduler:
         plan, budget = Plan(), self.prefill_chunk
         decoding = [s for s in self.running if s.prefilled == s.num_latents]
         prefilling = [s for s in self.running if s.prefilled < s.num_latents]
+        solo = False
         if decoding and self._shared():
-            busy = {s.client for s in decoding}
-            first = [s for s in prefilling if s.client not in busy and s.num_latents - s.prefilled <= budget]
+            first = [] if self._solo_last else self._first_tokens(prefilling, {s.client for s in decoding}, budget)
             if first:  # their first tokens come out of this iteration: nobody else's rows slow it
-                decoding, prefilling = [], first
+                decoding, prefilling, solo = [], first, True
             else:
                 decoding = self._fair_share(decoding)
+        self._solo_last = solo  # never two such iterations in a row: the others' decoding goes on
         plan.decode = decoding
         for sequence in prefilling:
             if budget <= 0:
@@ -206,6 +210,17 @@ class Scheduler:
         now = self.clock()
         self._recent_clients = {c: t for c, t in self._recent_clients.items() if now - t < self.fair_linger_s}
         return len({s.client for s in self.running} | set(self._recent_clients)) > 1
+
+    @staticmethod
+    def _first_tokens(prefilling: list[Schedulable], busy: set[str], budget: int) -> list[Schedulable]:
+        """The sequences of clients with nothing decoding whose whole remaining prompts fit the budget together."""
+        chosen = []
+        for sequence in prefilling:
+            rest = sequence.num_latents - sequence.prefilled
+            if sequence.client not in busy and rest <= budget:
+                chosen.append(sequence)
+                budget -= rest
+        return chosen
 
     def _fair_share(self, decoding: list[Schedulable]) -> list[Schedulable]:
         """At most fair_rows sequences of each client, those that decoded least recently, in running order."""

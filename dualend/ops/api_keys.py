@@ -19,6 +19,7 @@ from .host import write_private_file
 
 DEFAULT_MAX_REQUESTS = 16  # of the 32 decode slots a deployment has by default
 BEARER = "Bearer "
+MAX_NAME_CHARS = 64  # a name travels as the request's `client` (contract.MAX_CLIENT_CHARS)
 
 
 class KeysFileError(RuntimeError):
@@ -47,9 +48,11 @@ def read_keys(path: Path, default_max_requests: int = DEFAULT_MAX_REQUESTS) -> d
             continue
         parts = line.split()
         where = f"{path}:{number}"
-        if len(parts) < 2 or len(parts[1]) < 16 or not parts[1].isalnum() or not parts[0].isidentifier():
+        if (len(parts) < 2 or len(parts[1]) < 16 or not parts[1].isalnum() or not parts[0].isidentifier()
+                or len(parts[0]) > MAX_NAME_CHARS):
             raise KeysFileError(f"{where}: expected `name key [max_requests=N] [daily_tokens=N]` with a name of "
-                                "letters, digits and _ and an alphanumeric key of 16+ characters")
+                                f"letters, digits and _ (at most {MAX_NAME_CHARS}) and an alphanumeric key of 16+ "
+                                "characters")
         settings = {"max_requests": default_max_requests, "daily_tokens": None}
         for field in parts[2:]:
             setting, _, value = field.partition("=")
@@ -62,6 +65,11 @@ def read_keys(path: Path, default_max_requests: int = DEFAULT_MAX_REQUESTS) -> d
     if not keys:
         raise KeysFileError(f"{path} holds no API key")
     return keys
+
+
+def keyed_salt(name: str, salt: str = "") -> str:
+    """A request's `cache_salt` under its key's name (names hold no /): one key's prefixes are its own."""
+    return f"{name}/{salt}"
 
 
 def client_of(authorization: str | None, keys: dict[str, ApiKey]) -> ApiKey | None:

@@ -20,7 +20,8 @@ BUILD_DIR = Path(os.environ.get("DUALEND_NATIVE_DIR") or Path(__file__).resolve(
 
 
 def library(build_dir: Path = BUILD_DIR) -> Path | bool:
-    """The preloadable library, built if this source has not been yet; False without a C compiler."""
+    """The preloadable library, built if this source has not been yet; False without a C compiler or
+    when it cannot be built there (a folder not writable, no C library headers)."""
     source = SOURCE.read_bytes()
     built = build_dir / f"hidden_argument-{hashlib.sha256(source).hexdigest()[:12]}.so"
     if built.exists():
@@ -28,14 +29,17 @@ def library(build_dir: Path = BUILD_DIR) -> Path | bool:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         return False
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=build_dir) as scratch:  # then renamed: concurrent builds are safe
-        partial = Path(scratch) / built.name
-        done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(partial), str(SOURCE)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} could not build {SOURCE}: {done.stderr.strip()}")
-        partial.replace(built)
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=build_dir) as scratch:  # then renamed: concurrent builds are safe
+            partial = Path(scratch) / built.name
+            done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(partial), str(SOURCE)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                return False
+            partial.replace(built)
+    except OSError:
+        return False
     return built
 
 
@@ -45,6 +49,16 @@ def environment(built: Path, secret: str) -> dict[str, str]:
         raise ValueError("a secret cannot hold the marker or a NUL")
     preloaded = " ".join(part for part in (str(built), os.environ.get("LD_PRELOAD", "")) if part)
     return {"LD_PRELOAD": preloaded, VARIABLE: secret}
+
+
+def took_effect(pid: int, secret: str) -> bool:
+    """Whether the preloaded library ran in process `pid`: it blanks the secret in the environment the
+    process started with, which /proc still shows. If it did not, the program took MARKER itself."""
+    try:
+        started_with = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"{VARIABLE}={secret}".encode() not in started_with
 
 
 if __name__ == "__main__":  # build it ahead (an image without a compiler at run time)

@@ -404,7 +404,8 @@ class TritonServer:
         if self.admin_key and self._hiding_library is None:
             self._hiding_library = hidden_argument.library()
             if not self._hiding_library:
-                log.warning("no C compiler to build %s: the admin key is on tritonserver's command line, "
+                log.warning("%s could not be built here (no C compiler, or it failed; build it with `python -m "
+                            "dualend.ops.hidden_argument`): the admin key is on tritonserver's command line, "
                             "where `ps` shows it to every local user", hidden_argument.SOURCE.name)
         command = self.command(home)
         log.info("starting %s", " ".join(self.printable(command)))
@@ -422,6 +423,10 @@ class TritonServer:
         atexit.register(self.stop)
         try:
             self._wait_until_ready()
+            if self.admin_key and self._hiding_library and not hidden_argument.took_effect(self._process.pid,
+                                                                                            self.admin_key):
+                raise ServerStartError(f"{self._hiding_library} was not preloaded into tritonserver, whose admin key "
+                                       f"would then be the public marker; not serving so")
         except BaseException:
             self.stop(keep_log=True)
             raise

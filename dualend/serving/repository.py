@@ -70,6 +70,9 @@ class DeploymentConfig:
         if self.synthetic_acceptance != -1.0 and not (self.pair_size == 2 and 0 <= self.synthetic_acceptance <= 1):
             raise ValueError(f"{self.deployment}: synthetic_acceptance {self.synthetic_acceptance:g}: a rate in "
                              f"[0, 1] for a dual-end deployment, or -1 (off)")
+        if self.fair_rows_per_client < 0 or self.fair_linger_s < 0:
+            raise ValueError(f"{self.deployment}: fair_rows_per_client {self.fair_rows_per_client} and fair_linger_s "
+                             f"{self.fair_linger_s:g} must be >= 0 (0 rows: steps never shared)")
         if self.weights not in WEIGHTS:
             raise ValueError(f"{self.deployment}: weights {self.weights!r}, not one of {', '.join(WEIGHTS)}")
 

@@ -39,7 +39,7 @@ from dualend.serving.contract import COUNTERS, merge_counters
 from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served_generation
 
-from ..api_keys import ApiKey, client_of, read_keys
+from ..api_keys import ApiKey, client_of, keyed_salt, read_keys
 from ..usage import UsageStore, seconds_to_next_day
 from .front import DisconnectAwareStream, DownMarks, KeyCaps, Progress, Readiness
 from .triton_routes import UNLIMITED, GrpcFront, HttpGenerate
@@ -324,7 +324,7 @@ class Service:
             else:
                 generation = parse_completion(parsed)
             if self.keys is not None:  # one key's prefixes are its own, whatever salt it sends (names hold no /)
-                generation.cache_salt, generation.client = f"{client.name}/{generation.cache_salt}", client.name
+                generation.cache_salt, generation.client = keyed_salt(client.name, generation.cache_salt), client.name
             self.deployment(deployment)
             admission = self.admit(client, deployment)
         except ApiError as error:

@@ -103,7 +103,7 @@ class Progress:
             raise ApiError.of(Outcome.STEP_FAILED, f"a component of {self.deployment} failed while serving this "
                                                    f"request and it made no progress for {self.stall_s:g} s; the "
                                                    "request ends here, retry")
-        if self.hang_s is not None and silent > self.hang_s:
+        if self.hang_s and silent > self.hang_s:  # None or 0: not watched
             raise ApiError.of(Outcome.STEP_FAILED, f"{self.deployment} sent nothing for this request for "
                                                    f"{self.hang_s:g} s (a step is hung); the request ends here, retry")
 

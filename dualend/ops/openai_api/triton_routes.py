@@ -23,7 +23,7 @@ from tritonclient.grpc import service_pb2
 
 from dualend.serving.contract import COUNTERS, merge_counters
 
-from ..api_keys import ApiKey
+from ..api_keys import ApiKey, keyed_salt
 from .front import DisconnectAwareStream, Progress
 from .translation import ApiError, triton_error
 
@@ -50,29 +50,32 @@ def counters_of(response: service_pb2.ModelInferResponse) -> dict[str, int]:
     return found
 
 
-def keyed_body(body: bytes, name: str) -> bytes:
-    """A generate body (JSON) with the API key's name as its `client` and its `cache_salt` under the
-    key's name, as /v1 sends them: one key's prefixes are its own. A body that is not a JSON object goes
-    as it is, for tritonserver to refuse."""
+def upstream_body(body: bytes, whole: bool, key_name: str | None) -> bytes:
+    """A generate body as the front sends it on: with `stream` true when the client wants one answer
+    (`whole`: the front joins it), and, where keys are in use, the key's name as its `client` and at the
+    head of its `cache_salt`, as /v1 sends them. A body that is not a JSON object is a 400."""
     try:
         parsed = json.loads(body)
     except (ValueError, RecursionError):
-        return body
+        raise ApiError(400, "the request body is not JSON (UTF-8), or nests too deep") from None
     if not isinstance(parsed, dict):
-        return body
-    salt = parsed.get("cache_salt", "")
-    if isinstance(salt, list) and salt and isinstance(salt[0], str):
-        parsed["cache_salt"] = [f"{name}/{salt[0]}", *salt[1:]]
-    elif isinstance(salt, str):
-        parsed["cache_salt"] = f"{name}/{salt}"
-    parsed["client"] = name
+        raise ApiError(400, "the request body must be a JSON object of inputs")
+    if key_name is not None:
+        salt = parsed.get("cache_salt", "")
+        if isinstance(salt, list) and len(salt) == 1:
+            salt = salt[0]
+        if not isinstance(salt, str):
+            raise ApiError(400, "cache_salt must be a string", "cache_salt")
+        parsed["cache_salt"], parsed["client"] = keyed_salt(key_name, salt), key_name
+    if whole:
+        parsed["stream"] = True
     return json.dumps(parsed).encode()
 
 
 def key_request(request: service_pb2.ModelInferRequest, name: str) -> None:
     """The gRPC request, in place, with the API key's name as its `client` and leading its `cache_salt`
     (BYTES inputs, in the request's own layout: raw contents or typed ones)."""
-    prefix = f"{name}/".encode()
+    prefix = keyed_salt(name).encode()
     _set_first_bytes(request, "cache_salt", lambda old: prefix + (old or b""))
     _set_first_bytes(request, "client", lambda old: name.encode())
 
@@ -275,7 +278,7 @@ class FrontedStream:
         settings = self.service.settings
         self.in_flight[request_id] = InFlight(request.id, request.model_name, request.model_version, wants, admission,
                                               Progress(self.service.marks, request.model_name, settings.stall_s,
-                                                       settings.hang_s if streamed(request) else None))
+                                                       settings.hang_s))  # every request streams upstream
         return request_id
 
     async def receive(self) -> None:
@@ -297,11 +300,15 @@ class FrontedStream:
                 if request.gathered is not None:
                     if response.infer_response.outputs:
                         request.gathered.append(response.infer_response)
-                    if final:
-                        if request.gathered:
-                            self.out.put_nowait(joined(request, not request.wants_empty_final).SerializeToString())
+                    if final and not request.gathered:  # ended with no answer at all: say so, or it waits forever
+                        request.status = 503
+                        self.out.put_nowait(error_response(request.client_id, request.model, request.version, ApiError(
+                            503, "tritonserver ended the request without a response; retry", code="retry")))
+                    elif final:
+                        self.out.put_nowait(joined(request, not request.wants_empty_final).SerializeToString())
                         if request.wants_empty_final:
                             self.out.put_nowait(empty_final(request).SerializeToString())
+                    if final:
                         self.end(request_id, request.status)
                     continue
                 response.infer_response.id = request.client_id
@@ -364,16 +371,15 @@ class HttpGenerate:
         deployment, route = request.path_params["model"], request.url.path.rpartition("/")[2]
         try:
             client = self.service.authorize(request)
+            whole = route == "generate"  # asked of generate_stream and joined here, so its progress shows
+            body = upstream_body(await request.body(), whole, client.name if self.service.keys is not None else None)
             self.service.check_quota(client)
             admission = self.service.admit(client, deployment)
         except ApiError as error:
             return triton_error_response(error)
         counters, status = dict.fromkeys(COUNTERS, 0), 499
         settings = self.service.settings
-        progress = Progress(self.service.marks, deployment, settings.stall_s, settings.hang_s)  # both stream upstream
-        body = await request.body()
-        if self.service.keys is not None:
-            body = keyed_body(body, client.name)
+        progress = Progress(self.service.marks, deployment, settings.stall_s, settings.hang_s)
         upstream, closed = None, False
 
         async def close() -> None:
@@ -386,22 +392,14 @@ class HttpGenerate:
                 if upstream is not None:
                     upstream.release() if status == upstream.status else upstream.close()
 
-        stream_body = streamed_body(body) if route == "generate" else None
         try:
             upstream = await self.watched(self.session.post(
-                f"http://{self.triton_http}/v2/models/{deployment}/{route if stream_body is None else 'generate_stream'}",
-                data=body if stream_body is None else stream_body,
-                headers={"Content-Type": request.headers.get("content-type", "application/json")}), progress)
-            if stream_body is not None:
+                f"http://{self.triton_http}/v2/models/{deployment}/generate_stream", data=body,
+                headers={"Content-Type": "application/json"}), progress)
+            if whole:
                 status, answer, headers = await self.gathered(upstream, progress, counters)
                 await close()
                 return JSONResponse(answer, status_code=status, headers=headers)
-            if route == "generate":  # not a JSON object: tritonserver's refusal, as it is
-                answer = await self.watched(upstream.read(), progress)
-                status = upstream.status
-                await close()
-                return Response(answer, status_code=upstream.status,
-                                media_type=upstream.headers.get("Content-Type", "application/json"))
         except ApiError as error:
             status = error.status
             await close()
@@ -456,8 +454,12 @@ class HttpGenerate:
         answer, texts = {}, []
         async for event in self.events_of(upstream, progress):
             parsed = event_json(event)
+            if not parsed:
+                continue
             if "error" in parsed:
                 error = triton_error(str(parsed["error"]))
+                if error.outcome is None:  # tritonserver's own refusal: as it answers it
+                    return (upstream.status if upstream.status != 200 else 400), {"error": str(parsed["error"])}, {}
                 return error.status, {"error": error.triton_message()}, error.headers()
             merge_counters(counters, counters_in(event))
             texts.append(str(parsed.get("text_output", "")))
@@ -496,14 +498,6 @@ def counters_in(payload: bytes) -> dict[str, int]:
     answer = event_json(payload)
     return {name: int(answer[name]) for name in COUNTERS if isinstance(answer.get(name), int)}
 
-
-def streamed_body(body: bytes) -> bytes | None:
-    """A `generate` body asking for a stream instead (None when it is not a JSON object)."""
-    try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    return json.dumps(parsed | {"stream": True}).encode() if isinstance(parsed, dict) else None
 
 
 def triton_error_response(error: ApiError) -> JSONResponse:

@@ -633,3 +633,89 @@ def test_a_hung_backbone_ends_its_requests_and_refuses_at_once_until_it_answers_
                                                                     SamplingParams(max_tokens=24), 1.0).tokens
     loop.executor.flush_releases()
     assert not engine.backbone.cache.sequences  # the ended requests' rows went with later calls
+
+
+def test_a_preemptible_step_given_up_before_or_while_it_runs_writes_nothing_and_runs_alike_when_fed_again(exported):
+    from dualend.engine.onnx_engine import BackboneBatch, SequenceStatus
+
+    _, directory = exported["baseline"]
+    engine, fresh = OnnxComponents(directory), OnnxComponents(directory)
+    runner, cache = engine.backbone, engine.backbone.cache
+    rng = np.random.default_rng(3)
+    prompts = rng.standard_normal((6, engine.exported.settings["d_model"])).astype(np.float32)
+    step = rng.standard_normal((2, engine.exported.settings["d_model"])).astype(np.float32)
+    for backbone in (runner, fresh.backbone):
+        backbone.run_batch(BackboneBatch([1, 2], prompts, [3, 3], [8, 8], []))
+    lengths = cache.lengths.copy()
+
+    def decode(preempt_id):
+        result = runner.run_batch(BackboneBatch([1, 2], step, [1, 1], [0, 0], [], preempt_id=preempt_id))
+        return result, [SequenceStatus(s) for s in result.status]
+
+    runner.preempt(5)  # before its call reaches the runner
+    assert decode(5)[1] == [SequenceStatus.PREEMPTED] * 2
+    np.testing.assert_array_equal(cache.lengths, lengths)
+    run = runner.session.run
+    runner.session.run = lambda names, feeds, options=None: (runner.preempt(6), run(names, feeds, options))[1]
+    result, status = decode(6)  # while ONNX Runtime runs it: stopped between two nodes
+    assert status == [SequenceStatus.PREEMPTED] * 2 and "another client's first token" in result.messages[0]
+    np.testing.assert_array_equal(cache.lengths, lengths)
+    runner.session.run = run
+    runner.preempt(7)  # too late for step 7 or after: a preemption never reaches another step
+    result, status = decode(8)
+    assert status == [SequenceStatus.OK] * 2
+    alike = fresh.backbone.run_batch(BackboneBatch([1, 2], step, [1, 1], [0, 0], []))
+    np.testing.assert_allclose(result.logits, alike.logits, atol=1e-5)
+    np.testing.assert_array_equal(cache.lengths[:2], lengths[:2] + 1)
+
+
+def test_a_new_clients_prompt_preempts_the_shared_step_in_flight_runs_next_alone_and_every_text_stays_exact(
+        exported, tiny_tokenizer):
+    _, directory = exported["baseline"]
+    engine, loop = make_loop(directory, tiny_tokenizer, 1.0, fair_rows=1, fair_linger_s=1.0, prefill_chunk=64)
+    clients = ["flood", "flood", "flood", "other"]
+    outputs = [submit(loop, engine, tiny_tokenizer, i + 1, p, client=c) for i, (p, c) in enumerate(zip(PROMPTS, clients))]
+    batches, newcomer = [], []
+    run_batch = engine.backbone.run_batch
+
+    def watched(batch):
+        batches.append((list(batch.sequence_ids), batch.preempt_id))
+        if batch.preempt_id and not newcomer:  # a client with nothing running asks while a shared step runs
+            newcomer.append(submit(loop, engine, tiny_tokenizer, 9, PROMPTS[4], client="new"))
+        return run_batch(batch)
+    engine.backbone.run_batch = watched
+    run_until_idle(loop)
+    given_up = next(i for i, (_, preempt_id) in enumerate(batches) if preempt_id)
+    assert batches[given_up + 1] == ([9], 0)  # the newcomer's whole prompt, alone, right after
+    assert set(batches[given_up][0]) < set(batches[given_up + 2][0])  # then the steps it preempted, first, beside its own
+    assert loop.observer.counters["dualend_decode_steps_preempted"] == 1
+    for prompt, output in zip(PROMPTS, outputs + newcomer):
+        alone = reference_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), 1.0)
+        assert output.tokens == alone.tokens and output.error is None
+    assert not engine.backbone.cache.sequences
+
+
+def test_a_signed_preemption_reaches_the_backbone_model_and_anything_else_is_dropped():
+    import queue
+    import socket
+
+    from dualend.serving.preemption import PreemptListener, PreemptSender
+
+    heard = queue.Queue()
+    listener = PreemptListener("test_backbone", "s3cret", heard.put)
+    assert listener.bound.wait(5)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as forger:
+        forger.sendto(b"4 " + b"0" * 64, listener.address)  # the right address, no secret
+    PreemptSender("test_backbone", "other secret").preempt(3)  # another pipeline's: another address
+    sender = PreemptSender("test_backbone", "s3cret")
+    sender.preempt(5)
+    assert heard.get(timeout=5) == 5 and heard.empty()
+    second = PreemptListener("test_backbone", "s3cret", heard.put)  # a reloaded backbone waits for the name
+    time.sleep(0.3)
+    assert not second.bound.is_set()
+    listener.close()
+    assert second.bound.wait(5)
+    sender.preempt(6)
+    assert heard.get(timeout=5) == 6
+    second.close()
+    sender.close()

@@ -158,17 +158,18 @@ def test_a_batch_reads_back_from_the_tensors_the_bls_call_sends_and_so_does_a_re
                                         backbone_response_arrays, backbone_result)
 
     batch = BackboneBatch([7, 8], np.arange(12, dtype=np.float32).reshape(3, 4), [1, 2], [0, 9], [5], [6],
-                          [0, 3], [0, 2], [1, 0], verify=True)
+                          [0, 3], [0, 2], [1, 0], verify=True, preempt_id=11)
     sent = backbone_request_arrays(batch)
     assert set(sent) == set(BACKBONE_INPUTS) and sent["reuse_slots"].dtype == np.int32
     received = backbone_batch({name: sent.get(name) for name in BACKBONE_INPUTS})
     np.testing.assert_array_equal(received.latents, batch.latents)
     assert (received.sequence_ids, received.counts, received.reserve_slots, received.releases, received.keeps,
-            received.reuse_ids, received.reuse_slots, received.discard, received.verify) == (
-        [7, 8], [1, 2], [0, 9], [5], [6], [0, 3], [0, 2], [1, 0], True)
+            received.reuse_ids, received.reuse_slots, received.discard, received.verify, received.preempt_id) == (
+        [7, 8], [1, 2], [0, 9], [5], [6], [0, 3], [0, 2], [1, 0], True, 11)
     plain = backbone_request_arrays(BackboneBatch([7], np.zeros((1, 4)), [1], [0], []))
     assert set(plain) == {"latents", "sequence_ids", "new_latents", "reserve_slots"}  # nothing empty is sent
     assert backbone_batch({name: plain.get(name) for name in BACKBONE_INPUTS}).reuse(0) == (0, 0)
+    assert backbone_batch({name: plain.get(name) for name in BACKBONE_INPUTS}).preempt_id == 0
     result = BackboneResult(np.ones((1, 5), np.float32), np.zeros((1, 4), np.float32),
                             [SequenceStatus.PREFIX_GONE], ["gone"])
     back = backbone_result(backbone_response_arrays(result))

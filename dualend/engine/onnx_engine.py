@@ -7,7 +7,8 @@ views of the cache rows (no copy) and writes back only its new keys and values.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from pathlib import Path
 
@@ -112,6 +113,8 @@ class BackboneBatch:
     holds the outputs at each segment's latent before its last too). `discard` (empty: none): per
     sequence, slots dropped from the end of its row before its segment goes in (a rejected draft's).
     `releases`: sequences whose blocks the caller's account (`kv_blocks.KVBlockManager`) freed; their rows are released before anything runs.
+    A batch with a `preempt_id` holds decode steps only, and may come back PREEMPTED, with nothing run
+    and nothing written: the caller feeds the same steps again later.
     `keeps`: sequences that ended whose keys and values the cache keeps for the prefix cache
     (`KVCache.keep`), before the releases. `reuse_ids` / `reuse_slots` (empty: none): per sequence,
     a starting one may begin with that many slots of a kept sequence's copy (its id, 0: none; a
@@ -127,6 +130,7 @@ class BackboneBatch:
     reuse_slots: list[int] = field(default_factory=list)
     discard: list[int] = field(default_factory=list)
     verify: bool = False
+    preempt_id: int = 0  # not 0: a decode step the caller may give up while it runs (`BackboneRunner.preempt`)
 
     def reuse(self, index: int) -> tuple[int, int]:
         """(kept sequence, slots of it to reuse) for sequence `index`; (0, 0) when it reuses nothing."""
@@ -144,6 +148,7 @@ class SequenceStatus(IntEnum):
     ALREADY_STARTED = 4   # a first chunk for a sequence that holds a cache
     ENGINE_FAILED = 5     # the engine call it was in raised
     PREFIX_GONE = 6       # the kept prefix it was to reuse is gone: nothing was reserved, start it afresh
+    PREEMPTED = 7         # its step was given up for another's (`BackboneRunner.preempt`): nothing ran, feed it again
 
 
 _KV_ERRORS = ((EvictedSequence, SequenceStatus.EVICTED), (UnknownSequence, SequenceStatus.UNKNOWN_SEQUENCE),
@@ -167,12 +172,26 @@ class BackboneResult:
 
 
 class BackboneRunner:
-    """Prefill chunks and batched decode steps over the backbone engine; KV lives in `cache`."""
+    """Prefill chunks and batched decode steps over the backbone engine; KV lives in `cache`.
+
+    A batch with a `preempt_id` may be given up from another thread (`preempt`) while it runs, on
+    ONNX Runtime (its run is told to stop between two nodes) or before it starts; its sequences then
+    come back PREEMPTED, their keys and values unwritten."""
 
     def __init__(self, session, cache: KVCache, vocab_size: int, d_model: int):
         self.session, self.cache = session, cache
         self.vocab_size, self.d_model = vocab_size, d_model
         self.input_names = backbone_inputs(cache.layers)
+        self._preempting = threading.Lock()
+        self._running_id, self._run_options, self._given_up = 0, None, 0  # the preemptible run now, one given up early
+
+    def preempt(self, preempt_id: int) -> None:
+        """Gives up the batch of `preempt_id` if it runs now or has not started yet (any thread)."""
+        with self._preempting:
+            if self._running_id == preempt_id and self._run_options is not None:
+                self._run_options.terminate = True
+            elif self._running_id != preempt_id:
+                self._given_up = preempt_id  # its call has not reached the runner yet
 
     def prefill(self, seq_id: int, latents: np.ndarray, reserve_slots: int) -> BackboneOutput:
         # latents: [n, D]
@@ -209,6 +228,12 @@ class BackboneRunner:
         size = len(batch.sequence_ids)
         result = BackboneResult(np.zeros((size, self.vocab_size), np.float32),
                                 np.zeros((size, self.d_model), np.float32), [SequenceStatus.OK] * size, [""] * size)
+        if batch.preempt_id:
+            try:
+                return self._preemptible(batch, result)
+            finally:
+                with self._preempting:
+                    self._running_id, self._run_options = 0, None
         if batch.verify:
             result.verify_logits, result.verify_hidden = np.zeros_like(result.logits), np.zeros_like(result.hidden)
         starts = np.concatenate([[0], np.cumsum(batch.counts)]).astype(int)
@@ -259,7 +284,38 @@ class BackboneRunner:
                 self.cache.release(batch.sequence_ids[index])
         return result
 
-    def _decode(self, rows: list[int], segments: list[np.ndarray]):
+    def _preemptible(self, batch: BackboneBatch, result: BackboneResult) -> BackboneResult:
+        """The batch's decode steps, unless `preempt` gives them up first."""
+        if any(count != 1 for count in batch.counts) or any(batch.reserve_slots) or batch.discard or batch.verify:
+            raise ValueError("a preemptible batch holds one-latent decode steps only")
+        options = _run_options(self.session)
+        with self._preempting:
+            given_up, self._given_up = self._given_up == batch.preempt_id, 0
+            self._running_id, self._run_options = batch.preempt_id, options
+        if not given_up:
+            try:
+                rows = [self.cache.row(seq_id) for seq_id in batch.sequence_ids]
+                for row in rows:
+                    self.cache.check_room(row, 1)
+            except tuple(kind for kind, _ in _KV_ERRORS):
+                # each failure its own status, as always (what the batch kept and released is done)
+                return self.run_batch(replace(batch, preempt_id=0, keeps=[], releases=[]))
+            try:
+                outputs = self._decode(rows, list(np.asarray(batch.latents, np.float32)[:, None]), options)
+            except Exception as error:  # noqa: BLE001 - a failed engine fails the batch, as a group does
+                if options is None or not options.terminate:
+                    for index in range(len(batch.sequence_ids)):
+                        result.fail(index, SequenceStatus.ENGINE_FAILED, f"backbone engine failed: {error}")
+                    return result
+            else:
+                for index, (logits, hidden) in enumerate(outputs):
+                    result.logits[index], result.hidden[index] = logits[-1], hidden[-1]
+                return result
+        for index in range(len(batch.sequence_ids)):
+            result.fail(index, SequenceStatus.PREEMPTED, "the step was given up for another client's first token")
+        return result
+
+    def _decode(self, rows: list[int], segments: list[np.ndarray], run_options=None):
         """S new latents (the same S, at most OUTPUT_POSITIONS) for each of `rows`, in one call over
         every row in use: the rows not stepping get dummy latents, and their outputs and keys are dropped;
         or, when at most half the rows in use step (steps shared between clients), over theirs alone,
@@ -268,13 +324,13 @@ class BackboneRunner:
         cache.make_room(rows, new)
         if 2 * len(rows) <= len(cache.row_owner):
             past = cache.past(rows=rows)
-            outputs = self._run(np.stack(segments), past.lengths[:, None] + np.arange(new)[None], past)
+            outputs = self._run(np.stack(segments), past.lengths[:, None] + np.arange(new)[None], past, run_options)
             cache.write(rows, outputs[2], outputs[3])
             return list(zip(outputs[0], outputs[1]))
         past = cache.past()
         latents = np.zeros((len(past.lengths), new, self.d_model), np.float32)  # [n, S, D]
         latents[rows] = np.stack(segments)
-        outputs = self._run(latents, past.lengths[:, None] + np.arange(new)[None], past)
+        outputs = self._run(latents, past.lengths[:, None] + np.arange(new)[None], past, run_options)
         cache.write(rows, outputs[2][:, rows], outputs[3][:, rows])
         return [(outputs[0][row], outputs[1][row]) for row in rows]
 
@@ -287,11 +343,23 @@ class BackboneRunner:
         self.cache.write([row], keys, values)
         return logits[0], hidden[0]
 
-    def _run(self, latents: np.ndarray, positions: np.ndarray, past) -> list[np.ndarray]:
+    def _run(self, latents: np.ndarray, positions: np.ndarray, past, run_options=None) -> list[np.ndarray]:
         # latents: [B, S, D]; positions: [B, S]; past: views of the cache rows
         feeds = dict(zip(self.input_names, (latents, positions.astype(np.int64), np.ones(latents.shape[:2], bool),
                                             past.valid, *past.keys, *past.values)))
-        return self.session.run(BACKBONE_OUTPUTS, feeds)
+        if run_options is None:
+            return self.session.run(BACKBONE_OUTPUTS, feeds)
+        return self.session.run(BACKBONE_OUTPUTS, feeds, run_options)
+
+
+def _run_options(session):
+    """ONNX Runtime's options for one run, whose `terminate` stops it between two nodes; None for
+    engines that cannot be stopped (TensorRT: its steps are given up only before they start)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    return ort.RunOptions() if isinstance(session, ort.InferenceSession) else None
 
 
 class MTPRunner:

@@ -12,6 +12,7 @@ where the backbone is a Triton model reached over BLS.
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -128,6 +129,7 @@ class Observer(Protocol):
     def iteration(self, seconds: float) -> None: ...                     # one busy iteration
     def refused(self, outcome: Outcome) -> None: ...
     def cancelled(self) -> None: ...
+    def preempted(self) -> None: ...                                    # a shared decode step given up in flight
     def flush(self, idle: bool, running: int, waiting: int, kv_usage: float, kept: int) -> None: ...  # every iteration
 
 
@@ -204,6 +206,13 @@ class Executor:
                 self._call(BackboneBatch([], np.zeros((0, self.d_model), np.float32), [], [], releases, keeps))
             except Exception:  # noqa: BLE001 - released with a later call (rows left held would fill the cache)
                 self.releases += releases + keeps
+
+    def preempt(self, preempt_id: int) -> None:
+        """Gives up the backbone call of `preempt_id` if it has not finished (any thread); a backbone
+        that cannot be preempted runs it to its end."""
+        preempt = getattr(self.backbone, "preempt", None)
+        if preempt is not None:
+            preempt(preempt_id)
 
     def compress(self, pairs: np.ndarray) -> np.ndarray:
         # pairs: [B, pair_size] -> latents [B, D]
@@ -293,6 +302,8 @@ class DecodeLoop:
         self.live: dict[int, LiveSequence] = {}
         self._inbox = _Inbox()
         self._wake = threading.Condition()
+        self._preempt_ids = itertools.count(1)
+        self._in_flight: tuple[int, set[str]] | None = None  # a shared decode step running: (its id, its clients)
         self._drained: str | None = None  # the message every request gets once the loop drained
 
     # --- any thread ---------------------------------------------------------------------------
@@ -314,6 +325,21 @@ class DecodeLoop:
         with self._wake:
             self._inbox.submitted.append(sequence)
             self._wake.notify()
+            preempt_id = self._preempt_for(sequence)
+        if preempt_id:
+            self.executor.preempt(preempt_id)
+
+    def _preempt_for(self, sequence: LiveSequence) -> int:
+        """The shared decode step in flight that a new sequence's first token should not wait for (0: none):
+        one of a client with nothing in it, whose prompt goes in with one chunk (an iteration of its own
+        follows; the scheduler decides that, this only foresees it). Each step is given up at most once."""
+        if self._in_flight is None:
+            return 0
+        preempt_id, clients = self._in_flight
+        if sequence.client in clients or sequence.num_latents > self.scheduler.prefill_chunk:
+            return 0
+        self._in_flight = None
+        return preempt_id
 
     def cancel(self, request_id: int) -> None:
         with self._wake:
@@ -385,6 +411,12 @@ class DecodeLoop:
         if any(slots for _, slots in starting):
             batch.reuse_ids = [0] * len(plan.decode) + [donor for donor, _ in starting]
             batch.reuse_slots = [0] * len(plan.decode) + [slots for _, slots in starting]
+        scheduler = self.scheduler
+        if (plan.shared and not plan.prefill and not batch.discard and not batch.verify
+                and len(scheduler.running) < scheduler.max_running and not scheduler.waiting):
+            batch.preempt_id = next(self._preempt_ids)  # a newcomer would get a place: it may preempt this step
+            with self._wake:
+                self._in_flight = (batch.preempt_id, {s.client for s in plan.decode})
         started = self.clock()
         for chunk in plan.prefill:
             if not chunk.sequence.started:
@@ -394,6 +426,16 @@ class DecodeLoop:
         except Exception as error:  # noqa: BLE001 - the iteration's sequences fail, the loop goes on
             for sequence in rows:  # each ends, so its rows are released (a first chunk's too, if it got that far)
                 self._end(sequence, error=str(error), outcome=Outcome.STEP_FAILED)
+            return True
+        finally:
+            if batch.preempt_id:
+                with self._wake:
+                    self._in_flight = None
+        if batch.preempt_id and SequenceStatus.PREEMPTED in result.status:  # nothing ran: the same pairs go in again
+            for sequence, pairs in zip(plan.decode, fed):
+                del sequence.fed_pairs[-len(pairs):]
+            self.scheduler.given_up(plan)
+            self.observer.preempted()
             return True
         ready = []
         for row, sequence in enumerate(rows):

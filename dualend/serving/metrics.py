@@ -31,6 +31,8 @@ COUNTERS = {"dualend_output_tokens": "Tokens streamed to clients",
             "dualend_prompt_raw_tokens": "Prompt tokens as users count them",
             "dualend_prompt_latents": "Prompt latents the backbone held",
             "dualend_requests_cancelled": "Requests cancelled by the client",
+            "dualend_decode_steps_preempted": "Decode steps given up in flight for another client's first token "
+                                              "(steps shared by client), fed again after it",
             "dualend_prefix_cache_queries": "Prompt latents looked up in the prefix cache (as vLLM's prefix_cache_queries)",
             "dualend_prefix_cache_hits": "Prompt latents whose KV the prefix cache held (as vLLM's prefix_cache_hits)"}
 HISTOGRAMS = {"dualend_queue_seconds": ("Wait from arrival to the first prefill chunk", LATENCY_BUCKETS),
@@ -135,6 +137,9 @@ class PhaseMetrics:
 
     def cancelled(self) -> None:
         self.counters["dualend_requests_cancelled"] += 1
+
+    def preempted(self) -> None:
+        self.counters["dualend_decode_steps_preempted"] += 1
 
     def synthetic_acceptance(self, rate: float | None) -> None:
         """The deployment's synthetic acceptance rate (None: off, the gate decides)."""

@@ -13,6 +13,7 @@ from .contract import Response
 from .keys import response_token
 from .metrics import COUNTERS, GAUGES, HISTOGRAMS, REFUSAL_REASONS, REFUSALS, PhaseMetrics
 from .outcomes import DISPOSITIONS, Outcome, outcome_of, tagged
+from .preemption import PreemptSender
 
 
 def input_arrays(pb_utils, request, names) -> dict:
@@ -33,7 +34,7 @@ def error_response(pb_utils, outcome: Outcome, message: str):
 
 # One backbone call over BLS: the request's tensors (their order is the model config's) and the answer's.
 BACKBONE_INPUTS = ("latents", "sequence_ids", "new_latents", "reserve_slots", "release_ids", "keep_ids", "reuse_ids",
-                   "reuse_slots", "discard_slots", "verify")
+                   "reuse_slots", "discard_slots", "verify", "preempt_id")
 BACKBONE_OUTPUTS = ("logits", "hidden", "status", "messages", "verify_logits", "verify_hidden")
 _BATCH_LISTS = {"sequence_ids": ("sequence_ids", np.int64), "new_latents": ("counts", np.int32),
                 "reserve_slots": ("reserve_slots", np.int32), "release_ids": ("releases", np.int64),
@@ -51,6 +52,8 @@ def backbone_request_arrays(batch: BackboneBatch) -> dict[str, np.ndarray]:
             arrays[name] = np.asarray(values, dtype=dtype)
     if batch.verify:
         arrays["verify"] = np.asarray([True])
+    if batch.preempt_id:
+        arrays["preempt_id"] = np.asarray([batch.preempt_id], dtype=np.int64)
     return arrays
 
 
@@ -58,8 +61,9 @@ def backbone_batch(arrays: dict[str, np.ndarray | None]) -> BackboneBatch:
     """The backbone model's input tensors (None where absent) as a batch."""
     lists = {field: [] if arrays[name] is None else arrays[name].tolist()
              for name, (field, _) in _BATCH_LISTS.items()}
-    verify = arrays.get("verify")
-    return BackboneBatch(latents=arrays["latents"], verify=verify is not None and bool(verify.any()), **lists)
+    verify, preempt_id = arrays.get("verify"), arrays.get("preempt_id")
+    return BackboneBatch(latents=arrays["latents"], verify=verify is not None and bool(verify.any()),
+                         preempt_id=0 if preempt_id is None else int(preempt_id[0]), **lists)
 
 
 def backbone_response_arrays(result: BackboneResult) -> dict[str, np.ndarray]:
@@ -80,11 +84,16 @@ def backbone_result(arrays: dict[str, np.ndarray]) -> BackboneResult:
 
 class BLSBackbone:
     """The deployment's backbone model, one BLS request per loop iteration. The pipeline key names
-    this checkpoint, so a backbone of another one refuses the call."""
+    this checkpoint, so a backbone of another one refuses the call. `preempt` gives up a step in
+    flight (`serving.preemption`)."""
 
     def __init__(self, pb_utils, model_name: str, secret: str):
         self.pb_utils, self.model_name = pb_utils, model_name
         self.pipeline_key = np.asarray([secret.encode()], dtype=object)
+        self.preempter = PreemptSender(model_name, secret)
+
+    def preempt(self, preempt_id: int) -> None:
+        self.preempter.preempt(preempt_id)
 
     def run_batch(self, batch):
         pb = self.pb_utils

@@ -5,7 +5,9 @@ A request is one iteration of its deployment's mtp_verify loop, a `BackboneBatch
 segment's last latent, and at the one before when the batch verifies drafts; a per-sequence status and
 message). The KV cache here holds storage only:
 mtp_verify's scheduler owns the block account and sends only what fits. Its caller must carry the
-pipeline key of this checkpoint, so a step of another checkpoint is refused.
+pipeline key of this checkpoint, so a step of another checkpoint is refused. The loop may give up a
+decode step in flight for another client's first token (`serving.preemption`: a signed datagram,
+heard here on a thread of its own).
 """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -15,6 +17,7 @@ from dualend.engine.onnx_engine import BackboneBatch, BackboneRunner, kv_cache
 from dualend.serving.keys import PipelineGuard
 from dualend.serving.metrics import PoolMetrics
 from dualend.serving.outcomes import Outcome
+from dualend.serving.preemption import PreemptListener
 from dualend.serving.repository import DeploymentConfig, version_components
 from dualend.serving.triton import (BACKBONE_INPUTS, backbone_batch, backbone_response_arrays, error_response,
                                     input_arrays, tensors)
@@ -31,6 +34,8 @@ class TritonPythonModel:
         self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"])
         self.guard = PipelineGuard(args, exported.checkpoint_id, config.deployment)
         self._warm_up(settings["d_model"])
+        self.preemption = PreemptListener(args["model_name"], self.guard.secret, self.runner.preempt,
+                                          pb_utils.Logger.log_warn)
         block_size, capacity = config.kv_block_size, config.kv_capacity_blocks
         self.metrics = PoolMetrics(_family, {"model": args["model_name"], "deployment": config.deployment},
                                    self.pool, block_size, capacity)
@@ -62,6 +67,9 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(tensors(pb_utils, backbone_response_arrays(result))))
         self.metrics.update()
         return responses
+
+    def finalize(self):
+        self.preemption.close()
 
 
 def _family(name, description, kind):

@@ -247,3 +247,16 @@ def test_loading_a_deployment_loads_its_backbone_which_its_ensemble_does_not_nam
     assert models_to_load(tmp_path, ["smollm2", "other_model"]) == ["smollm2", "smollm2_v3_backbone", "other_model"]
     assert models_to_load(tmp_path, ["*"]) == ["*"]
     assert models_to_load(tmp_path, ["smollm2", "smollm2_v3_backbone"]) == ["smollm2", "smollm2_v3_backbone"]
+
+
+def test_a_port_another_server_listens_on_is_refused_before_tritonserver_starts(identity_repository, tmp_path):
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        server = TritonServer(identity_repository, host="127.0.0.1", http_port=port, log_file=tmp_path / "t.log")
+        with pytest.raises(ServerStartError, match=f"port in use on 127.0.0.1: http {port}"):
+            server.start()
+        assert server.pid is None

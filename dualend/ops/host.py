@@ -31,6 +31,19 @@ def free_ports(host: str, count: int) -> list[int]:
             s.close()
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether something listens on `port` of `host` now (a port left in TIME_WAIT counts as free, as
+    it does for servers that bind with SO_REUSEADDR)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def write_private_file(path: Path, text: str) -> None:
     """A file only its owner reads (keys, secrets), its folder made if need be."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,7 @@ from dualend.serving.repository import (
 )
 
 from . import hidden_argument
-from .host import client_host, free_ports, write_private_file
+from .host import client_host, free_ports, port_taken, write_private_file
 from .repository_api import ADMIN_HEADER
 
 PYTRITON_VERSION = "0.7.0"  # the nvidia-pytriton release that ships tritonserver 2.51.0
@@ -395,6 +395,12 @@ class TritonServer:
         missing = [n for n in ("http_port", "grpc_port", "metrics_port") if not getattr(self, n)]
         for name, port in zip(missing, free_ports(self.host or "0.0.0.0", len(missing))):
             setattr(self, name, port)
+        listening = ("http_port", "grpc_port") + (("metrics_port",) if self.serves_metrics else ())
+        taken = [f"{name.split('_')[0]} {port}" for name in listening
+                 if name not in missing and port_taken(self.host or "0.0.0.0", port := getattr(self, name))]
+        if taken:  # else its health check would find the other server ready, and this one would die unseen
+            raise ServerStartError(f"port in use on {self.host or '0.0.0.0'}: {', '.join(taken)} (another server "
+                                   f"running?); stop it or choose other ports")
         if self.log_file is None:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)

@@ -682,14 +682,19 @@ def test_a_new_clients_prompt_preempts_the_shared_step_in_flight_runs_next_alone
         batches.append((list(batch.sequence_ids), batch.preempt_id))
         if batch.preempt_id and not newcomer:  # a client with nothing running asks while a shared step runs
             newcomer.append(submit(loop, engine, tiny_tokenizer, 9, PROMPTS[4], client="new"))
+        elif batch.preempt_id == 0 and newcomer and len(newcomer) < 4 and batch.sequence_ids != [9]:
+            # more newcomers, each as a step runs: one with one-token answers could preempt every step
+            newcomer.append(submit(loop, engine, tiny_tokenizer, 10 + len(newcomer), PROMPTS[1], max_tokens=1,
+                                   client=f"short {len(newcomer)}"))
         return run_batch(batch)
     engine.backbone.run_batch = watched
     run_until_idle(loop)
     given_up = next(i for i, (_, preempt_id) in enumerate(batches) if preempt_id)
     assert batches[given_up + 1] == ([9], 0)  # the newcomer's whole prompt, alone, right after
     assert set(batches[given_up][0]) < set(batches[given_up + 2][0])  # then the steps it preempted, first, beside its own
+    assert batches[given_up + 2][1] == 0  # and that step cannot be given up: never two in a row
     assert loop.observer.counters["dualend_decode_steps_preempted"] == 1
-    for prompt, output in zip(PROMPTS, outputs + newcomer):
+    for prompt, output in zip(PROMPTS, outputs + newcomer[:1]):
         alone = reference_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), 1.0)
         assert output.tokens == alone.tokens and output.error is None
     assert not engine.backbone.cache.sequences

@@ -304,6 +304,7 @@ class DecodeLoop:
         self._wake = threading.Condition()
         self._preempt_ids = itertools.count(1)
         self._in_flight: tuple[int, set[str]] | None = None  # a shared decode step running: (its id, its clients)
+        self._preempted_last = False  # the last shared decode step was given up: the next one runs whatever comes
         self._drained: str | None = None  # the message every request gets once the loop drained
 
     # --- any thread ---------------------------------------------------------------------------
@@ -412,7 +413,7 @@ class DecodeLoop:
             batch.reuse_ids = [0] * len(plan.decode) + [donor for donor, _ in starting]
             batch.reuse_slots = [0] * len(plan.decode) + [slots for _, slots in starting]
         scheduler = self.scheduler
-        if (plan.shared and not plan.prefill and not batch.discard and not batch.verify
+        if (plan.shared and not plan.prefill and not batch.discard and not batch.verify and not self._preempted_last
                 and len(scheduler.running) < scheduler.max_running and not scheduler.waiting):
             batch.preempt_id = next(self._preempt_ids)  # a newcomer would get a place: it may preempt this step
             with self._wake:
@@ -436,7 +437,10 @@ class DecodeLoop:
                 del sequence.fed_pairs[-len(pairs):]
             self.scheduler.given_up(plan)
             self.observer.preempted()
+            self._preempted_last = True  # never two in a row: a key sending short prompts cannot stall the others
             return True
+        if plan.decode:
+            self._preempted_last = False
         ready = []
         for row, sequence in enumerate(rows):
             if result.status[row] == SequenceStatus.PREFIX_GONE:  # its kept row went: prefill it all

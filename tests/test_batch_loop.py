@@ -165,6 +165,15 @@ def test_the_steps_stay_shared_for_the_linger_after_another_clients_request_ends
     assert s.plan().decode == flood
 
 
+def test_would_place_foresees_submit_without_changing_anything():
+    s = scheduler(max_running=2, kv_blocks=4, kv_block_size=4)
+    s.submit(Seq(4, max_tokens=4))  # 2 blocks
+    assert s.would_place(Seq(4, max_tokens=4)) and not s.would_place(Seq(8, max_tokens=4))  # 3 blocks: no room
+    assert len(s.running) == 1 and s.used_blocks == 2
+    s.submit(Seq(2, max_tokens=2))
+    assert not s.would_place(Seq(1, max_tokens=1))  # no place left
+
+
 def test_without_fair_rows_every_decoder_steps_whatever_its_client():
     s = scheduler(max_running=8)
     everyone = decoding_seqs(s, "flood", 4) + decoding_seqs(s, "other", 1)
@@ -673,49 +682,59 @@ def test_a_new_clients_prompt_preempts_the_shared_step_in_flight_runs_next_alone
         exported, tiny_tokenizer):
     _, directory = exported["baseline"]
     engine, loop = make_loop(directory, tiny_tokenizer, 1.0, fair_rows=1, fair_linger_s=1.0, prefill_chunk=64)
+    cache = engine.backbone.cache
     clients = ["flood", "flood", "flood", "other"]
     outputs = [submit(loop, engine, tiny_tokenizer, i + 1, p, client=c) for i, (p, c) in enumerate(zip(PROMPTS, clients))]
-    batches, newcomer = [], []
+    batches, newcomers = [], {}  # newcomers: request id -> (prompt, max_tokens, output)
     run_batch = engine.backbone.run_batch
 
     def watched(batch):
+        for sequence in loop.live.values():  # the keys held are the pairs fed before this step, preempted steps or not
+            if sequence.started and sequence.prefilled == sequence.num_latents:
+                feeding = sequence.request_id in batch.sequence_ids
+                assert cache.lengths[cache.row(sequence.request_id)] == (
+                    sequence.num_latents + len(sequence.fed_pairs) - feeding)
         batches.append((list(batch.sequence_ids), batch.preempt_id))
-        if batch.preempt_id and not newcomer:  # a client with nothing running asks while a shared step runs
-            newcomer.append(submit(loop, engine, tiny_tokenizer, 9, PROMPTS[4], client="new"))
-        elif batch.preempt_id == 0 and newcomer and len(newcomer) < 4 and batch.sequence_ids != [9]:
-            # more newcomers, each as a step runs: one with one-token answers could preempt every step
-            newcomer.append(submit(loop, engine, tiny_tokenizer, 10 + len(newcomer), PROMPTS[1], max_tokens=1,
-                                   client=f"short {len(newcomer)}"))
+        if batch.preempt_id and len(newcomers) < 4:  # a client with nothing running asks while a shared step runs
+            request_id = 9 + len(newcomers)  # the first streams; the others want one token: they could preempt every step
+            prompt, max_tokens = (PROMPTS[4], 24) if not newcomers else (PROMPTS[1], 1)
+            newcomers[request_id] = (prompt, max_tokens, submit(loop, engine, tiny_tokenizer, request_id, prompt,
+                                                                max_tokens=max_tokens, client=f"new {request_id}"))
         return run_batch(batch)
     engine.backbone.run_batch = watched
     run_until_idle(loop)
-    given_up = next(i for i, (_, preempt_id) in enumerate(batches) if preempt_id)
-    assert batches[given_up + 1] == ([9], 0)  # the newcomer's whole prompt, alone, right after
-    assert set(batches[given_up][0]) < set(batches[given_up + 2][0])  # then the steps it preempted, first, beside its own
-    assert batches[given_up + 2][1] == 0  # and that step cannot be given up: never two in a row
-    assert loop.observer.counters["dualend_decode_steps_preempted"] == 1
-    for prompt, output in zip(PROMPTS, outputs + newcomer[:1]):
+    given_up = [i for i, (_, preempt_id) in enumerate(batches[:-1]) if preempt_id and batches[i + 1][0] in
+                ([r] for r in newcomers)]
+    assert batches[given_up[0] + 1] == ([9], 0)  # the newcomer's whole prompt, alone, right after
+    assert set(batches[given_up[0]][0]) < set(batches[given_up[0] + 2][0])  # then the steps it preempted, first
+    assert len(given_up) >= 2 and loop.observer.counters["dualend_decode_steps_preempted"] == len(given_up)
+    assert all(batches[i + 2][1] == 0 for i in given_up)  # the next shared step is never given up: no two in a row
+    for prompt, output in zip(PROMPTS, outputs):
         alone = reference_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), 1.0)
+        assert output.tokens == alone.tokens and output.error is None
+    for prompt, max_tokens, output in newcomers.values():
+        alone = reference_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=max_tokens), 1.0)
         assert output.tokens == alone.tokens and output.error is None
     assert not engine.backbone.cache.sequences
 
 
 def test_a_signed_preemption_reaches_the_backbone_model_and_anything_else_is_dropped():
     import queue
+    import secrets
     import socket
 
     from dualend.serving.preemption import PreemptListener, PreemptSender
 
-    heard = queue.Queue()
-    listener = PreemptListener("test_backbone", "s3cret", heard.put)
+    heard, secret = queue.Queue(), secrets.token_hex(8)  # each run of the suite its own socket name
+    listener = PreemptListener("test_backbone", secret, heard.put)
     assert listener.bound.wait(5)
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as forger:
         forger.sendto(b"4 " + b"0" * 64, listener.address)  # the right address, no secret
     PreemptSender("test_backbone", "other secret").preempt(3)  # another pipeline's: another address
-    sender = PreemptSender("test_backbone", "s3cret")
+    sender = PreemptSender("test_backbone", secret)
     sender.preempt(5)
     assert heard.get(timeout=5) == 5 and heard.empty()
-    second = PreemptListener("test_backbone", "s3cret", heard.put)  # a reloaded backbone waits for the name
+    second = PreemptListener("test_backbone", secret, heard.put)  # a reloaded backbone waits for the name
     time.sleep(0.3)
     assert not second.bound.is_set()
     listener.close()

@@ -191,7 +191,7 @@ class BackboneRunner:
             if self._running_id == preempt_id and self._run_options is not None:
                 self._run_options.terminate = True
             elif self._running_id != preempt_id:
-                self._given_up = preempt_id  # its call has not reached the runner yet
+                self._given_up = max(self._given_up, preempt_id)  # its call has not reached the runner yet
 
     def prefill(self, seq_id: int, latents: np.ndarray, reserve_slots: int) -> BackboneOutput:
         # latents: [n, D]

@@ -112,6 +112,13 @@ class Scheduler:
                                 f"waiting, the queue (max_queue_size {self.max_queue}) is full; retry later")
         self.waiting.append((sequence, self.clock()))
 
+    def would_place(self, sequence: Schedulable) -> bool:
+        """Whether `submit` would run the sequence at once (a place, its blocks, nobody waiting); changes nothing."""
+        if self.waiting or len(self.running) >= self.max_running:
+            return False
+        kept = [] if self.prefixes is None else self.prefixes.kept()
+        return self.kv.fits(sequence.reserve_slots, freeing={_kept(k) for k in kept})
+
     def admit(self) -> tuple[list[Schedulable], list[tuple[Schedulable, CapacityError]]]:
         """Moves waiting sequences, in arrival order, into free places; returns (admitted, expired)."""
         admitted, expired = [], []

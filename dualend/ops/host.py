@@ -2,6 +2,7 @@
 only their owner reads."""
 from __future__ import annotations
 
+import errno
 import socket
 from pathlib import Path
 
@@ -39,8 +40,10 @@ def port_taken(host: str, port: int) -> bool:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
-        except OSError:
-            return True
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return True
+            raise
     return False
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import secrets
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -302,7 +303,7 @@ class DecodeLoop:
         self.live: dict[int, LiveSequence] = {}
         self._inbox = _Inbox()
         self._wake = threading.Condition()
-        self._preempt_ids = itertools.count(1)
+        self._preempt_ids = itertools.count(secrets.randbits(62) + 1)  # no two loops' steps share an id
         self._in_flight: tuple[int, set[str]] | None = None  # a shared decode step running: (its id, its clients)
         self._preempted_last = False  # the last shared decode step was given up: the next one runs whatever comes
         self._drained: str | None = None  # the message every request gets once the loop drained
@@ -332,12 +333,16 @@ class DecodeLoop:
 
     def _preempt_for(self, sequence: LiveSequence) -> int:
         """The shared decode step in flight that a new sequence's first token should not wait for (0: none):
-        one of a client with nothing in it, whose prompt goes in with one chunk (an iteration of its own
-        follows; the scheduler decides that, this only foresees it). Each step is given up at most once."""
+        one of a client with nothing in it, whose prompt goes in with one chunk and would get a place at
+        once (an iteration of its own follows; the scheduler decides that, this only foresees it; the
+        loop's thread is in the backbone call meanwhile, so the scheduler holds still). Each step is given
+        up at most once."""
         if self._in_flight is None:
             return 0
         preempt_id, clients = self._in_flight
-        if sequence.client in clients or sequence.num_latents > self.scheduler.prefill_chunk:
+        if (sequence.client in clients or sequence.num_latents > self.scheduler.prefill_chunk
+                or len(self._inbox.submitted) > 1 or self._inbox.drain is not None or self._drained is not None
+                or not self.scheduler.would_place(sequence)):
             return 0
         self._in_flight = None
         return preempt_id
@@ -415,7 +420,7 @@ class DecodeLoop:
         scheduler = self.scheduler
         if (plan.shared and not plan.prefill and not batch.discard and not batch.verify and not self._preempted_last
                 and len(scheduler.running) < scheduler.max_running and not scheduler.waiting):
-            batch.preempt_id = next(self._preempt_ids)  # a newcomer would get a place: it may preempt this step
+            batch.preempt_id = next(self._preempt_ids)  # a newcomer may get a place: it may preempt this step
             with self._wake:
                 self._in_flight = (batch.preempt_id, {s.client for s in plan.decode})
         started = self.clock()

@@ -718,6 +718,30 @@ def test_a_new_clients_prompt_preempts_the_shared_step_in_flight_runs_next_alone
     assert not engine.backbone.cache.sequences
 
 
+def test_a_second_clients_prompt_preempts_the_first_clients_step_too_and_without_sharing_nothing_is_preempted(
+        exported, tiny_tokenizer):
+    _, directory = exported["baseline"]
+    for fair_rows, expected in ((2, 1), (0, 0)):
+        engine, loop = make_loop(directory, tiny_tokenizer, 1.0, fair_rows=fair_rows, fair_linger_s=1.0,
+                                 prefill_chunk=64)
+        outputs = [submit(loop, engine, tiny_tokenizer, i + 1, p, client="alone") for i, p in enumerate(PROMPTS[:3])]
+        run_batch, batches, second = engine.backbone.run_batch, [], []
+
+        def watched(batch):
+            batches.append((list(batch.sequence_ids), batch.preempt_id))
+            if len(batches) == 3:  # the first client decodes alone, every row: a second client asks
+                second.append(submit(loop, engine, tiny_tokenizer, 9, PROMPTS[4], client="second"))
+            return run_batch(batch)
+        engine.backbone.run_batch = watched
+        run_until_idle(loop)
+        assert loop.observer.counters["dualend_decode_steps_preempted"] == expected
+        if expected:
+            assert batches[2][0] == [1, 2, 3] and batches[2][1] and batches[3] == ([9], 0)
+        for prompt, output in zip(PROMPTS[:3] + [PROMPTS[4]], outputs + second):
+            alone = reference_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), 1.0)
+            assert output.tokens == alone.tokens and output.error is None
+
+
 def test_a_signed_preemption_reaches_the_backbone_model_and_anything_else_is_dropped():
     import queue
     import secrets

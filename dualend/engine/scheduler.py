@@ -13,9 +13,9 @@ Engine-free and clock-injected, so it is tested without a server, as vLLM keeps 
   of its own (never two such iterations in a row). A client that floods the loop then slows the step,
   and another client's first token, only as far as `fair_rows` sequences do (prefill chunks are not
   shared by client: a flood of long prompts still takes the chunk budget); alone, it gets every row,
-  once the linger of the last other client has passed. Such a shared step (`Plan.shared`) may be given
-  up in flight when another client's prompt arrives (the loop's preemption), so that prompt's first token
-  does not wait for it.
+  once the linger of the last other client has passed. With `fair_rows`, a decode step may be given up
+  in flight when another client's prompt arrives (the loop's preemption, `given_up`), so that prompt's
+  first token does not wait for it.
 A sequence takes its KV blocks from the scheduler's `kv_blocks.KVBlockManager` when it is admitted
 and gives them back in `finish`: the one account of KV blocks. With a `prefix_cache.PrefixCache`, an
 ended sequence's row may be kept (`keep`, charged to the account at its length); an admitted
@@ -68,7 +68,6 @@ class PrefillChunk:
 class Plan:
     decode: list[Schedulable] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
-    shared: bool = False  # its decode rows are each client's share (steps shared by client)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -198,7 +197,7 @@ class Scheduler:
             if first:  # their first tokens come out of this iteration: nobody else's rows slow it
                 decoding, prefilling, solo = [], first, True
             else:
-                decoding, plan.shared = self._fair_share(decoding), True
+                decoding = self._fair_share(decoding)
         self._solo_last = solo  # never two such iterations in a row: the others' decoding goes on
         plan.decode = decoding
         for sequence in prefilling:

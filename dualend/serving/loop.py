@@ -418,8 +418,8 @@ class DecodeLoop:
             batch.reuse_ids = [0] * len(plan.decode) + [donor for donor, _ in starting]
             batch.reuse_slots = [0] * len(plan.decode) + [slots for _, slots in starting]
         scheduler = self.scheduler
-        if (plan.shared and not plan.prefill and not batch.discard and not batch.verify and not self._preempted_last
-                and len(scheduler.running) < scheduler.max_running and not scheduler.waiting):
+        if (scheduler.fair_rows and plan.decode and not plan.prefill and not batch.discard and not batch.verify
+                and not self._preempted_last and len(scheduler.running) < scheduler.max_running and not scheduler.waiting):
             batch.preempt_id = next(self._preempt_ids)  # a newcomer may get a place: it may preempt this step
             with self._wake:
                 self._in_flight = (batch.preempt_id, {s.client for s in plan.decode})

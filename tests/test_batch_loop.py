@@ -708,7 +708,9 @@ def test_a_new_clients_prompt_preempts_the_shared_step_in_flight_runs_next_alone
     assert batches[given_up[0] + 1] == ([9], 0)  # the newcomer's whole prompt, alone, right after
     assert set(batches[given_up[0]][0]) < set(batches[given_up[0] + 2][0])  # then the steps it preempted, first
     assert len(given_up) >= 2 and loop.observer.counters["dualend_decode_steps_preempted"] == len(given_up)
-    assert all(batches[i + 2][1] == 0 for i in given_up)  # the next shared step is never given up: no two in a row
+    for i in given_up:  # never more steps given up than run to their end (newcomers cannot stall the others)
+        completed = sum(1 for j in range(1, i) if j not in given_up and set(batches[j][0]) & {1, 2, 3, 4})
+        assert given_up.index(i) < completed
     for prompt, output in zip(PROMPTS, outputs):
         alone = reference_text(engine, tiny_tokenizer, prompt, SamplingParams(max_tokens=24), 1.0)
         assert output.tokens == alone.tokens and output.error is None

@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +33,9 @@ from dualend.engine.tokenizer import TextTokenizer
 from .contract import PreparedRequest, Response, ResponseStream
 from .metrics import PhaseMetrics
 from .outcomes import Outcome
+
+
+PREEMPTION_WINDOW_S = 1.0
 
 
 class BackboneStalled(RuntimeError):
@@ -305,7 +309,10 @@ class DecodeLoop:
         self._wake = threading.Condition()
         self._preempt_ids = itertools.count(secrets.randbits(62) + 1)  # no two loops' steps share an id
         self._in_flight: tuple[int, set[str]] | None = None  # a shared decode step running: (its id, its clients)
-        self._preempted_last = False  # the last shared decode step was given up: the next one runs whatever comes
+        # when decode steps ran to their end and were given up, over the last PREEMPTION_WINDOW_S: never more
+        # given up than completed, so newcomers (a key sending one-token prompts) cannot stall the others
+        self._completed_steps: deque[float] = deque()
+        self._given_up_steps: deque[float] = deque()
         self._drained: str | None = None  # the message every request gets once the loop drained
 
     # --- any thread ---------------------------------------------------------------------------
@@ -419,7 +426,7 @@ class DecodeLoop:
             batch.reuse_slots = [0] * len(plan.decode) + [slots for _, slots in starting]
         scheduler = self.scheduler
         if (scheduler.fair_rows and plan.decode and not plan.prefill and not batch.discard and not batch.verify
-                and not self._preempted_last and len(scheduler.running) < scheduler.max_running and not scheduler.waiting):
+                and self._may_preempt() and len(scheduler.running) < scheduler.max_running and not scheduler.waiting):
             batch.preempt_id = next(self._preempt_ids)  # a newcomer may get a place: it may preempt this step
             with self._wake:
                 self._in_flight = (batch.preempt_id, {s.client for s in plan.decode})
@@ -442,10 +449,10 @@ class DecodeLoop:
                 del sequence.fed_pairs[-len(pairs):]
             self.scheduler.given_up(plan)
             self.observer.preempted()
-            self._preempted_last = True  # never two in a row: a key sending short prompts cannot stall the others
+            self._given_up_steps.append(self.clock())
             return True
         if plan.decode:
-            self._preempted_last = False
+            self._completed_steps.append(self.clock())
         ready = []
         for row, sequence in enumerate(rows):
             if result.status[row] == SequenceStatus.PREFIX_GONE:  # its kept row went: prefill it all
@@ -470,6 +477,15 @@ class DecodeLoop:
             self._decode(ready, result)
         self.observer.iteration(self.clock() - started)
         return True
+
+    def _may_preempt(self) -> bool:
+        """Whether a decode step may be given up now: fewer were over the last PREEMPTION_WINDOW_S than ran
+        to their end, so decoding keeps at least about half the steps however many newcomers come."""
+        since = self.clock() - PREEMPTION_WINDOW_S
+        for times in (self._completed_steps, self._given_up_steps):
+            while times and times[0] < since:
+                times.popleft()
+        return len(self._given_up_steps) < len(self._completed_steps)
 
     def _decode(self, ready: list[tuple[int, LiveSequence]], result: BackboneResult) -> None:
         """One decode step of every sequence in `ready`; an error in one sequence's own work (its

@@ -744,6 +744,27 @@ def test_a_second_clients_prompt_preempts_the_first_clients_step_too_and_without
             assert output.tokens == alone.tokens and output.error is None
 
 
+def test_the_preemption_budget_never_gives_up_more_steps_than_ran_within_its_window():
+    from dualend.serving.loop import PreemptionBudget
+
+    clock = FakeClock()
+    budget = PreemptionBudget(clock, window_s=1.0)
+    assert not budget.allows()  # nothing ran yet
+    budget.completed()
+    assert budget.allows()
+    budget.given_up()
+    assert not budget.allows()
+    clock.now = 0.5
+    budget.completed()
+    assert budget.allows()
+    budget.given_up()
+    assert not budget.allows()
+    clock.now = 1.2  # the first completed and given-up steps left the window
+    assert not budget.allows()
+    budget.completed()
+    assert budget.allows()
+
+
 def test_a_signed_preemption_reaches_the_backbone_model_and_anything_else_is_dropped():
     import queue
     import secrets

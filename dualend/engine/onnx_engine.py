@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
 
@@ -30,6 +30,7 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # an imported model's specials 
 # 4: the past as [B, kv_heads, T, head_dim] (grouped-query attention), the settings name n_kv_heads and head_dim;
 # 5: the backbone's logits and hidden at the last OUTPUT_POSITIONS positions, the MTP head over S new positions
 EXPORT_FORMAT = 5
+PREEMPTED_MESSAGE = "the step was given up for another client's first token"
 OUTPUT_POSITIONS = 2  # a step that verifies a draft feeds [token, draft] and reads both positions
 DEFAULT_MAX_SEQUENCES = 64  # KV cache rows of an in-process engine
 # An MTP head carries its own output layer (d_model x vocab). From this many weights it runs on the
@@ -228,12 +229,25 @@ class BackboneRunner:
         size = len(batch.sequence_ids)
         result = BackboneResult(np.zeros((size, self.vocab_size), np.float32),
                                 np.zeros((size, self.d_model), np.float32), [SequenceStatus.OK] * size, [""] * size)
-        if batch.preempt_id:
-            try:
-                return self._preemptible(batch, result)
-            finally:
-                with self._preempting:
-                    self._running_id, self._run_options = 0, None
+        if not batch.preempt_id:
+            return self._run_groups(batch, result, None)
+        if any(count != 1 for count in batch.counts) or any(batch.reserve_slots) or batch.discard or batch.verify:
+            raise ValueError("a preemptible batch holds one-latent decode steps only")
+        options = _run_options(self.session)
+        with self._preempting:
+            given_up, self._given_up = self._given_up == batch.preempt_id, 0
+            self._running_id, self._run_options = batch.preempt_id, options
+        try:
+            if not given_up:
+                return self._run_groups(batch, result, options)
+            for index in range(size):
+                result.fail(index, SequenceStatus.PREEMPTED, PREEMPTED_MESSAGE)
+            return result
+        finally:
+            with self._preempting:
+                self._running_id, self._run_options = 0, None
+
+    def _run_groups(self, batch: BackboneBatch, result: BackboneResult, run_options) -> BackboneResult:
         if batch.verify:
             result.verify_logits, result.verify_hidden = np.zeros_like(result.logits), np.zeros_like(result.hidden)
         starts = np.concatenate([[0], np.cumsum(batch.counts)]).astype(int)
@@ -269,11 +283,13 @@ class BackboneRunner:
         for indices in groups:
             try:
                 segments = [latents[starts[i]:starts[i + 1]] for i in indices]
-                outputs = (self._decode([rows[i] for i in indices], segments) if len(segments[0]) <= OUTPUT_POSITIONS
-                           else [self._chunk(rows[indices[0]], segments[0])])
+                outputs = (self._decode([rows[i] for i in indices], segments, run_options)
+                           if len(segments[0]) <= OUTPUT_POSITIONS else [self._chunk(rows[indices[0]], segments[0])])
             except Exception as error:  # noqa: BLE001 - the group fails, the other groups run
+                preempted = run_options is not None and run_options.terminate
                 for index in indices:
-                    result.fail(index, SequenceStatus.ENGINE_FAILED, f"backbone engine failed: {error}")
+                    result.fail(index, *((SequenceStatus.PREEMPTED, PREEMPTED_MESSAGE) if preempted else
+                                         (SequenceStatus.ENGINE_FAILED, f"backbone engine failed: {error}")))
                 continue
             for index, (logits, hidden) in zip(indices, outputs):  # [n, V], [n, D]: the last n positions
                 result.logits[index], result.hidden[index] = logits[-1], hidden[-1]
@@ -282,37 +298,6 @@ class BackboneRunner:
         for index in started:  # a sequence whose first chunk failed holds nothing
             if result.failed(index):
                 self.cache.release(batch.sequence_ids[index])
-        return result
-
-    def _preemptible(self, batch: BackboneBatch, result: BackboneResult) -> BackboneResult:
-        """The batch's decode steps, unless `preempt` gives them up first."""
-        if any(count != 1 for count in batch.counts) or any(batch.reserve_slots) or batch.discard or batch.verify:
-            raise ValueError("a preemptible batch holds one-latent decode steps only")
-        options = _run_options(self.session)
-        with self._preempting:
-            given_up, self._given_up = self._given_up == batch.preempt_id, 0
-            self._running_id, self._run_options = batch.preempt_id, options
-        if not given_up:
-            try:
-                rows = [self.cache.row(seq_id) for seq_id in batch.sequence_ids]
-                for row in rows:
-                    self.cache.check_room(row, 1)
-            except tuple(kind for kind, _ in _KV_ERRORS):
-                # each failure its own status, as always (what the batch kept and released is done)
-                return self.run_batch(replace(batch, preempt_id=0, keeps=[], releases=[]))
-            try:
-                outputs = self._decode(rows, list(np.asarray(batch.latents, np.float32)[:, None]), options)
-            except Exception as error:  # noqa: BLE001 - a failed engine fails the batch, as a group does
-                if options is None or not options.terminate:
-                    for index in range(len(batch.sequence_ids)):
-                        result.fail(index, SequenceStatus.ENGINE_FAILED, f"backbone engine failed: {error}")
-                    return result
-            else:
-                for index, (logits, hidden) in enumerate(outputs):
-                    result.logits[index], result.hidden[index] = logits[-1], hidden[-1]
-                return result
-        for index in range(len(batch.sequence_ids)):
-            result.fail(index, SequenceStatus.PREEMPTED, "the step was given up for another client's first token")
         return result
 
     def _decode(self, rows: list[int], segments: list[np.ndarray], run_options=None):

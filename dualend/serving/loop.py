@@ -17,9 +17,9 @@ import queue
 import secrets
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,9 +33,6 @@ from dualend.engine.tokenizer import TextTokenizer
 from .contract import PreparedRequest, Response, ResponseStream
 from .metrics import PhaseMetrics
 from .outcomes import Outcome
-
-
-PREEMPTION_WINDOW_S = 1.0
 
 
 class BackboneStalled(RuntimeError):
@@ -118,6 +115,7 @@ class QueuedOutput:
 
 class Backbone(Protocol):
     def run_batch(self, batch: BackboneBatch) -> BackboneResult: ...
+    def preempt(self, preempt_id: int) -> None: ...  # gives up that batch if it has not finished (any thread)
 
 
 class Observer(Protocol):
@@ -134,7 +132,7 @@ class Observer(Protocol):
     def iteration(self, seconds: float) -> None: ...                     # one busy iteration
     def refused(self, outcome: Outcome) -> None: ...
     def cancelled(self) -> None: ...
-    def preempted(self) -> None: ...                                    # a shared decode step given up in flight
+    def preempted(self) -> None: ...                                    # a decode step given up in flight
     def flush(self, idle: bool, running: int, waiting: int, kv_usage: float, kept: int) -> None: ...  # every iteration
 
 
@@ -213,11 +211,8 @@ class Executor:
                 self.releases += releases + keeps
 
     def preempt(self, preempt_id: int) -> None:
-        """Gives up the backbone call of `preempt_id` if it has not finished (any thread); a backbone
-        that cannot be preempted runs it to its end."""
-        preempt = getattr(self.backbone, "preempt", None)
-        if preempt is not None:
-            preempt(preempt_id)
+        """Gives up the backbone call of `preempt_id` if it has not finished (any thread)."""
+        self.backbone.preempt(preempt_id)
 
     def compress(self, pairs: np.ndarray) -> np.ndarray:
         # pairs: [B, pair_size] -> latents [B, D]
@@ -284,6 +279,37 @@ class LiveSequence:
         return self.num_latents + self.request.params.max_tokens
 
 
+class PreemptionBudget:
+    """Decode steps may be given up for newcomers only while, over the last `window_s`, fewer were
+    given up than ran to their end: decoding keeps about half the steps however many newcomers come
+    (a key sending one-token prompts cannot stall the others)."""
+
+    def __init__(self, clock, window_s: float = 1.0):
+        self.clock, self.window_s = clock, window_s
+        self._completed: deque[float] = deque()
+        self._given_up: deque[float] = deque()
+
+    def completed(self) -> None:
+        self._note(self._completed)
+
+    def given_up(self) -> None:
+        self._note(self._given_up)
+
+    def allows(self) -> bool:
+        self._forget()
+        return len(self._given_up) < len(self._completed)
+
+    def _note(self, times: deque) -> None:
+        times.append(self.clock())
+        self._forget()
+
+    def _forget(self) -> None:
+        since = self.clock() - self.window_s
+        for times in (self._completed, self._given_up):
+            while times and times[0] < since:
+                times.popleft()
+
+
 @dataclass
 class _Inbox:
     submitted: list[LiveSequence] = field(default_factory=list)
@@ -308,11 +334,8 @@ class DecodeLoop:
         self._inbox = _Inbox()
         self._wake = threading.Condition()
         self._preempt_ids = itertools.count(secrets.randbits(62) + 1)  # no two loops' steps share an id
-        self._in_flight: tuple[int, set[str]] | None = None  # a shared decode step running: (its id, its clients)
-        # when decode steps ran to their end and were given up, over the last PREEMPTION_WINDOW_S: never more
-        # given up than completed, so newcomers (a key sending one-token prompts) cannot stall the others
-        self._completed_steps: deque[float] = deque()
-        self._given_up_steps: deque[float] = deque()
+        self._in_flight: tuple[int, set[str]] | None = None  # a preemptible decode step running: (its id, its clients)
+        self._preemptions = PreemptionBudget(clock)
         self._drained: str | None = None  # the message every request gets once the loop drained
 
     # --- any thread ---------------------------------------------------------------------------
@@ -424,10 +447,9 @@ class DecodeLoop:
         if any(slots for _, slots in starting):
             batch.reuse_ids = [0] * len(plan.decode) + [donor for donor, _ in starting]
             batch.reuse_slots = [0] * len(plan.decode) + [slots for _, slots in starting]
-        scheduler = self.scheduler
-        if (scheduler.fair_rows and plan.decode and not plan.prefill and not batch.discard and not batch.verify
-                and self._may_preempt() and len(scheduler.running) < scheduler.max_running and not scheduler.waiting):
-            batch.preempt_id = next(self._preempt_ids)  # a newcomer may get a place: it may preempt this step
+        if (self.scheduler.fair_rows and plan.decode and not plan.prefill and not batch.discard and not batch.verify
+                and self._preemptions.allows()):
+            batch.preempt_id = next(self._preempt_ids)
             with self._wake:
                 self._in_flight = (batch.preempt_id, {s.client for s in plan.decode})
         started = self.clock()
@@ -449,10 +471,10 @@ class DecodeLoop:
                 del sequence.fed_pairs[-len(pairs):]
             self.scheduler.given_up(plan)
             self.observer.preempted()
-            self._given_up_steps.append(self.clock())
+            self._preemptions.given_up()
             return True
         if plan.decode:
-            self._completed_steps.append(self.clock())
+            self._preemptions.completed()
         ready = []
         for row, sequence in enumerate(rows):
             if result.status[row] == SequenceStatus.PREFIX_GONE:  # its kept row went: prefill it all
@@ -477,15 +499,6 @@ class DecodeLoop:
             self._decode(ready, result)
         self.observer.iteration(self.clock() - started)
         return True
-
-    def _may_preempt(self) -> bool:
-        """Whether a decode step may be given up now: fewer were over the last PREEMPTION_WINDOW_S than ran
-        to their end, so decoding keeps at least about half the steps however many newcomers come."""
-        since = self.clock() - PREEMPTION_WINDOW_S
-        for times in (self._completed_steps, self._given_up_steps):
-            while times and times[0] < since:
-                times.popleft()
-        return len(self._given_up_steps) < len(self._completed_steps)
 
     def _decode(self, ready: list[tuple[int, LiveSequence]], result: BackboneResult) -> None:
         """One decode step of every sequence in `ready`; an error in one sequence's own work (its

@@ -666,7 +666,7 @@ def test_a_preemptible_step_given_up_before_or_while_it_runs_writes_nothing_and_
     np.testing.assert_array_equal(cache.lengths, lengths)
     run = runner.session.run
     runner.session.run = lambda names, feeds, options=None: (runner.preempt(6), run(names, feeds, options))[1]
-    result, status = decode(6)  # while ONNX Runtime runs it: stopped between two nodes
+    result, status = decode(6)  # once its run began: ONNX Runtime stops it at its next node
     assert status == [SequenceStatus.PREEMPTED] * 2 and "another client's first token" in result.messages[0]
     np.testing.assert_array_equal(cache.lengths, lengths)
     runner.session.run = run

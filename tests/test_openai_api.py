@@ -478,9 +478,10 @@ def test_one_keys_kept_prefixes_are_its_own_on_tritons_routes_too(launched):
         assert other.text == salted.text == again.text
 
 
-def whole_answer_over_http(address: str, body: dict, api_key: str | None = None) -> tuple[int, dict]:
+def whole_answer_over_http(address: str, body: dict, api_key: str | None = None,
+                           model: str = "dualend") -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
-    request = urllib.request.Request(f"http://{address}/v2/models/dualend/generate", data=json.dumps(body).encode(),
+    request = urllib.request.Request(f"http://{address}/v2/models/{model}/generate", data=json.dumps(body).encode(),
                                      headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -506,24 +507,28 @@ def test_a_whole_answer_on_tritons_routes_is_tritonservers_own_and_a_down_mark_e
     assert len(fronted_grpc.arrivals) == len(own_grpc.arrivals) == 1 and fronted_grpc.text == own_grpc.text
     assert fronted_grpc.counters["num_output_tokens"] == own_grpc.counters["num_output_tokens"] == 12
 
+    # The baseline (one token a step) answers 1000 tokens in a few seconds here; the mark stays on until
+    # the answer is in, so it must outlive the front's 1 s for a silent request.
     answers = []
     long_body = {"text_input": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True}
     thread = threading.Thread(target=lambda: answers.append(
-        (whole_answer_over_http(launched.http, long_body, BOB), time.monotonic())))
+        (whole_answer_over_http(launched.http, long_body, BOB, "baseline"), time.monotonic())))
+    mark = DEFAULT_PREFIX / "down" / "baseline"
+    started = time.monotonic()
     thread.start()
-    mark = DEFAULT_PREFIX / "down" / "dualend"
-    time.sleep(0.5)
+    time.sleep(0.2)
     mark.parent.mkdir(parents=True, exist_ok=True)
     mark.touch()
     marked = time.monotonic()
     try:
-        time.sleep(2.0)
+        thread.join(60)
     finally:
         mark.unlink()
-    thread.join(60)
     (status, answer), ended = answers[0]
     assert status == 200 and answer["num_output_tokens"] == 1000, answer
-    assert ended - marked > 1.5  # it ran on under the mark past the front's 1 s for a silent request
+    assert ended - marked > 1.5, f"the answer took {ended - started:.1f} s: too short to show the mark changes nothing"
+    # the front sees marks within a poll (0.1 s): later tests find the baseline up
+    assert wait_for(lambda: whole_answer_over_http(launched.http, body, BOB, "baseline")[0] == 200, 5)
 
 
 def serves_every_route(launched, api_key: str = BOB) -> bool:

@@ -75,13 +75,15 @@ DEFAULTS = dict(
     distill_weight=0.5, seed=0, threads=2, device="cpu", data_workers=0, time_limit_minutes=0.0,
 )
 # `convert`: per invocation, --time-limit-minutes of training (0: no limit) or up to --steps in all (0: none).
-# --decay-tokens: the rate falls by a cosine to a tenth over that many tokens (0: constant after warm-up).
+# --decay-tokens: the rate falls by a cosine to a tenth over that many tokens (0: constant after warm-up);
+# --decay-minutes: the same over that many minutes of this run's training (a GPU run with a time budget,
+# whose tokens per second are not known ahead).
 STARTED_FROM = "started_from.json"  # in a run folder: the adapters it started from (--init-adapters)
 CONVERT_DEFAULTS = dict(
     lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
     time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, chat_fraction=0.25, chat_tokens=96,
     hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2, device="cpu",
-    compressor_init="mean", decay_tokens=0,
+    compressor_init="mean", decay_tokens=0, decay_minutes=0.0,
 )
 DRAFT_HEAD_DEFAULTS = dict(
     batch_size=8, seq_tokens=192, lr=1e-3, warmup=20, time_limit_minutes=10.0, eval_every=25, eval_rows=32,
@@ -109,6 +111,16 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def decay_progress(args, tokens: int, run_elapsed_s: float) -> float:
+    """How far a conversion's cosine has gone: over --decay-tokens (all the tokens its adapters saw),
+    or over --decay-minutes of this run's training; 0 (a constant rate) without either."""
+    if args.decay_tokens:
+        return tokens / args.decay_tokens
+    if args.decay_minutes:
+        return run_elapsed_s / (60 * args.decay_minutes)
+    return 0.0
 
 
 def time_share(args, elapsed_s: float) -> float:
@@ -309,9 +321,11 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
     cached = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     if cached.get("teacher") != teacher_id or cached.get("prompts") != [args.chat_prompts, args.eval_rows]:
         started = time.time()
-        made = {split: conversion.teacher_chat_samples(
-                    teacher, tokenizer, conversion.chat_prompts(split, count, args.seed), args.chat_tokens)
-                for split, count in (("train", args.chat_prompts), ("calibration", args.eval_rows))}
+        with torch.device("cpu"):  # the reference decoder runs on the CPU
+            made = {split: conversion.teacher_chat_samples(
+                        on_cpu(teacher), tokenizer, conversion.chat_prompts(split, count, args.seed), args.chat_tokens,
+                        rows=16 if replicas.device.type == "cpu" else 64)
+                    for split, count in (("train", args.chat_prompts), ("calibration", args.eval_rows))}
         cached = {"teacher": teacher_id, "prompts": [args.chat_prompts, args.eval_rows],
                   **{split: [[s.prompt, s.completion] for s in samples] for split, samples in made.items()}}
         path.write_text(json.dumps(cached) + "\n", encoding="utf-8")
@@ -410,7 +424,7 @@ def cmd_convert(args) -> None:
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
     stream = conversion.sample_stream(tokenizer, data_seed + step, args.seq_tokens, chat_train, args.chat_fraction)
-    keys = ("batch_size", "seq_tokens", "lr", "warmup", "decay_tokens", "chat_prompts", "chat_fraction",
+    keys = ("batch_size", "seq_tokens", "lr", "warmup", "decay_tokens", "decay_minutes", "chat_prompts", "chat_fraction",
             "chat_tokens", "hidden_weight", "confidence_weight", "autocast", "seed")
     recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
               **{k: getattr(args, k) for k in keys}, "replicas": replicas.world}
@@ -448,6 +462,7 @@ def cmd_convert(args) -> None:
     if step == 0:
         record_and_save()
     deadline = time.time() + 60 * args.time_limit_minutes if args.time_limit_minutes else math.inf
+    run_started_at = elapsed  # a resumed run's schedule counts its minutes from here
     bar = tqdm(desc="convert", initial=step, total=args.steps or None, file=sys.stdout, mininterval=30,
                disable=not replicas.main)
     saved = True
@@ -455,8 +470,7 @@ def cmd_convert(args) -> None:
         started = time.time()
         student.train()
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, tokens / args.decay_tokens, args.lr, args.warmup) if args.decay_tokens \
-                else args.lr * min(1.0, (step + 1) / args.warmup)
+            group["lr"] = lr_at(step, decay_progress(args, tokens, elapsed - run_started_at), args.lr, args.warmup)
         batch = dualend_batch([next(stream) for _ in range(args.batch_size)], pad, data_rng)
         batch = {name: tensor.to(device) for name, tensor in batch.items()}
         with torch.autocast(**autocast):

@@ -1,5 +1,6 @@
 """Converting a pretrained token-level model to pair-in/pair-out (dualend.train.conversion and
 `builder.train convert` / `merge-adapters`), on a tiny random LlamaForCausalLM as the teacher."""
+import argparse
 import json
 import os
 import random
@@ -227,3 +228,34 @@ def test_a_new_run_started_from_adapters_begins_where_they_ended(base, tmp_path)
     with pytest.raises(SystemExit, match="lora_rank"):
         train.main([*options[:3], "--lora-rank", "8", *options[5:], "--run", str(tmp_path / "third"),
                     "--init-adapters", str(tmp_path / "first" / "adapters")])
+
+
+def test_the_rate_falls_by_a_cosine_over_tokens_or_over_this_runs_minutes():
+    """--decay-tokens counts every token the adapters saw; --decay-minutes this run's training time
+    (a GPU run with a time budget); neither: a constant rate after warm-up."""
+    options = argparse.Namespace(decay_tokens=0, decay_minutes=0.0)
+    assert train.decay_progress(options, tokens=10**9, run_elapsed_s=10**6) == 0.0
+    assert train.lr_at(50, 0.0, 1e-3, warmup=10) == pytest.approx(1e-3)
+    options.decay_tokens = 2000
+    assert train.decay_progress(options, tokens=1000, run_elapsed_s=0) == 0.5
+    options.decay_tokens, options.decay_minutes = 0, 10.0
+    assert train.decay_progress(options, tokens=0, run_elapsed_s=300) == 0.5
+    assert train.lr_at(50, train.decay_progress(options, 0, 600), 1e-3, warmup=10) == pytest.approx(1e-4)
+    assert train.lr_at(50, train.decay_progress(options, 0, 300), 1e-3, warmup=10) == pytest.approx(5.5e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: convert on CUDA in bf16 did not run")
+def test_convert_runs_on_cuda_in_bf16_with_chat_rows(base, tmp_path):
+    """The GPU path as users run it: teacher answers made (on the CPU's reference decoder), the
+    losses under CUDA's bf16 autocast (which refuses binary cross-entropy on probabilities), a save."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer = TextTokenizer(base.tokenizer.tokenizer, {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
+                                                         "add_bos_token": True, "chat_template": template})
+    Checkpoint(base.model, tokenizer, base.recipe).save(tmp_path / "base")
+    train.main(["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
+                "--batch-size", "4", "--seq-tokens", "32", "--eval-rows", "2", "--chat-prompts", "3",
+                "--chat-tokens", "5", "--steps", "3", "--eval-every", "3", "--device", "cuda", "--autocast", "bf16",
+                "--decay-minutes", "1"])
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in log] == [0, 3] and log[-1]["chat_agree_t1"] >= 0
+    assert (tmp_path / "run" / "adapters" / conversion.ADAPTERS).exists()

@@ -23,6 +23,7 @@ from client.api import metric_in, metric_value, metrics_page, stream_grpc
 from dualend.ops.host import free_ports
 from dualend.ops.launch import TritonServer
 from dualend.ops.repository_api import RepositoryAPI
+from dualend.serving.outcomes import Outcome
 
 pytestmark = pytest.mark.server
 PROMPTS = ["Q: 3+4-2\nA:", " ab:12 cd:34 ef:56\nget cd:"]
@@ -60,13 +61,14 @@ def small(tmp_path_factory):
 @contextmanager
 def served_through_v1(repository, root, *service_args):
     """tritonserver as the launcher runs it (explicit model control, every model loaded) and the OpenAI
-    service in front; the server gets the service's `url` and the folder `root` (the gateway's marks)."""
+    service in front (of /v1 and Triton's HTTP generate routes); the server gets the service's `url` and the folder `root` (the gateway's marks)."""
     (root / "gateway").mkdir()
     with TritonServer(repository, model_control_mode="explicit", load_models=["*"],
                       log_file=root / "server.log") as triton:
         port = free_ports("127.0.0.1", 1)[0]
         service = subprocess.Popen(
-            [sys.executable, "-m", "dualend.ops.openai_api", "--triton-grpc", triton.grpc_url, "--model-repository",
+            [sys.executable, "-m", "dualend.ops.openai_api", "--triton-grpc", triton.grpc_url, "--triton-http",
+             triton.http_url, "--model-repository",
              str(repository), "--port", str(port), "--gateway-prefix", str(root / "gateway"), *service_args])
         triton.url, triton.root = f"http://127.0.0.1:{port}", root
         try:
@@ -655,20 +657,30 @@ def test_a_client_gone_before_a_whole_answer_cancels_its_request(api):
 def test_a_full_queue_is_a_429_saying_retry_later_and_the_running_stream_and_the_next_request_are_served(small):
     """One decode place, no queue: while a stream holds the place (4000 tokens: it cannot end first, even
     on a loaded machine), a request (whole or streamed) is refused by the deployment as busy, 429 in
-    OpenAI's shape; the stream goes on, and once it is closed the next request is served."""
+    OpenAI's shape (on Triton's generate routes, 429 with the outcome's code); the stream goes on, and
+    once it is closed the next request is served."""
     openai_client = client(small)
     stream = openai_client.completions.create(model="baseline", prompt=PROMPTS[0], max_tokens=4000, stream=True,
                                               extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
-    for streamed in (False, True):
-        status, error = post(small, "/v1/completions", {"model": "baseline", "prompt": PROMPTS[1], "max_tokens": 4,
-                                                        "stream": streamed})
-        assert status == 429 and set(error["error"]) == {"message", "type", "param", "code"}
-        assert error["error"]["type"] == "rate_limit_error" and error["error"]["code"] == "server_busy"
-        assert "retry later" in error["error"]["message"]
-    assert all(next(chunks).choices[0].finish_reason is None for _ in range(8))  # still running
-    stream.close()
+    try:
+        for streamed in (False, True):
+            status, error = post(small, "/v1/completions", {"model": "baseline", "prompt": PROMPTS[1],
+                                                            "max_tokens": 4, "stream": streamed})
+            assert status == 429 and set(error["error"]) == {"message", "type", "param", "code"}
+            assert error["error"]["type"] == "rate_limit_error" and error["error"]["code"] == "server_busy"
+            assert "retry later" in error["error"]["message"]
+        for route in ("generate", "generate_stream"):  # Triton's routes through the front: 429 too, before any event
+            request = urllib.request.Request(f"{small.url}/v2/models/baseline/{route}", method="POST",
+                                             data=json.dumps({"text_input": PROMPTS[1], "max_tokens": 4}).encode())
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 429 and refused.value.headers["Retry-After"], route
+            assert json.loads(refused.value.read())["error"].startswith(f"[{Outcome.QUEUE_FULL.value}]"), route
+        assert all(next(chunks).choices[0].finish_reason is None for _ in range(8))  # still running
+    finally:
+        stream.close()
     assert wait_for(lambda: live_sequences(small, "baseline") == 0, 5)
     assert openai_client.completions.create(model="baseline", prompt=PROMPTS[1], max_tokens=4).choices
 

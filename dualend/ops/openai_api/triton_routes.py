@@ -400,6 +400,13 @@ class HttpGenerate:
                 status, answer, headers = await self.gathered(upstream, progress, counters)
                 await close()
                 return JSONResponse(answer, status_code=status, headers=headers)
+            upstream_events = self.events_of(upstream, progress)
+            first = await anext(upstream_events, b"")
+            parsed = event_json(first)
+            if "error" in parsed:  # refused before any token: a status by its outcome, not a 200 stream
+                status, answer, headers = refusal(str(parsed["error"]), upstream.status)
+                await close()
+                return JSONResponse(answer, status_code=status, headers=headers)
         except ApiError as error:
             status = error.status
             await close()
@@ -413,7 +420,10 @@ class HttpGenerate:
         async def events():
             nonlocal status
             try:
-                async for event in self.events_of(upstream, progress):
+                if first:
+                    merge_counters(counters, counters_in(first))
+                    yield first
+                async for event in upstream_events:
                     merge_counters(counters, counters_in(event))
                     yield event
                 status = upstream.status
@@ -457,10 +467,7 @@ class HttpGenerate:
             if not parsed:
                 continue
             if "error" in parsed:
-                error = triton_error(str(parsed["error"]))
-                if error.outcome is None:  # tritonserver's own refusal: as it answers it
-                    return (upstream.status if upstream.status != 200 else 400), {"error": str(parsed["error"])}, {}
-                return error.status, {"error": error.triton_message()}, error.headers()
+                return refusal(str(parsed["error"]), upstream.status)
             merge_counters(counters, counters_in(event))
             texts.append(str(parsed.get("text_output", "")))
             answer = parsed
@@ -480,6 +487,16 @@ class HttpGenerate:
                 progress.check()
         finally:
             task.cancel()
+
+
+def refusal(message: str, upstream_status: int) -> tuple[int, dict, dict]:
+    """(status, answer, headers) of an error tritonserver answered before any token: by its outcome
+    code (429 and Retry-After for a busy deployment, ...); tritonserver's own errors, which carry none,
+    as it answers them."""
+    error = triton_error(message)
+    if error.outcome is None:
+        return (upstream_status if upstream_status != 200 else 400), {"error": message}, {}
+    return error.status, {"error": error.triton_message()}, error.headers()
 
 
 def event_json(payload: bytes) -> dict:

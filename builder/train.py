@@ -370,6 +370,8 @@ def cmd_convert(args) -> None:
     if args.autocast not in ("auto", "bf16", "none"):
         sys.exit(f"--autocast {args.autocast}: bf16 (measured on SmolLM2: losses within 0.5% of fp32), none, "
                  "or auto (bf16 where the device multiplies bf16 natively)")
+    if args.decay_tokens and args.decay_minutes:
+        sys.exit("--decay-tokens and --decay-minutes each set the rate's schedule: give one")
     if args.compressor_init not in conversion.COMPRESSOR_STARTS:
         sys.exit(f"--compressor-init {args.compressor_init}: expected one of {', '.join(conversion.COMPRESSOR_STARTS)}")
     replicas = Replicas(args.device)
@@ -424,8 +426,8 @@ def cmd_convert(args) -> None:
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
     stream = conversion.sample_stream(tokenizer, data_seed + step, args.seq_tokens, chat_train, args.chat_fraction)
-    keys = ("batch_size", "seq_tokens", "lr", "warmup", "decay_tokens", "decay_minutes", "chat_prompts", "chat_fraction",
-            "chat_tokens", "hidden_weight", "confidence_weight", "autocast", "seed")
+    keys = ("batch_size", "seq_tokens", "lr", "warmup", "decay_tokens", "decay_minutes", "chat_prompts",
+            "chat_fraction", "chat_tokens", "hidden_weight", "confidence_weight", "autocast", "seed")
     recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
               **{k: getattr(args, k) for k in keys}, "replicas": replicas.world}
     if (run / STARTED_FROM).exists():  # the tokens count on from these; steps and minutes are this run's
@@ -482,7 +484,7 @@ def cmd_convert(args) -> None:
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         batch_tokens = int(replicas.total(conversion.real_tokens(batch, pad)))
-        seconds = time.time() - started
+        seconds = replicas.total(time.time() - started) / replicas.world  # one clock for --decay-minutes
         step, tokens, elapsed = step + 1, tokens + batch_tokens, elapsed + seconds
         window["steps"] += 1
         window["tokens"] += batch_tokens

@@ -230,9 +230,9 @@ def test_a_new_run_started_from_adapters_begins_where_they_ended(base, tmp_path)
                     "--init-adapters", str(tmp_path / "first" / "adapters")])
 
 
-def test_the_rate_falls_by_a_cosine_over_tokens_or_over_this_runs_minutes():
+def test_the_rate_falls_by_a_cosine_over_tokens_or_over_this_runs_minutes(base, tmp_path):
     """--decay-tokens counts every token the adapters saw; --decay-minutes this run's training time
-    (a GPU run with a time budget); neither: a constant rate after warm-up."""
+    (a GPU run with a time budget); neither: a constant rate after warm-up; both: refused."""
     options = argparse.Namespace(decay_tokens=0, decay_minutes=0.0)
     assert train.decay_progress(options, tokens=10**9, run_elapsed_s=10**6) == 0.0
     assert train.lr_at(50, 0.0, 1e-3, warmup=10) == pytest.approx(1e-3)
@@ -242,6 +242,10 @@ def test_the_rate_falls_by_a_cosine_over_tokens_or_over_this_runs_minutes():
     assert train.decay_progress(options, tokens=0, run_elapsed_s=300) == 0.5
     assert train.lr_at(50, train.decay_progress(options, 0, 600), 1e-3, warmup=10) == pytest.approx(1e-4)
     assert train.lr_at(50, train.decay_progress(options, 0, 300), 1e-3, warmup=10) == pytest.approx(5.5e-4)
+    base.save(tmp_path / "base")
+    with pytest.raises(SystemExit, match="give one"):
+        train.main(["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"),
+                    "--decay-tokens", "1000", "--decay-minutes", "1"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: convert on CUDA in bf16 did not run")

@@ -516,9 +516,11 @@ def test_a_whole_answer_on_tritons_routes_is_tritonservers_own_and_a_down_mark_e
     thread = threading.Thread(target=lambda: answers.append(
         (whole_answer_over_http(launched.http, long_body, BOB, "baseline"), time.monotonic())))
     mark = DEFAULT_PREFIX / "down" / "baseline"
+    metrics = f"http://127.0.0.1:{launched.ports['metrics']}/metrics"
     started = time.monotonic()
     thread.start()
-    time.sleep(0.2)
+    # marked once it decodes (the gateway refuses a request that arrives under the mark)
+    assert wait_for(lambda: metric_value(metrics, "dualend_kv_live_sequences", "baseline_v1_backbone"), 10, poll_s=0.02)
     mark.parent.mkdir(parents=True, exist_ok=True)
     mark.touch()
     marked = time.monotonic()
@@ -526,6 +528,7 @@ def test_a_whole_answer_on_tritons_routes_is_tritonservers_own_and_a_down_mark_e
         thread.join(60)
     finally:
         mark.unlink()
+    assert answers, "the 1000-token answer did not come within 60 s"
     (status, answer), ended = answers[0]
     assert status == 200 and answer["num_output_tokens"] == 1000, answer
     assert ended - marked > 1.5, f"the answer took {ended - started:.1f} s: too short to show the mark changes nothing"

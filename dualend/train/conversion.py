@@ -305,7 +305,7 @@ def conversion_loss(student: LanguageModel, teacher: LanguageModel, batch: dict[
         p_gold = draft_logits[draft_valid].float().softmax(-1).gather(-1, gold_t2[:, None]).squeeze(-1)
     conf = confidence[draft_valid].float()
     with torch.autocast(conf.device.type, enabled=False):  # CUDA's autocast refuses BCE on probabilities
-        confidence_loss = F.binary_cross_entropy(conf.float(), p_gold.float()) if len(conf) else kl_t1 * 0.0
+        confidence_loss = F.binary_cross_entropy(conf, p_gold) if len(conf) else kl_t1 * 0.0
     loss = kl_t1 + kl_t2 + hidden_weight * hidden_loss + confidence_weight * confidence_loss
     return loss, {"kl_t1": kl_t1.item(), "kl_t2": kl_t2.item(), "hidden": hidden_loss.item(),
                   "conf": confidence_loss.item()}

@@ -353,8 +353,9 @@ class HttpGenerate:
     tritonserver's HTTP endpoint and answered as it answers; the front adds the key's cap, quota and
     usage, and ends a request whose deployment failed, stopped or hung under it (503, or a last event
     `{"error": "[step_failed] ..."}` on a stream that already answered). A `generate` request is asked of
-    generate_stream and its answer put together here, so that its progress shows; its error's status
-    follows the error's outcome code (tritonserver answers 400 to every one)."""
+    generate_stream and its answer put together here, so that its progress shows; a generate_stream
+    answer starts once its first event is in. An error before any token (either route) has the status of
+    its outcome code (tritonserver answers 400 to every one)."""
 
     def __init__(self, service, triton_http: str):
         self.service, self.triton_http = service, triton_http
@@ -402,9 +403,11 @@ class HttpGenerate:
                 return JSONResponse(answer, status_code=status, headers=headers)
             upstream_events = self.events_of(upstream, progress)
             first = await anext(upstream_events, b"")
+            merge_counters(counters, counters_in(first))
             parsed = event_json(first)
             if "error" in parsed:  # refused before any token: a status by its outcome, not a 200 stream
                 status, answer, headers = refusal(str(parsed["error"]), upstream.status)
+                await upstream_events.aclose()
                 await close()
                 return JSONResponse(answer, status_code=status, headers=headers)
         except ApiError as error:
@@ -416,12 +419,14 @@ class HttpGenerate:
             await close()
             return triton_error_response(ApiError(503, f"the inference server is not answering ({error}); retry",
                                                   code="retry"))
+        except BaseException:  # cancelled (the service stopping): the key's place is given back all the same
+            await close()
+            raise
 
         async def events():
             nonlocal status
             try:
                 if first:
-                    merge_counters(counters, counters_in(first))
                     yield first
                 async for event in upstream_events:
                     merge_counters(counters, counters_in(event))

@@ -97,6 +97,8 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
             raw_context_limit="prompt + output tokens a deployment serves (N for every deployment, NAME=N for one; "
                               "repeatable; default: the context its checkpoint was trained at; smollm2 2048)",
             imported_checkpoints="where packaged models are imported to (default: %(default)s)",
+            engine_threads="ONNX Runtime intra-op threads of a deployment's backbone (N for every deployment, NAME=N "
+                           "for one; repeatable; default: %(default)s)",
             weight_precision="weights of a deployment's backbone and MTP head: fp32 (the reference), int8 or int4 "
                              "(ONNX Runtime MatMulNBits, docs/building.md#weight-precision); P for every deployment, "
                              "NAME=P for one (repeatable; default: %(default)s)",
@@ -139,7 +141,8 @@ SERVING_SETTINGS = {"dualend": (ROOT / "checkpoints" / "dualend", CHECKPOINT_WEI
 # Per-deployment defaults where one size does not fit all. SmolLM2 at 45 KiB of KV a token: 2048
 # tokens (its checkpoint says 8192) keep a request's reservation at 90 MiB, so 1536 MiB admits
 # 16 requests at the limits and far more of ordinary length.
-PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefix_cache_entries", "draft_min_acceptance")
+PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefix_cache_entries", "draft_min_acceptance",
+                  "engine_threads")
 EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for precision in WEIGHT_BITS}
 DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536}
                        for name in ("smollm2", "smollm2_dualend", "smollm2_mtp")}
@@ -436,7 +439,7 @@ def trained_context(checkpoint_dir: Path) -> int:
 def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, threshold: float,
                       raw_context_limit: int, kv_cache_mb: int, synthetic_acceptance: float = -1.0,
                       weights: str = "trained", prefix_cache_entries: int = DEFAULTS["prefix_cache_entries"],
-                      draft_min_acceptance: float = 0.0) -> dict:
+                      draft_min_acceptance: float = 0.0, engine_threads: int = DEFAULTS["engine_threads"]) -> dict:
     """Template values: the deployment config (each field, and all of them as `parameters` lines)
     and the tensor dims. max_new_tokens defaults to the whole limit (prompt + max_tokens <=
     raw_context_limit is checked per request)."""
@@ -457,7 +460,7 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
         kv_capacity_blocks=kv_budget_blocks(settings, kv_cache_mb, args.kv_block_size, sequence_slots),
         idle_timeout_s=args.idle_timeout_s,
         prefix_cache_entries=prefix_cache_entries, prefix_cache_ttl_s=args.prefix_cache_ttl_s,
-        engine=args.engine, engine_threads=args.engine_threads,
+        engine=args.engine, engine_threads=engine_threads,
         compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
         synthetic_acceptance=synthetic_acceptance, weights=weights, draft_max_batch=args.draft_max_batch,
         draft_min_acceptance=draft_min_acceptance,
@@ -516,7 +519,8 @@ def assemble(args) -> Path:
                                    "dummy" if dummy_weights(checkpoint_dir) else "trained",
                                    setting(args, "prefix_cache_entries", name, source),
                                    draft_min_acceptance(args, name, source, precision,
-                                                        pair_size == 1 and "mtp" in exported.manifests))
+                                                        pair_size == 1 and "mtp" in exported.manifests),
+                                   setting(args, "engine_threads", name, source))
         render_deployment(name, exported, staging, values)
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
         print(f"{name}: checkpoint {exported.checkpoint_id}" + (f" (a variant of {source})" if name != source else "")

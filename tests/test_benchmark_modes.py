@@ -196,7 +196,7 @@ def test_the_launcher_reads_the_notices_of_the_served_generation(tmp_path):
     assert served_benchmark_notices(tmp_path, "baseline") == []
 
 
-def test_variants_are_built_from_their_source_with_their_own_precision_and_synthetic_rate(tmp_path, capsys):
+def test_variants_are_built_from_their_source_with_their_own_precision_threads_and_synthetic_rate(tmp_path, capsys):
     from builder.assemble import DEFAULTS
     from builder.assemble import main as assemble_main
     from dualend.engine.onnx_engine import ExportedModel
@@ -206,7 +206,7 @@ def test_variants_are_built_from_their_source_with_their_own_precision_and_synth
         "--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(tmp_path / "repository"),
         "--export-dir", str(tmp_path / "export"), "--hf-tokenizer", str(tmp_path / "tokenizer"),
         "--deployments", "dualend", "--variant", "fast=dualend", "--weight-precision", "fast=int8",
-        "--synthetic-acceptance", "fast=0.9"])
+        "--synthetic-acceptance", "fast=0.9", "--engine-threads", "fast=1"])
     built = capsys.readouterr().out
     assert "fast: checkpoint" in built and "(a variant of dualend)" in built and "int8 weights" in built
     precision = {}
@@ -219,3 +219,7 @@ def test_variants_are_built_from_their_source_with_their_own_precision_and_synth
                                    (repository / f"{pipeline_name(name, 1)}_mtp_verify" / "config.pbtxt").read_text())[1])
              for name in ("dualend", "fast")}
     assert rates == {"dualend": -1.0, "fast": 0.9}  # -1: off
+    threads = {name: int(re.search(r'key: "engine_threads" value: \{ string_value: "([^"]*)"',
+                                   (repository / f"{pipeline_name(name, 1)}_backbone" / "config.pbtxt").read_text())[1])
+               for name in ("dualend", "fast")}
+    assert threads == {"dualend": 2, "fast": 1}

@@ -657,6 +657,42 @@ def test_a_client_gone_before_a_whole_answer_cancels_its_request(api):
     assert wait_for(lambda: live_sequences(api) == 0, 5)
 
 
+def test_a_client_gone_while_its_request_waits_for_a_place_is_counted_gone_and_dropped(api):
+    """bob's 16 streams hold every decode place, so alice's request waits in the queue for its first
+    token; her client leaves (a /v1 stream, a Triton generate_stream, a whole generate): the front counts
+    it gone (499) at once and gives back her place. A /v1 request is cancelled upstream, so once the
+    places free it never decodes its 2000 tokens (on Triton's HTTP routes tritonserver does not cancel a
+    request when the front closes its connection: those ask for one token here)."""
+    import http.client
+
+    def gone():
+        page = metrics_page(f"{api.url}/metrics")
+        return metric_in(page, "dualend_api_requests_total", "dualend", client="alice", status="499") or 0
+
+    holders = [client(api).completions.create(model="dualend", prompt=PROMPTS[0], max_tokens=2000, stream=True,
+                                              extra_body={"ignore_eos": True}) for _ in range(16)]
+    try:
+        for holder in holders:
+            next(iter(holder))
+        assert live_sequences(api) == 16
+        for path, body in (("/v1/completions", {"model": "dualend", "prompt": PROMPTS[1], "stream": True,
+                                                 "max_tokens": 2000, "ignore_eos": True}),
+                           ("/v2/models/dualend/generate_stream", {"text_input": PROMPTS[1], "max_tokens": 1}),
+                           ("/v2/models/dualend/generate", {"text_input": PROMPTS[1], "max_tokens": 1})):
+            before = gone()
+            connection = http.client.HTTPConnection(api.url.removeprefix("http://"))
+            connection.request("POST", path, body=json.dumps(body),
+                               headers={"Authorization": f"Bearer {ALICE}", "Content-Type": "application/json"})
+            time.sleep(0.3)  # queued: every place is held
+            connection.sock.shutdown(2)
+            connection.close()
+            assert wait_for(lambda: gone() == before + 1, 5), path
+    finally:
+        for holder in holders:
+            holder.close()
+    assert wait_for(lambda: live_sequences(api) == 0, 1.5)  # alice's /v1 request did not start (~4 s if it had)
+
+
 def test_a_full_queue_is_a_429_saying_retry_later_and_the_running_stream_and_the_next_request_are_served(small):
     """One decode place, no queue: while a stream holds the place (4000 tokens: it cannot end first, even
     on a loaded machine), a request (whole or streamed) is refused by the deployment as busy, 429 in

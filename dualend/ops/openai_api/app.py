@@ -41,7 +41,7 @@ from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served
 
 from ..api_keys import ApiKey, client_of, keyed_salt, read_keys
 from ..usage import UsageStore, seconds_to_next_day
-from .front import DisconnectAwareStream, DownMarks, KeyCaps, Progress, Readiness
+from .front import ClientGone, DisconnectAwareStream, DownMarks, KeyCaps, Progress, Readiness, unless_gone
 from .triton_routes import UNLIMITED, GrpcFront, HttpGenerate
 from .translation import (ApiError, Generation, chunk_body, finish_reason, parse_body, parse_chat,
                           parse_completion, response_body, triton_error, triton_inputs, usage, usage_chunk)
@@ -377,11 +377,16 @@ class Service:
         progress = Progress(self.marks, deployment, self.settings.stall_s, self.settings.hang_s)
         pieces = self.triton_stream(generation, deployment, progress)
         try:
-            first = await anext(pieces, None)
+            first = await unless_gone(request.receive, anext(pieces, None))
         except ApiError as error:
             admission.__exit__(None, None, None)
             self.count(client, generation.model, counters, error.status)
             return error_response(error, headers)
+        except ClientGone:  # left while waiting for its first token (queued): the request is cancelled
+            admission.__exit__(None, None, None)
+            self.count(client, generation.model, counters, 499)
+            await pieces.aclose()
+            return Response(status_code=499)
         except BaseException:
             admission.__exit__(None, None, None)
             raise

@@ -7,7 +7,8 @@ request whose deployment failed under it.
   polled; every time a deployment goes down its epoch counts up, so a request knows whether its
   deployment failed since it started, even once the mark is gone again (tritonserver 2.51 never ends
   the requests of a dead Python stub: the front must).
-- `DisconnectAwareStream`: a streamed answer that learns at once that its client left.
+- `DisconnectAwareStream`: a streamed answer that learns at once that its client left;
+  `unless_gone`: the same before an answer starts (a request waiting in the queue for its first token).
 - `Readiness`: whether tritonserver has a deployment loaded and ready, asked at most once a second, so
   /v1/models names only what is served and a request for an unloaded deployment is refused at once.
 """
@@ -130,6 +131,32 @@ class Readiness:
         except Exception as error:  # noqa: BLE001 - unreachable or timed out: whatever it is, retry later
             raise ApiError(503, f"the inference server does not answer whether `{deployment}` is ready ({error}); "
                                 "retry", code="retry") from None
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer started."""
+
+
+async def unless_gone(receive, awaitable):
+    """The awaitable's result, or ClientGone (the awaitable cancelled) once the client disconnects
+    first; `receive` is the request's (its body already read, the next message is the disconnect)."""
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(awaitable), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})  # its cleanup done (an async generator it ran is closed by then)
+    raise ClientGone
 
 
 class DisconnectAwareStream(StreamingResponse):

@@ -24,7 +24,7 @@ from tritonclient.grpc import service_pb2
 from dualend.serving.contract import COUNTERS, merge_counters
 
 from ..api_keys import ApiKey, keyed_salt
-from .front import DisconnectAwareStream, Progress
+from .front import ClientGone, DisconnectAwareStream, Progress, unless_gone
 from .translation import ApiError, triton_error
 
 GRPC_SERVICE = "inference.GRPCInferenceService"
@@ -393,16 +393,21 @@ class HttpGenerate:
                 if upstream is not None:
                     upstream.release() if status == upstream.status else upstream.close()
 
-        try:
+        async def post() -> None:  # tritonserver answers with its first event (a queued request: later)
+            nonlocal upstream
             upstream = await self.watched(self.session.post(
                 f"http://{self.triton_http}/v2/models/{deployment}/generate_stream", data=body,
                 headers={"Content-Type": "application/json"}), progress)
+
+        try:
+            await unless_gone(request.receive, post())
             if whole:
-                status, answer, headers = await self.gathered(upstream, progress, counters)
+                status, answer, headers = await unless_gone(request.receive,
+                                                            self.gathered(upstream, progress, counters))
                 await close()
                 return JSONResponse(answer, status_code=status, headers=headers)
             upstream_events = self.events_of(upstream, progress)
-            first = await anext(upstream_events, b"")
+            first = await unless_gone(request.receive, anext(upstream_events, b""))
             merge_counters(counters, counters_in(first))
             parsed = event_json(first)
             if "error" in parsed:  # refused before any token: a status by its outcome, not a 200 stream
@@ -419,6 +424,10 @@ class HttpGenerate:
             await close()
             return triton_error_response(ApiError(503, f"the inference server is not answering ({error}); retry",
                                                   code="retry"))
+        except ClientGone:  # left before its answer started: the upstream request is dropped with it
+            status = 499
+            await close()
+            return Response(status_code=499)
         except BaseException:  # cancelled (the service stopping): the key's place is given back all the same
             await close()
             raise

@@ -163,9 +163,13 @@ def test_prompts_are_cut_to_exact_token_counts_with_bos(tiny_tokenizer):
     check_cut(tiny_tokenizer, texts, 20)
 
 
-@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").exists(), reason="needs build/checkpoints/smollm2")
 def test_prompts_are_cut_to_exact_smollm2_token_counts():
+    """On SmolLM2's own tokenizer, imported from the installed package into the builder's folder as
+    builder.assemble does (reused when there)."""
+    from builder.assemble import imported_checkpoint, packaged_source
     from dualend.train.data import stdlib_chunks
+
+    imported_checkpoint(packaged_source("smollm2"), SMOLLM2)
     tokenizer = TextTokenizer.from_json((SMOLLM2 / "tokenizer.json").read_text(),
                                         (SMOLLM2 / "tokenizer_config.json").read_text())
     chunks = stdlib_chunks("report", 800, seed=3)

@@ -701,7 +701,8 @@ def test_a_keys_cap_counts_its_requests_on_every_route_together(tmp_path):
                 arrived.append(text)
                 reading.wait(60)
 
-            held = [pool.submit(launched.stream, 40, ignore_eos=True, on_text=hold) for _ in range(2)]
+            # long enough to be decoding still when the refusals are over (40 tokens could end first)
+            held = [pool.submit(launched.stream, 800, ignore_eos=True, on_text=hold) for _ in range(2)]
             try:
                 assert wait_for(lambda: len(arrived) == 2, 30)  # both streams open, their readers stopped
                 with pytest.raises(RequestError, match=r"^\[too_many_requests_for_key\] .*max_requests 2"):

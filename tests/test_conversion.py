@@ -191,11 +191,17 @@ def test_a_run_that_hits_its_time_limit_saves_and_the_next_run_resumes(base, tmp
     assert log[-1]["step"] > first and log[-1]["tokens"] > log[-2]["tokens"]
 
 
-def test_chat_rows_are_the_teachers_greedy_answers_under_its_chat_template(base, tmp_path):
+def saved_with_chat_template(base: Checkpoint, folder: Path) -> TextTokenizer:
+    """The base saved at `folder` with a chat template that joins the messages' contents; its tokenizer."""
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tokenizer = TextTokenizer(base.tokenizer.tokenizer, {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
                                                          "add_bos_token": True, "chat_template": template})
-    Checkpoint(base.model, tokenizer, base.recipe).save(tmp_path / "base")
+    Checkpoint(base.model, tokenizer, base.recipe).save(folder)
+    return tokenizer
+
+
+def test_chat_rows_are_the_teachers_greedy_answers_under_its_chat_template(base, tmp_path):
+    tokenizer = saved_with_chat_template(base, tmp_path / "base")
     train.main(["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
                 "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--chat-prompts", "3",
                 "--chat-tokens", "5", "--chat-fraction", "1.0", "--steps", "1", "--autocast", "none"])
@@ -252,10 +258,7 @@ def test_the_rate_falls_by_a_cosine_over_tokens_or_over_this_runs_minutes(base, 
 def test_convert_runs_on_cuda_in_bf16_with_chat_rows(base, tmp_path):
     """The GPU path as users run it: teacher answers made (on the CPU's reference decoder), the
     losses under CUDA's bf16 autocast (which refuses binary cross-entropy on probabilities), a save."""
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    tokenizer = TextTokenizer(base.tokenizer.tokenizer, {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
-                                                         "add_bos_token": True, "chat_template": template})
-    Checkpoint(base.model, tokenizer, base.recipe).save(tmp_path / "base")
+    saved_with_chat_template(base, tmp_path / "base")
     train.main(["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
                 "--batch-size", "4", "--seq-tokens", "32", "--eval-rows", "2", "--chat-prompts", "3",
                 "--chat-tokens", "5", "--steps", "3", "--eval-every", "3", "--device", "cuda", "--autocast", "bf16",

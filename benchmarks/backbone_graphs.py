@@ -4,9 +4,10 @@
 
 For each precision, writes both graphs of the checkpoint's backbone (quantized alike, as the export
 does) into a scratch folder, counts their nodes after ONNX Runtime's own optimizations and times
-decode steps as served (`ort_session` on `--threads`, threads spinning only
-within a call): every row of the batch stepping one latent (a decode step) or two (a step verifying a
-draft), after `--past` latents, the two graphs taking turns call by call so the machine's noise falls on
+steps as served (`BackboneRunner` over `ort_session` on `--threads`, threads spinning only within a
+call; the portable graph's new keys copied into the cache, the fused one's written there in place):
+every row of the batch stepping one latent (a decode step) or two (a step verifying a draft), after
+`--past` latents, the two graphs taking turns in blocks of calls so the machine's noise falls on
 both alike. Prints the median and 10th-90th percentile spread in ms and the portable/fused ratio.
 The inputs are random: what each graph costs, not what it says (tests/test_export.py checks the fused
 graph against the model code; benchmarks.weight_precision measures a quantized export's NLL on text).
@@ -24,7 +25,8 @@ import onnx
 from builder.export import WEIGHT_BITS, quantize_graph, weight_settings, write_backbone
 from client.api import median_and_spread
 from dualend.engine.checkpoint import load_checkpoint
-from dualend.engine.onnx_engine import BACKBONE_OUTPUTS, backbone_inputs, ort_session
+from benchmarks.step_profile import measure
+from dualend.engine.onnx_engine import BackboneBatch, BackboneRunner, kv_cache, ort_session
 
 GRAPHS = ("portable", "fused")
 
@@ -40,15 +42,12 @@ def optimized_nodes(path: Path, scratch: Path) -> int:
     return len(onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node)
 
 
-def step_feeds(settings: dict, batch: int, new: int, past: int, rng) -> dict:
-    layers, width = settings["n_layers"], past + 64
-    lengths = np.full(batch, past)
-    cache = [rng.standard_normal((batch, settings["kv_heads"], width, settings["head_dim"]), np.float32) * 0.5
-             for _ in range(2 * layers)]
-    values = (rng.standard_normal((batch, new, settings["d_model"]), np.float32) * 0.1,
-              lengths[:, None] + np.arange(new)[None], np.ones((batch, new), bool),
-              np.arange(width)[None] < lengths[:, None], *cache)
-    return dict(zip(backbone_inputs(layers), values))
+def step(runner: BackboneRunner, batch: int, new: int, rng):
+    """A call stepping every row `new` latents (a verifying step's drafts are dropped again after)."""
+    latents = rng.standard_normal((batch * new, runner.d_model), np.float32) * 0.1
+    step = BackboneBatch(list(range(batch)), latents, [new] * batch, [0] * batch, [],
+                         discard=[new] * batch if new > 1 else [], verify=new > 1)
+    return lambda: runner.run_batch(step)
 
 
 def main(argv=None) -> dict:
@@ -62,34 +61,34 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     checkpoint = load_checkpoint(args.checkpoint)
     model, cfg = checkpoint.model.eval(), checkpoint.config
-    settings = {"n_layers": cfg.n_layers, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "d_model": cfg.d_model}
+    settings = {"n_layers": cfg.n_layers, "n_kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim}
     figures = {}
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
         for precision in args.precisions:
-            quantization = weight_settings(precision).get("weight_quantization")
-            sessions, nodes = {}, {}
+            quantization = weight_settings(precision, cfg.head_dim).get("weight_quantization")
+            paths, nodes = {}, {}
             for graph in GRAPHS:
-                path = scratch / f"{precision}_{graph}.onnx"
-                write_backbone(model, path, fused=graph == "fused")
+                paths[graph] = scratch / f"{precision}_{graph}.onnx"
+                write_backbone(model, paths[graph], fused=graph == "fused")
                 if quantization:
-                    quantize_graph(path, quantization, cfg.vocab_size)
-                nodes[graph] = optimized_nodes(path, scratch)
-                sessions[graph] = ort_session(path, args.threads)
+                    quantize_graph(paths[graph], quantization, cfg.vocab_size)
+                nodes[graph] = optimized_nodes(paths[graph], scratch)
             print(f"\n{args.checkpoint} backbone, {precision} weights: nodes after ONNX Runtime's optimizations: "
                   f"portable {nodes['portable']}, fused {nodes['fused']}; ms per call, median (p10-p90) of "
                   f"{args.repeats}, past {args.past} latents, {args.threads} threads", flush=True)
             rng = np.random.default_rng(0)
             for batch in args.batch_sizes:
+                runners = {}
+                for graph in GRAPHS:
+                    runners[graph] = BackboneRunner(ort_session(paths[graph], args.threads),
+                                                    kv_cache(settings, cfg.n_layers, batch), cfg.vocab_size, cfg.d_model)
+                    for row in range(batch):
+                        runners[graph].prefill(row, rng.standard_normal((args.past, cfg.d_model), np.float32) * 0.1,
+                                               args.past + 4 * args.repeats + 64)
                 for new in (1, 2):
-                    feeds = step_feeds(settings, batch, new, args.past, rng)
-                    times = {graph: [] for graph in GRAPHS}
-                    for repeat in range(args.repeats + 2):  # two warm-up rounds
-                        for graph in GRAPHS:
-                            started = time.perf_counter()
-                            sessions[graph].run(list(BACKBONE_OUTPUTS), feeds)
-                            if repeat >= 2:
-                                times[graph].append((time.perf_counter() - started) * 1e3)
+                    times = measure({graph: step(runners[graph], batch, new, rng) for graph in GRAPHS},
+                                    args.repeats, 0.0)
                     medians = {graph: median_and_spread(times[graph]) for graph in GRAPHS}
                     ratio = medians["portable"][0] / medians["fused"][0]
                     kind = "decode step" if new == 1 else "verifying step"

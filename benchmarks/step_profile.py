@@ -4,10 +4,13 @@
 
 For each export: the backbone's step (its past 64 latents long, every row of the batch stepping) on
 `--threads` threads with ONNX Runtime's threads spinning between calls (as the in-process engine
-runs it) and within a call only (as the served backbone runs it), and, as served, a step verifying a
+runs it; measured last and alone, as its threads take a core from any other session once it ran) and
+within a call only (as the served backbone runs it), and, as served, a step verifying a
 draft (two latents a row); the MTP head's step on one thread and on
 `--threads`; the compressor folding one pair. Calls are interleaved call by call, so the machine's
 noise falls on every variant alike; prints the median and the 10th-90th percentile spread in ms.
+`--busy-ms` keeps this process's main thread busy that long before each call (a served step comes
+after the other processes' work for it).
 """
 from __future__ import annotations
 
@@ -23,24 +26,25 @@ from dualend.engine.onnx_engine import BackboneBatch, BackboneRunner, ExportedMo
 PAST_LATENTS = 64
 
 
-def variants(exported: ExportedModel, batch: int, threads: int) -> dict:
-    """name -> a callable running one step of that variant."""
+def variants(exported: ExportedModel, batch: int, threads: int, spinning_on: bool) -> dict:
+    """name -> a callable running one step of that variant: the one whose threads spin on between
+    calls (`spinning_on`; once it has run, its threads take a core from any other), or the others."""
     settings = exported.settings
     width, rng = settings["d_model"], np.random.default_rng(0)
     calls = {}
-    for between_calls in (True, False):
+    for label in ([", spinning between calls"] if spinning_on else [""]):
         cache = kv_cache(settings, settings["n_layers"], batch)
-        runner = BackboneRunner(ort_session(exported.path("backbone"), threads, between_calls), cache,
-                                settings["vocab_size"], width)
+        runner = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning_on), cache, settings["vocab_size"], width)
         for seq_id in range(batch):
             runner.prefill(seq_id, rng.standard_normal((PAST_LATENTS, width), np.float32) * 0.02, 4096)
         latents = rng.standard_normal((batch, width), np.float32) * 0.02
-        calls[f"backbone, {threads} threads{', spinning between calls' if between_calls else ''}"] = (
-            lambda runner=runner, latents=latents: runner.step(list(range(batch)), latents))
-        if not between_calls:  # a step that verifies a draft: two latents a row, both dropped again after
+        calls[f"backbone, {threads} threads{label}"] = lambda runner=runner, latents=latents: runner.step(list(range(batch)), latents)
+        if not label:  # as served: a step that verifies a draft: two latents a row, both dropped again after
             verify = BackboneBatch(list(range(batch)), np.repeat(latents, 2, axis=0), [2] * batch, [0] * batch, [],
                                    discard=[2] * batch, verify=True)
             calls[f"backbone verifying, {threads} threads"] = lambda runner=runner, verify=verify: runner.run_batch(verify)
+    if spinning_on:
+        return calls
     if "mtp" in exported.manifests:
         for mtp_threads in sorted({1, threads}):
             runner = MTPRunner(ort_session(exported.path("mtp"), mtp_threads), kv_cache(settings, 1, batch))
@@ -59,30 +63,44 @@ def variants(exported: ExportedModel, batch: int, threads: int) -> dict:
     return calls
 
 
+def measure(calls: dict, repeats: int, busy_ms: float, block: int = 4) -> dict:
+    """name -> ms of `repeats` calls: the variants take turns in blocks of `block` consecutive calls
+    (each block's first not counted: it meets the threads as the other variant left them)."""
+    times = {name: [] for name in calls}
+    for repeat in range(-(-repeats // (block - 1)) + 1):  # a warm-up round first
+        for name, call in calls.items():
+            for index in range(block):
+                busy_until = time.perf_counter() + busy_ms / 1e3
+                while time.perf_counter() < busy_until:
+                    pass
+                started = time.perf_counter()
+                call()
+                if repeat and index and len(times[name]) < repeats:
+                    times[name].append((time.perf_counter() - started) * 1e3)
+    return times
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("exports", type=Path, nargs="+", help="export folders (builder.assemble writes build/export/NAME)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--busy-ms", type=float, default=0.0, help="main-thread work before each call")
     args = parser.parse_args(argv)
     figures = {}
     for directory in args.exports:
         exported = ExportedModel.open(directory)
         for batch in args.batch_sizes:
-            calls = variants(exported, batch, args.threads)
-            times = {name: [] for name in calls}
-            for repeat in range(args.repeats + 2):  # two warm-up rounds
-                for name, call in calls.items():
-                    started = time.perf_counter()
-                    call()
-                    if repeat >= 2:
-                        times[name].append((time.perf_counter() - started) * 1e3)
-            print(f"\n{directory} (weights {exported.weight_precision}), batch {batch}, past {PAST_LATENTS} latents; "
-                  f"ms per step, median (p10-p90) of {args.repeats}")
+            times = {}
+            for spinning_on in (False, True):  # the variant spinning on last, alone: it would slow the others
+                calls = variants(exported, batch, args.threads, spinning_on)
+                times |= measure(calls, args.repeats, args.busy_ms)
+            print(f"\n{directory} (weights {exported.weight_precision}), batch {batch}, past {PAST_LATENTS} latents, "
+                  f"{args.busy_ms} ms busy before each call; ms per step, median (p10-p90) of {args.repeats}")
             for name, values in times.items():
                 median, low, high = median_and_spread(values)
-                print(f"  {name:32} {median:8.2f} ({low:.2f}-{high:.2f})")
+                print(f"  {name:45} {median:8.2f} ({low:.2f}-{high:.2f})")
                 figures[(str(directory), batch, name)] = median
     return figures
 

@@ -88,9 +88,13 @@ DEFAULTS = dict(
     raw_context_limit=0, max_new_tokens=0, kv_block_size=64, kv_cache_mb=512,
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
     prefix_cache_entries=16, prefix_cache_ttl_s=600.0,
-    engine_threads=2, preprocessing_instances=1, weight_precision="fp32", draft_max_batch=4,
+    engine_threads=2, preprocessing_instances=1, weight_precision="fp32", draft_max_batch=None,
     draft_min_acceptance=None, fair_rows_per_client=4, fair_linger_s=2.0,
 )
+# Verified drafts while at most this many sequences decode (reports/fused_backbone/: at 16 a verifying
+# step cost 80 against 58 ms). A backbone that writes its keys in place (ONNX Runtime's GroupQueryAttention)
+# verifies one sequence per call, so there two sequences' drafts cost two calls: drafts only for one.
+DRAFT_MAX_BATCH, DRAFT_MAX_BATCH_IN_PLACE = 4, 1
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
                         "requests are admitted while their reservations (fp32 keys and values of prompt + max_tokens) "
                         "fit in it; memory is taken as they write their slots (default: %(default)s; smollm2 1536)",
@@ -103,7 +107,9 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
                              "(ONNX Runtime MatMulNBits, docs/building.md#weight-precision); P for every deployment, "
                              "NAME=P for one (repeatable; default: %(default)s)",
             draft_max_batch="a deployment with a draft head feeds drafts only while at most this many sequences "
-                            "decode (0: however many; default: %(default)s)",
+                            "decode (N for every deployment, NAME=N for one; repeatable; 0: however many; default: "
+                            f"{DRAFT_MAX_BATCH_IN_PLACE} where the backbone writes its keys in place (int8 and int4), "
+                            f"else {DRAFT_MAX_BATCH})",
             draft_min_acceptance="a sequence whose recent drafts were kept less often than this stops drafting "
                                  "for a while (decode.DraftPacer; A for every deployment, NAME=A for one; "
                                  "repeatable; 0: never); default: a draft head's break-even by weight precision "
@@ -142,7 +148,7 @@ SERVING_SETTINGS = {"dualend": (ROOT / "checkpoints" / "dualend", CHECKPOINT_WEI
 # tokens (its checkpoint says 8192) keep a request's reservation at 90 MiB, so 1536 MiB admits
 # 16 requests at the limits and far more of ordinary length.
 PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefix_cache_entries", "draft_min_acceptance",
-                  "engine_threads")
+                  "engine_threads", "draft_max_batch")
 EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for precision in WEIGHT_BITS}
 DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536}
                        for name in ("smollm2", "smollm2_dualend", "smollm2_mtp")}
@@ -277,6 +283,13 @@ def draft_min_acceptance(args, deployment: str, source: str, precision: str, ver
     if given is not None:
         return given
     return DRAFT_BREAK_EVEN[precision] if verifies else 0.0
+
+
+def draft_max_batch(args, deployment: str, source: str, settings: dict) -> int:
+    given = setting(args, "draft_max_batch", deployment, source)
+    if given is not None:
+        return given
+    return DRAFT_MAX_BATCH_IN_PLACE if settings.get("backbone_graph") == FUSED_GRAPH else DRAFT_MAX_BATCH
 
 
 def synthetic_rate(text: str) -> tuple[str | None, float]:
@@ -439,7 +452,8 @@ def trained_context(checkpoint_dir: Path) -> int:
 def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, threshold: float,
                       raw_context_limit: int, kv_cache_mb: int, synthetic_acceptance: float = -1.0,
                       weights: str = "trained", prefix_cache_entries: int = DEFAULTS["prefix_cache_entries"],
-                      draft_min_acceptance: float = 0.0, engine_threads: int = DEFAULTS["engine_threads"]) -> dict:
+                      draft_min_acceptance: float = 0.0, engine_threads: int = DEFAULTS["engine_threads"],
+                      draft_max_batch: int = DRAFT_MAX_BATCH) -> dict:
     """Template values: the deployment config (each field, and all of them as `parameters` lines)
     and the tensor dims. max_new_tokens defaults to the whole limit (prompt + max_tokens <=
     raw_context_limit is checked per request)."""
@@ -462,7 +476,8 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
         prefix_cache_entries=prefix_cache_entries, prefix_cache_ttl_s=args.prefix_cache_ttl_s,
         engine=args.engine, engine_threads=engine_threads,
         compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
-        synthetic_acceptance=synthetic_acceptance, weights=weights, draft_max_batch=args.draft_max_batch,
+        synthetic_acceptance=synthetic_acceptance, weights=weights,
+        draft_max_batch=draft_max_batch,
         draft_min_acceptance=draft_min_acceptance,
         fair_rows_per_client=args.fair_rows_per_client, fair_linger_s=args.fair_linger_s,
     )
@@ -520,7 +535,8 @@ def assemble(args) -> Path:
                                    setting(args, "prefix_cache_entries", name, source),
                                    draft_min_acceptance(args, name, source, precision,
                                                         pair_size == 1 and "mtp" in exported.manifests),
-                                   setting(args, "engine_threads", name, source))
+                                   setting(args, "engine_threads", name, source),
+                                   draft_max_batch(args, name, source, exported.settings))
         render_deployment(name, exported, staging, values)
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
         print(f"{name}: checkpoint {exported.checkpoint_id}" + (f" (a variant of {source})" if name != source else "")

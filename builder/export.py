@@ -56,7 +56,10 @@ QUANT_BLOCK_SIZE = 32  # weights along the input dimension that share one scale 
 # multiplies on its integer dot-product units; ONNX Runtime's CPU kernels have no fast path on fp32
 # activations for these weights (reports/weight_precision_nll.txt).
 QUANT_ACCURACY_LEVEL = 4
-FUSED_GRAPH = "onnxruntime-fused"  # settings' backbone_graph of an export whose backbone is builder.fused_backbone's
+# settings' backbone_graph of an export whose backbone is builder.fused_backbone's (its keys written in place;
+# "onnxruntime-fused", the graph before it, took the portable graph's tensors: such exports are redone)
+FUSED_GRAPH = "onnxruntime-kv-in-place"
+FUSED_HEAD_MULTIPLE = 16  # ONNX Runtime's GroupQueryAttention (its rotary) takes heads of a multiple of 16; else the portable graph
 
 
 class CompressorGraph(nn.Module):
@@ -130,13 +133,15 @@ def _weights_beside(path: Path) -> None:
     onnx.checker.check_model(str(path))
 
 
-def weight_settings(weight_precision: str) -> dict:
-    """The settings that say how an export's backbone and MTP weights are stored."""
+def weight_settings(weight_precision: str, head_dim: int) -> dict:
+    """The settings that say how an export's backbone and MTP weights are stored, and which backbone
+    graph holds them."""
     if weight_precision not in WEIGHT_BITS:
         raise ValueError(f"weight_precision {weight_precision!r}: expected one of {', '.join(WEIGHT_BITS)}")
     if weight_precision == "fp32":
         return {"weight_precision": weight_precision}
-    return {"weight_precision": weight_precision, "backbone_graph": FUSED_GRAPH,
+    graph = {"backbone_graph": FUSED_GRAPH} if head_dim % FUSED_HEAD_MULTIPLE == 0 else {}
+    return {"weight_precision": weight_precision, **graph,
             "weight_quantization": {"op": "MatMulNBits", "bits": WEIGHT_BITS[weight_precision],
                                     "block_size": QUANT_BLOCK_SIZE, "rule": QUANT_RULES[WEIGHT_BITS[weight_precision]],
                                     "lm_head_bits": LM_HEAD_BITS, "accuracy_level": QUANT_ACCURACY_LEVEL}}
@@ -153,7 +158,7 @@ def settings_of(checkpoint: Checkpoint, weight_precision: str = "fp32") -> dict:
     return {"d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "pair_size": cfg.pair_size,
             "pad_id": cfg.pad_id, "bos_id": cfg.bos_id, "eos_id": cfg.eos_id,
             "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads,
-            "head_dim": cfg.head_dim, "export_format": EXPORT_FORMAT} | weight_settings(weight_precision)
+            "head_dim": cfg.head_dim, "export_format": EXPORT_FORMAT} | weight_settings(weight_precision, cfg.head_dim)
 
 
 def export_matches(exported: ExportedModel, checkpoint: Checkpoint, weight_precision: str = "fp32") -> bool:
@@ -161,13 +166,15 @@ def export_matches(exported: ExportedModel, checkpoint: Checkpoint, weight_preci
     the checkpoint id covers weights and config; the tokenizer config travels beside them; the weight
     settings say how the weights were stored (an export from before they existed is fp32)."""
     settings = {"weight_precision": "fp32"} | exported.settings
+    wanted = weight_settings(weight_precision, checkpoint.config.head_dim)
     return (exported.checkpoint_id == checkpoint.id and exported.tokenizer().config == checkpoint.tokenizer.config
-            and all(settings.get(key) == value for key, value in weight_settings(weight_precision).items()))
+            and all(settings.get(key) == value for key, value in wanted.items())
+            and settings.get("backbone_graph") == wanted.get("backbone_graph"))
 
 
 def write_backbone(model: LanguageModel, path: Path, fused: bool) -> None:
     """The backbone, its LM head included, at `path`: builder.fused_backbone's graph for ONNX Runtime
-    (`fused`), else torch's portable one. Both take and give the same tensors."""
+    (`fused`: its keys and values written into the cache in place), else torch's portable one."""
     if fused:
         write_backbone_graph(model, path)
         return

@@ -8,7 +8,8 @@ own grid again instead of being rounded a second time:
   minimum, and its CPU kernels take float zero points only on a path that dequantizes the whole
   weight every call. So the minimum rides on a small correction beside it:
       A @ W = MatMulNBits(A; q, scale, zero point 0) + blocksum(A) @ block_min
-  with blocksum(A) [.., K / block_size] the sum of A over each block.
+  with blocksum(A) [.., K / block_size] the sum of A over each block, itself a product by a fixed 0/1
+  matrix (one Gemm adds both to the MatMulNBits output where A is 2-D).
 - 8 bits, symmetric (Q8_0's rule): w = scale * q, q in -127..127, scale = max|w| / 127 (stored as
   q + 128, MatMulNBits' default zero point for 8 bits).
 An LM head (a weight with one output per vocabulary entry) keeps 8 bits at every precision: a tied
@@ -27,7 +28,7 @@ RULES = {ASYMMETRIC_BITS: "asymmetric, float block minimum", SYMMETRIC_BITS: "sy
 LM_HEAD_BITS = 8
 
 
-MINIMUM_TERM = "_minimum_term"  # suffix of the output of a block-minimum correction's MatMul
+CORRECTION_WEIGHTS = ("_block_indicator", "_minimums")  # name suffixes of the block-minimum corrections' weights
 
 
 def constant_weight_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -35,7 +36,7 @@ def constant_weight_matmuls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     small block-minimum corrections that 4-bit weights bring."""
     weights = {tensor.name for tensor in model.graph.initializer}
     return [node for node in model.graph.node if node.op_type in ("MatMul", "Gemm") and node.input[1] in weights
-            and not node.output[0].endswith(MINIMUM_TERM)]
+            and not node.input[1].endswith(CORRECTION_WEIGHTS)]
 
 
 def _blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
@@ -108,36 +109,25 @@ class _Rewriter:
                                 accuracy_level=self.accuracy_level)
 
     def minimum_correction(self, node: onnx.NodeProto, minimums: np.ndarray, k: int, partial: str) -> list[onnx.NodeProto]:
-        """Nodes adding blocksum(A) @ minimums to `partial`, into the MatMul's own output. Where shape
-        inference knows A's rank, A's leading dimensions stay as they are; else A is flattened to
-        rows and the term is shaped like `partial` again."""
+        """Nodes adding blocksum(A) @ minimums to `partial`, into the MatMul's own output: the block
+        sums as A @ indicator ([K, K_blocks], 1 where row k is in block j; a tail block sums its real
+        rows only), then one Gemm where A is 2-D, else a MatMul and an Add."""
         activations, name = node.input[0], node.name
-        rank = self.ranks.get(activations)
         blocks = minimums.shape[1]
-        nodes, source = [], activations
-        if blocks * self.block_size != k:  # the tail block's padding adds nothing to the sum
-            if not rank:
-                raise ValueError(f"{name}: K = {k} is not a multiple of {self.block_size} and the rank of its "
-                                 f"input {activations} is unknown; cannot pad its last block")
-            pads = [0] * rank + [0] * (rank - 1) + [blocks * self.block_size - k]
-            nodes.append(helper.make_node("Pad", [source, self.weight(f"{name}_pads", np.array(pads, np.int64))],
-                                          [f"{name}_padded"]))
-            source = f"{name}_padded"
-        leading = [0] * (rank - 1) if rank else [-1]  # Reshape's 0: that dimension as it is
-        shape = np.array(leading + [blocks, self.block_size], np.int64)
-        term = f"{name}{MINIMUM_TERM}"
-        nodes += [
-            helper.make_node("Reshape", [source, self.weight(f"{name}_block_shape", shape)], [f"{name}_blocks"]),
-            helper.make_node("ReduceSum", [f"{name}_blocks", self.weight(f"{name}_last_axis", np.array([-1], np.int64))],
-                             [f"{name}_block_sums"], keepdims=0),
-            helper.make_node("MatMul", [f"{name}_block_sums", self.weight(f"{name}_minimums", minimums.T.copy())],
-                             [term]),
-        ]
-        if not rank:
-            nodes += [helper.make_node("Shape", [partial], [f"{name}_output_shape"]),
-                      helper.make_node("Reshape", [term, f"{name}_output_shape"], [f"{term}_shaped"])]
-            term = f"{term}_shaped"
-        return nodes + [helper.make_node("Add", [partial, term], [node.output[0]])]
+        indicator = f"k{k}_block{self.block_size}{CORRECTION_WEIGHTS[0]}"  # one per K, shared
+        if indicator not in self.weights and all(w.name != indicator for w in self.new_weights):
+            array = np.zeros((k, blocks), np.float32)
+            array[np.arange(k), np.arange(k) // self.block_size] = 1
+            self.weight(indicator, array)
+        sums = f"{name}_block_sums"
+        minimums_weight = self.weight(f"{name}{CORRECTION_WEIGHTS[1]}", minimums.T.copy())
+        nodes = [helper.make_node("MatMul", [activations, indicator], [sums], name=f"{name}_block_sums")]
+        if self.ranks.get(activations) == 2:
+            return nodes + [helper.make_node("Gemm", [sums, minimums_weight, partial], [node.output[0]],
+                                             name=f"{name}_minimum_term")]
+        return nodes + [helper.make_node("MatMul", [sums, minimums_weight], [f"{name}_minimum_term"],
+                                         name=f"{name}_minimum_term"),
+                        helper.make_node("Add", [partial, f"{name}_minimum_term"], [node.output[0]])]
 
     def replace(self, node: onnx.NodeProto, bits: int) -> list[onnx.NodeProto]:
         weight = numpy_helper.to_array(self.weights[node.input[1]]).astype(np.float32)  # [K, N]

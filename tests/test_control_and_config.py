@@ -211,3 +211,17 @@ def test_a_draft_heads_pacing_floor_defaults_to_its_precisions_break_even_and_pa
     given = Namespace(draft_min_acceptance=[(None, 0.2), ("dualend", 0.1)])
     assert draft_min_acceptance(given, "smollm2_mtp", "smollm2_mtp", "int4", True) == 0.2
     assert draft_min_acceptance(given, "dualend", "dualend", "fp32", False) == 0.1
+
+
+def test_drafts_are_verified_for_one_sequence_at_a_time_where_the_backbone_writes_its_keys_in_place():
+    """GroupQueryAttention verifies one sequence per call (its several new latents after a past)."""
+    from argparse import Namespace
+
+    from builder.assemble import DRAFT_MAX_BATCH, draft_max_batch
+    from builder.export import weight_settings
+
+    none_given = Namespace(draft_max_batch=[])
+    assert draft_max_batch(none_given, "smollm2_mtp", "smollm2_mtp", weight_settings("int4", 64)) == 1
+    assert draft_max_batch(none_given, "smollm2_mtp", "smollm2_mtp", weight_settings("fp32", 64)) == DRAFT_MAX_BATCH == 4
+    given = Namespace(draft_max_batch=[("smollm2_mtp", 3)])
+    assert draft_max_batch(given, "smollm2_mtp", "smollm2_mtp", weight_settings("int4", 64)) == 3

@@ -10,7 +10,7 @@ import onnx
 import pytest
 import torch
 
-from builder.export import export_checkpoint, export_matches
+from builder.export import export_checkpoint, export_matches, weight_settings
 from builder.quantize import constant_weight_matmuls
 from dualend.engine.checkpoint import Checkpoint
 from dualend.engine.decode import CapacityError, SamplingParams
@@ -183,7 +183,7 @@ def test_every_constant_weight_matmul_of_backbone_and_mtp_is_quantized(exported,
         head = [a for a in attributes if a["N"] == vocab]  # the LM head: the tied embedding's transpose
         assert len(head) == 1 and head[0]["bits"] == 8
         assert {(a["bits"], a["block_size"], a["accuracy_level"]) for a in attributes if a["N"] != vocab} == {(bits, 32, 4)}
-        # A, codes, scales (symmetric); int4 adds zero points, its block minimums added by a MatMul beside it
+        # A, codes, scales (symmetric); int4 adds zero points, its block minimums added beside it (Gemm, or MatMul + Add)
         assert sorted(len(node.input) for node in nbits) == sorted([3] + [3 if bits == 8 else 4] * (count - 1))
 
 
@@ -198,11 +198,16 @@ def test_the_manifests_name_the_weight_precision_and_an_export_matches_only_its_
     assert int4.settings["weight_quantization"] == {"op": "MatMulNBits", "bits": 4, "block_size": 32,
                                                     "rule": "asymmetric, float block minimum",
                                                     "lm_head_bits": 8, "accuracy_level": 4}
-    assert int4.settings["backbone_graph"] == "onnxruntime-fused" and "backbone_graph" not in fp32.settings
-    assert any(node.domain == "com.microsoft" and node.op_type == "RotaryEmbedding"
+    assert int4.settings["backbone_graph"] == "onnxruntime-kv-in-place" and "backbone_graph" not in fp32.settings
+    assert any(node.domain == "com.microsoft" and node.op_type == "GroupQueryAttention"
                for node in onnx.load(str(int4.path("backbone")), load_external_data=False).graph.node)
-    del int4.manifests["tokenizer"].settings["backbone_graph"]  # a quantized export from before the fused graph
-    assert not export_matches(int4, checkpoint, "int4")  # so assemble exports it again
+    assert "backbone_graph" not in weight_settings("int4", head_dim=24)  # GroupQueryAttention cannot: the portable graph
+    for before in ("onnxruntime-fused", None):  # quantized exports from before the graph took its keys in place, or
+        int4 = ExportedModel.open(quantized["int4"])  # before the fused graph: assemble exports them again
+        int4.manifests["tokenizer"].settings.pop("backbone_graph")
+        if before:
+            int4.manifests["tokenizer"].settings["backbone_graph"] = before
+        assert not export_matches(int4, checkpoint, "int4")
     int4 = ExportedModel.open(quantized["int4"])
     int4.manifests["tokenizer"].settings["weight_quantization"]["block_size"] = 128  # made by other settings
     assert not export_matches(int4, checkpoint, "int4")
@@ -413,19 +418,22 @@ def test_the_past_of_some_rows_is_a_view_when_they_are_consecutive_and_a_copy_in
 
 @pytest.mark.parametrize("shape", [
     dict(pair_size=2, position_stride=2),                              # a pair model, RoPE at each pair's second token
-    dict(pair_size=1, n_kv_heads=2, qkv_bias=True, tie_embeddings=False, head_size=12),  # Qwen2-like grouped queries
+    dict(pair_size=1, n_kv_heads=2, qkv_bias=True, tie_embeddings=False, head_size=32),  # Qwen2-like grouped queries
 ])
-def test_the_fused_backbone_graph_computes_what_the_model_code_does(tmp_path, shape):
+def test_the_fused_backbone_graph_computes_what_the_model_code_does_and_writes_its_keys_in_place(tmp_path, shape):
     """builder.fused_backbone writes the backbone node by node for ONNX Runtime (quantized exports run
     it); the reference is the torch backbone, on rows of different lengths, for a decode step, a
-    verifying step and a prefill chunk."""
+    verifying step and a prefill chunk. Its keys and values go into the past's own buffers, after each
+    row's filled slots, and nothing else there changes."""
+    import onnxruntime as ort
+
     from builder.fused_backbone import write_backbone_graph
     from dualend.engine.model import LanguageModel, ModelConfig
-    from dualend.engine.onnx_engine import BACKBONE_OUTPUTS, backbone_inputs, ort_session
+    from dualend.engine.onnx_engine import in_place_backbone_inputs, in_place_backbone_outputs, ort_session
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=97, pad_id=0, bos_id=1, eos_id=2, d_model=48, n_layers=3, n_heads=4,
-                      ffn_hidden=80, **shape)
+    cfg = ModelConfig(vocab_size=97, pad_id=0, bos_id=1, eos_id=2, d_model=64, n_layers=3, n_heads=4,
+                      ffn_hidden=80, **shape)  # heads of 16 and 32: GroupQueryAttention takes multiples of 16
     model = LanguageModel(cfg).eval()
     with torch.no_grad():  # norms and biases away from their initial ones and zeros, so each is checked
         for name, parameter in model.named_parameters():
@@ -433,25 +441,93 @@ def test_the_fused_backbone_graph_computes_what_the_model_code_does(tmp_path, sh
                 parameter.add_(torch.randn_like(parameter) * 0.3)
     write_backbone_graph(model, tmp_path / "backbone.onnx")
     session = ort_session(tmp_path / "backbone.onnx", 2)
+    inputs, outputs = in_place_backbone_inputs(cfg.n_layers), in_place_backbone_outputs(cfg.n_layers)
     rng = np.random.default_rng(0)
-    for lengths, new in (([7, 3], 1), ([7, 3], 2), ([5], 6), ([0, 0], 4)):
-        batch, width = len(lengths), max(max(lengths), 1) + 3
-        past = rng.standard_normal((2, cfg.n_layers, batch, cfg.kv_heads, width, cfg.head_dim)).astype(np.float32)
+    for lengths, new in (([7, 3], 1), ([7], 2), ([5], 6), ([0, 0], 4), ([0, 4, 2], 1)):  # S > 1 after a past: one row
+        batch, width = len(lengths), max(lengths) + new + 2
+        cache = rng.standard_normal((2, cfg.n_layers, batch, cfg.kv_heads, width, cfg.head_dim)).astype(np.float32)
+        before = cache.copy()
         latents = rng.standard_normal((batch, new, cfg.d_model)).astype(np.float32)
+        binding = session.io_binding()
+        binding.bind_output("logits")  # outputs come back in the order they were bound
+        binding.bind_output("hidden")
+        binding.bind_cpu_input("latents", latents)
+        binding.bind_cpu_input("seqlens_k", (np.array(lengths) + new - 1).astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(max(lengths) + new, np.int32))
+        for past_name, present_name, buffer in zip(inputs[3:], outputs[2:], [*cache[0], *cache[1]]):
+            value = ort.OrtValue.ortvalue_from_numpy(buffer)
+            binding.bind_ortvalue_input(past_name, value)
+            binding.bind_ortvalue_output(present_name, value)
+        session.run_with_iobinding(binding)
+        logits, hidden = (value.numpy() for value in binding.get_outputs()[:2])
+
         positions = np.array(lengths)[:, None] + np.arange(new)[None]
         past_valid = np.arange(width)[None] < np.array(lengths)[:, None]
-        new_valid = np.ones((batch, new), bool)
-        new_valid[-1, -1] = new == 1  # a padded query in the last row where there are several
-        feeds = dict(zip(backbone_inputs(cfg.n_layers), (latents, positions, new_valid, past_valid, *past[0], *past[1])))
-        got = dict(zip(BACKBONE_OUTPUTS, session.run(list(BACKBONE_OUTPUTS), feeds)))
         with torch.no_grad():
-            hidden, keys, values = model.backbone(*map(torch.from_numpy, (latents, positions, new_valid)),
-                                                  torch.from_numpy(past[0]), torch.from_numpy(past[1]),
-                                                  torch.from_numpy(past_valid), last=2)
-            logits = model.lm_head(hidden)
-        outputs = min(new, 2)
-        np.testing.assert_allclose(got["hidden"], hidden.numpy(), atol=1e-4)
-        np.testing.assert_allclose(got["logits"], logits.numpy(), atol=1e-4)
-        np.testing.assert_allclose(got["present_keys"], keys.numpy(), atol=1e-4)
-        np.testing.assert_allclose(got["present_values"], values.numpy(), atol=1e-4)
-        assert got["logits"].shape == (batch, outputs, cfg.vocab_size)
+            want_hidden, keys, values = model.backbone(
+                torch.from_numpy(latents), torch.from_numpy(positions), torch.ones(batch, new, dtype=torch.bool),
+                torch.from_numpy(before[0]), torch.from_numpy(before[1]), torch.from_numpy(past_valid), last=2)
+            want_logits = model.lm_head(want_hidden)
+        np.testing.assert_allclose(hidden, want_hidden.numpy(), atol=1e-4)
+        np.testing.assert_allclose(logits, want_logits.numpy(), atol=1e-4)
+        assert logits.shape == (batch, min(new, 2), cfg.vocab_size)
+        for row, length in enumerate(lengths):
+            written = slice(length, length + new)
+            np.testing.assert_allclose(cache[0][:, row, :, written], keys.numpy()[:, row], atol=1e-4)
+            np.testing.assert_allclose(cache[1][:, row, :, written], values.numpy()[:, row], atol=1e-4)
+            untouched = np.ones(width, bool)
+            untouched[written] = False
+            assert np.array_equal(cache[:, :, row, :, untouched], before[:, :, row, :, untouched])
+
+
+def test_a_runner_over_the_in_place_graph_answers_and_keeps_its_cache_as_over_the_portable_graph(tmp_path):
+    """The same calls through BackboneRunner on both graphs of one model: prefill chunks, decode steps
+    over every row and over some (consecutive: views; not: a copy whose new slots go back), verifying
+    steps (GroupQueryAttention takes S > 1 after a past for one row at a time), a rejected draft's
+    slots dropped, a release that moves a row, a prefix-cache copy adopted, the cache re-laid out
+    wider; the outputs and every row's filled slots agree."""
+    from builder.export import write_backbone
+    from dualend.engine.model import LanguageModel, ModelConfig
+    from dualend.engine.onnx_engine import BackboneBatch, BackboneRunner, ort_session
+
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=97, pad_id=0, bos_id=1, eos_id=2, d_model=64, n_layers=2, n_heads=4, ffn_hidden=80,
+                      pair_size=1, n_kv_heads=2)
+    model = LanguageModel(cfg).eval()
+    runners = {}
+    for fused in (False, True):
+        write_backbone(model, tmp_path / f"{fused}.onnx", fused=fused)
+        cache = KVCache(cfg.n_layers, cfg.kv_heads, cfg.head_dim, max_sequences=5, bucket=4)
+        runners[fused] = BackboneRunner(ort_session(tmp_path / f"{fused}.onnx", 2), cache, cfg.vocab_size, cfg.d_model)
+    assert runners[True].writes_in_place and not runners[False].writes_in_place
+    rng = np.random.default_rng(5)
+
+    def both(ids, counts, reserve=None, **fields):
+        latents = rng.standard_normal((sum(counts), cfg.d_model)).astype(np.float32)
+        results = [runner.run_batch(BackboneBatch(ids, latents, counts, reserve or [0] * len(ids), [], **fields))
+                   for runner in runners.values()]
+        assert results[0].status == results[1].status == [0] * len(ids), results[1].messages
+        np.testing.assert_allclose(results[1].logits, results[0].logits, atol=1e-4)
+        np.testing.assert_allclose(results[1].hidden, results[0].hidden, atol=1e-4)
+        if fields.get("verify"):
+            np.testing.assert_allclose(results[1].verify_logits, results[0].verify_logits, atol=1e-4)
+
+    both([1, 2, 3, 4], [6, 2, 1, 1], reserve=[40] * 4)        # a chunk; starts of 2 and 1 latents
+    both([1, 2, 3, 4], [1, 1, 1, 1])                          # every row
+    both([1, 3], [2, 2], verify=True)                          # verifying, one row at a time in place
+    both([1, 3], [1, 1], discard=[1, 0])                       # rows 0 and 2: a copy of their past; a draft dropped
+    both([2, 3], [1, 1])                                       # consecutive rows: views
+    both([4], [5])                                             # a chunk after a past
+    both([1, 3, 4], [1, 1, 1], keeps=[2])                      # 2 kept for the prefix cache, the last row moved
+    both([5, 1, 3, 4], [3, 1, 1, 1], reserve=[40, 0, 0, 0], reuse_ids=[2, 0, 0, 0], reuse_slots=[3, 0, 0, 0])
+    for _ in range(6):                                         # past the width of the first layouts
+        both([1, 3, 4, 5], [1, 1, 1, 1])
+    portable, in_place = (runner.cache for runner in runners.values())
+    row_4 = portable.row(4)
+    both([4], [portable.width - int(portable.lengths[row_4])])  # 4 fills its row to the width, then is not
+    both([1, 3, 5], [1, 1, 1])                                  # stepped: its dummy slot needs a wider layout
+    assert in_place.row_owner == portable.row_owner and in_place.lengths.tolist() == portable.lengths.tolist()
+    assert in_place.width > 8
+    for row, length in enumerate(portable.lengths[:len(portable.row_owner)]):
+        for ours, theirs in zip(in_place.keys + in_place.values, portable.keys + portable.values):
+            np.testing.assert_allclose(ours[row, :, :length], theirs[row, :, :length], atol=1e-4)

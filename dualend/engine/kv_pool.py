@@ -73,6 +73,7 @@ class Past:
     values: list[np.ndarray]
     valid: np.ndarray         # [n, T] bool
     lengths: np.ndarray       # [n] filled slots per row
+    copied: bool = False      # keys and values are a copy of the rows, not views of the cache
 
 
 def _lazy_zeros(count: int) -> tuple[mmap.mmap, np.ndarray]:
@@ -196,9 +197,21 @@ class KVCache:
         to the next bucket when the longest would not fit."""
         for row in rows:
             self.check_room(row, new_slots)
-        needed = int(max(self.lengths[row] for row in rows)) + new_slots
-        if needed > self.width:
-            self._allocate(self._bucketed(needed))
+        self._fit(int(max(self.lengths[row] for row in rows)) + new_slots)
+
+    def fit_every_row(self, new_slots: int) -> None:
+        """Grows T so that `new_slots` more fit after every row in use, reservation or not: for an
+        engine that writes a step's keys into every row it reads, the rows not stepping included
+        (past their lengths, where nothing live is)."""
+        self._fit(int(self.lengths[:len(self.row_owner)].max(initial=0)) + new_slots)
+
+    def _fit(self, slots: int) -> None:
+        if slots > self.width:
+            self._allocate(self._bucketed(slots))
+
+    def advance(self, rows: list[int], new_slots: int) -> None:
+        """Counts `new_slots` more filled slots in each of `rows`: an engine wrote them in place."""
+        self.lengths[np.asarray(rows, np.int64)] += new_slots
 
     def discard(self, row: int, slots: int) -> None:
         """Drops the row's last `slots` slots (a rejected draft's); the next write goes there."""
@@ -225,7 +238,7 @@ class KVCache:
             span = slice(0, len(self.row_owner)) if one is None else slice(one, one + 1)
         lengths = self.lengths[span]
         return Past([k[span] for k in self.keys], [v[span] for v in self.values],
-                    np.arange(self.width)[None] < lengths[:, None], lengths)
+                    np.arange(self.width)[None] < lengths[:, None], lengths, copied=not isinstance(span, slice))
 
     def compact(self) -> None:
         """Shrinks T back to the bucket that holds the longest sequence, once the long ones left."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .decode import BackboneOutput, CapacityError
-from .kv_pool import AlreadyStarted, EvictedSequence, KVCache, NoRoom, PrefixGone, UnknownSequence
+from .kv_pool import AlreadyStarted, EvictedSequence, KVCache, NoRoom, Past, PrefixGone, UnknownSequence
 from .manifest import Manifest, ManifestError, verify_component, verify_siblings
 from .tokenizer import TextTokenizer
 
@@ -45,6 +45,21 @@ MTP_OUTPUTS = ("logits", "confidence", "present_keys", "present_values")
 def backbone_inputs(layers: int) -> list[str]:
     return (["latents", "positions", "new_valid", "past_valid"] + [f"past_keys_{i}" for i in range(layers)]
             + [f"past_values_{i}" for i in range(layers)])
+
+
+# The backbone graph that writes its new keys and values into the cache itself (builder.fused_backbone's,
+# ONNX Runtime's GroupQueryAttention): each layer's past buffer [B, kv_heads, T, Dh] is bound as both its
+# past input and its present output. Row b holds seqlens_k[b] + 1 - S filled slots before the call (S new
+# latents a row, written after them), at positions counted from there; total_sequence_length is the
+# longest row after the call.
+def in_place_backbone_inputs(layers: int) -> list[str]:
+    return (["latents", "seqlens_k", "total_sequence_length"] + [f"past_keys_{i}" for i in range(layers)]
+            + [f"past_values_{i}" for i in range(layers)])
+
+
+def in_place_backbone_outputs(layers: int) -> list[str]:
+    return (["logits", "hidden"] + [f"present_keys_{i}" for i in range(layers)]
+            + [f"present_values_{i}" for i in range(layers)])
 
 
 def ort_session(path: Path, threads: int | None = None, spin_between_runs: bool = False):
@@ -183,6 +198,9 @@ class BackboneRunner:
         self.session, self.cache = session, cache
         self.vocab_size, self.d_model = vocab_size, d_model
         self.input_names = backbone_inputs(cache.layers)
+        graph_inputs = {value.name for value in session.get_inputs()} if hasattr(session, "get_inputs") else set()
+        self.writes_in_place = "seqlens_k" in graph_inputs  # see in_place_backbone_inputs
+        self._binding, self._bound = None, None  # _cache_binding's
         self._preempting = threading.Lock()
         self._running_id, self._run_options, self._given_up = 0, None, 0  # the preemptible run now, one given up early
 
@@ -304,37 +322,95 @@ class BackboneRunner:
         """S new latents (the same S, at most OUTPUT_POSITIONS) for each of `rows`, in one call over
         every row in use: the rows not stepping get dummy latents, and their outputs and keys are dropped;
         or, when at most half the rows in use step (steps shared between clients), over theirs alone,
-        from a copy of their past: cheaper than the others' rows on the CPU."""
+        from a copy of their past unless they are consecutive rows: cheaper than the others' rows on the CPU."""
         cache, new = self.cache, len(segments[0])
+        if self.writes_in_place and new > 1 and len(rows) > 1:  # GroupQueryAttention: S > 1 after a past for one row only
+            return [output for row, segment in zip(rows, segments) for output in self._decode([row], [segment], run_options)]
         cache.make_room(rows, new)
         if 2 * len(rows) <= len(cache.row_owner):
             past = cache.past(rows=rows)
-            outputs = self._run(np.stack(segments), past.lengths[:, None] + np.arange(new)[None], past, run_options)
-            cache.write(rows, outputs[2], outputs[3])
-            return list(zip(outputs[0], outputs[1]))
+            logits, hidden, keys, values = self._run(np.stack(segments), past, run_options)
+            self._keep_new(rows, past, keys, values, new)
+            return list(zip(logits, hidden))
+        if self.writes_in_place:  # the dummy latents' keys land past their rows' lengths too
+            cache.fit_every_row(new)
         past = cache.past()
         latents = np.zeros((len(past.lengths), new, self.d_model), np.float32)  # [n, S, D]
         latents[rows] = np.stack(segments)
-        outputs = self._run(latents, past.lengths[:, None] + np.arange(new)[None], past, run_options)
-        cache.write(rows, outputs[2][:, rows], outputs[3][:, rows])
-        return [(outputs[0][row], outputs[1][row]) for row in rows]
+        logits, hidden, keys, values = self._run(latents, past, run_options)
+        if keys is not None:
+            keys, values = keys[:, rows], values[:, rows]
+        self._keep_new(rows, past, keys, values, new)
+        return [(logits[row], hidden[row]) for row in rows]
 
     def _chunk(self, row: int, latents: np.ndarray):
         # latents: [S, D], the next chunk of one sequence's prompt
         self.cache.make_room([row], len(latents))
         past = self.cache.past(one=row)
-        positions = past.lengths[:, None] + np.arange(len(latents))[None]
-        logits, hidden, keys, values = self._run(latents[None], positions, past)
-        self.cache.write([row], keys, values)
+        logits, hidden, keys, values = self._run(latents[None], past)
+        self._keep_new([row], past, keys, values, len(latents))
         return logits[0], hidden[0]
 
-    def _run(self, latents: np.ndarray, positions: np.ndarray, past, run_options=None) -> list[np.ndarray]:
-        # latents: [B, S, D]; positions: [B, S]; past: views of the cache rows
+    def _keep_new(self, rows: list[int], past: Past, keys, values, new: int) -> None:
+        """The `new` slots of `rows` into the cache: the portable graph's keys and values [L, B, heads,
+        S, Dh], or, from a graph that wrote them into `past` (keys None), nothing to copy unless `past`
+        was a copy of the rows."""
+        if keys is None and not past.copied:
+            self.cache.advance(rows, new)
+            return
+        if keys is None:
+            slots, picked = past.lengths[:, None] + np.arange(new)[None], np.arange(len(rows))[:, None]
+            keys, values = (np.stack([layer[picked, :, slots].transpose(0, 2, 1, 3) for layer in arrays])
+                            for arrays in (past.keys, past.values))
+        self.cache.write(rows, keys, values)
+
+    def _run(self, latents: np.ndarray, past: Past, run_options=None):
+        """latents [B, S, D] after `past` (views of the cache rows, or a copy) -> logits and hidden at
+        the last OUTPUT_POSITIONS positions, and the new keys and values [L, B, heads, S, Dh], or None
+        for both where the graph wrote them into `past` itself."""
+        new = latents.shape[1]
+        if self.writes_in_place:
+            logits, hidden = self._run_in_place(latents, past, run_options)
+            return logits, hidden, None, None
+        positions = past.lengths[:, None] + np.arange(new)[None]
         feeds = dict(zip(self.input_names, (latents, positions.astype(np.int64), np.ones(latents.shape[:2], bool),
                                             past.valid, *past.keys, *past.values)))
         if run_options is None:
             return self.session.run(BACKBONE_OUTPUTS, feeds)
         return self.session.run(BACKBONE_OUTPUTS, feeds, run_options)
+
+    def _run_in_place(self, latents: np.ndarray, past: Past, run_options) -> tuple[np.ndarray, np.ndarray]:
+        new = latents.shape[1]
+        binding = self._cache_binding(past)
+        binding.bind_output("logits")  # again: a bound output keeps the first run's shape
+        binding.bind_output("hidden")
+        binding.bind_cpu_input("latents", latents)
+        binding.bind_cpu_input("seqlens_k", (past.lengths + new - 1).astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(past.lengths.max() + new, np.int32))
+        self.session.run_with_iobinding(binding, run_options)
+        logits, hidden = binding.get_outputs()[:2]
+        return logits.numpy(), hidden.numpy()
+
+    def _cache_binding(self, past: Past):
+        """An IO binding with each layer's past buffer bound as its present too (ONNX Runtime reads
+        and writes the memory itself), kept while the cache rows it binds stay where they are (binding
+        60 buffers costs ~0.5 ms, a tenth of a step)."""
+        import onnxruntime as ort
+
+        where = (past.keys[0].ctypes.data, past.keys[0].shape, past.values[-1].ctypes.data)
+        if not past.copied and self._bound == where:
+            return self._binding
+        binding = self.session.io_binding()
+        binding.bind_output("logits")  # outputs come back in the order they were bound
+        binding.bind_output("hidden")
+        for kind, buffers in (("keys", past.keys), ("values", past.values)):
+            for layer, buffer in enumerate(buffers):
+                value = ort.OrtValue.ortvalue_from_numpy(buffer)  # the buffer's own memory, no copy
+                binding.bind_ortvalue_input(f"past_{kind}_{layer}", value)
+                binding.bind_ortvalue_output(f"present_{kind}_{layer}", value)
+        if not past.copied:
+            self._binding, self._bound = binding, where
+        return binding
 
 
 def _run_options(session):

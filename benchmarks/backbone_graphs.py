@@ -9,23 +9,26 @@ call; the portable graph's new keys copied into the cache, the fused one's writt
 every row of the batch stepping one latent (a decode step) or two (a step verifying a draft), after
 `--past` latents, the two graphs taking turns in blocks of calls so the machine's noise falls on
 both alike. Prints the median and 10th-90th percentile spread in ms and the portable/fused ratio.
+`--ops` then profiles a decode step of each graph at batch 1 with ONNX Runtime's profiler: time and
+nodes a step per operator type (the profiler's own cost inflates small nodes' share).
 The inputs are random: what each graph costs, not what it says (tests/test_export.py checks the fused
 graph against the model code; benchmarks.weight_precision measures a quantized export's NLL on text).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
-import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import onnx
 
 from builder.export import WEIGHT_BITS, quantize_graph, weight_settings, write_backbone
+from benchmarks.step_profile import measure
 from client.api import median_and_spread
 from dualend.engine.checkpoint import load_checkpoint
-from benchmarks.step_profile import measure
 from dualend.engine.onnx_engine import BackboneBatch, BackboneRunner, kv_cache, ort_session
 
 GRAPHS = ("portable", "fused")
@@ -40,6 +43,31 @@ def optimized_nodes(path: Path, scratch: Path) -> int:
     options.log_severity_level = 3
     ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return len(onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node)
+
+
+def operator_profile(path: Path, settings: dict, cfg, past: int, steps: int, threads: int, rng) -> tuple[Counter, Counter]:
+    """Microseconds and nodes per decode step at batch 1, by operator type (ONNX Runtime's profiler)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.enable_profiling = True
+    options.profile_file_prefix = str(path.with_suffix(""))
+    options.log_severity_level = 3
+    runner = BackboneRunner(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]),
+                            kv_cache(settings, cfg.n_layers, 1), cfg.vocab_size, cfg.d_model)
+    runner.prefill(0, rng.standard_normal((past, cfg.d_model), np.float32) * 0.1, past + steps + 1)
+    for _ in range(steps):
+        runner.step([0], rng.standard_normal((1, cfg.d_model), np.float32) * 0.1)
+    events = json.loads(Path(runner.session.end_profiling()).read_text())
+    runs = sorted((event["ts"], event["ts"] + event["dur"]) for event in events if event.get("name") == "model_run")
+    first_step = runs[-steps][0]  # the prefill's run before it is left out
+    micros, nodes = Counter(), Counter()
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] >= first_step:
+            micros[event["args"]["op_name"]] += event["dur"] / steps
+            nodes[event["args"]["op_name"]] += 1 / steps
+    return micros, nodes
 
 
 def step(runner: BackboneRunner, batch: int, new: int, rng):
@@ -58,6 +86,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--past", type=int, default=64, help="latents already in each row's cache")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--ops", action="store_true", help="also profile each graph's decode step by operator type")
     args = parser.parse_args(argv)
     checkpoint = load_checkpoint(args.checkpoint)
     model, cfg = checkpoint.model.eval(), checkpoint.config
@@ -96,6 +125,14 @@ def main(argv=None) -> dict:
                         f"{graph} {m:6.2f} ({lo:.2f}-{hi:.2f})" for graph, (m, lo, hi) in medians.items())
                         + f"  portable/fused {ratio:.2f}x", flush=True)
                     figures[(precision, batch, new)] = {"ratio": ratio, **{g: medians[g] for g in GRAPHS}}
+            if args.ops:
+                profiles = {graph: operator_profile(paths[graph], settings, cfg, args.past, args.repeats, args.threads, rng)
+                            for graph in GRAPHS}
+                print(f"  a decode step at batch 1 by operator type (ONNX Runtime's profiler, {args.repeats} steps): "
+                      "us a step, nodes", flush=True)
+                for graph, (micros, nodes) in profiles.items():
+                    print(f"    {graph}: {sum(micros.values()):.0f} us in {sum(nodes.values()):.0f} nodes; " + ", ".join(
+                        f"{op} {us:.0f} ({nodes[op]:.0f})" for op, us in micros.most_common()), flush=True)
     return figures
 
 

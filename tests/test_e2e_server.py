@@ -889,3 +889,28 @@ def test_a_malformed_grpc_request_is_refused_naming_the_problem(server, case, ch
         stream_grpc(server.grpc_url, "dualend", change.get("text_input", "Q: 1+2\nA:"), change.get("max_tokens", 4),
                     **params)
     assert stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 4).output_tokens > 0  # the server stays up
+
+
+def test_an_int4_deployment_writes_its_keys_in_place_and_serves_the_engines_text(tmp_path):
+    """int4 weights: the backbone is the fused graph, whose GroupQueryAttention writes each step's keys
+    into the KV buffers in place. Served one request at a time (prompts prefilled in chunks) its text
+    equals the in-process engine's on the same export; eight at once (rows stepping together, prompts
+    prefilled between the steps) all run to their length and free their KV."""
+    from builder.export import FUSED_GRAPH
+
+    repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
+                                "--export-dir", str(tmp_path / "export"), "--deployments", "baseline",
+                                "--variant", "quantized=baseline", "--weight-precision", "quantized=int4",
+                                "--prefill-chunk-tokens", "16", "--max-concurrent-requests", "8"])
+    engine = OnnxComponents(tmp_path / "export" / "baseline_int4")
+    assert engine.exported.settings["backbone_graph"] == FUSED_GRAPH and engine.backbone.writes_in_place
+    tokenizer = engine.exported.tokenizer()
+    with TritonServer(repository, log_file=tmp_path / "server.log") as triton, ThreadPoolExecutor(8) as pool:
+        for prompt in PROMPTS[:3]:
+            expected = generate_text(engine, tokenizer, prompt, SamplingParams(max_tokens=40), 1.0)
+            assert stream_grpc(triton.grpc_url, "quantized", prompt, 40, exclude_input_in_output=True).text == expected.text
+        lengths = [20 + 9 * i for i in range(8)]
+        results = list(pool.map(lambda i: stream_grpc(triton.grpc_url, "quantized", PROMPTS[i % len(PROMPTS)], lengths[i],
+                                                      exclude_input_in_output=True, ignore_eos=True), range(8)))
+        assert [result.output_tokens for result in results] == lengths
+        assert wait_for(lambda: metric(triton, "dualend_kv_live_sequences", "quantized_v1_backbone") == 0)

@@ -3,6 +3,7 @@ llama-server and ONNX Runtime GenAI, both built by one command, outside the defa
 
     bash scripts/install_peers.sh                # everything under build/peers/ (docs/benchmarks.md#peers)
     python -m benchmarks.peers check             # one smoke request to each (not a benchmark)
+    python -m benchmarks.peers decode-step --exports build/export/smollm2_int4   # in-process ms a token
     python -m benchmarks.peers hf-folder --out build/peers/smollm2_hf    # install_peers.sh runs this
 
 For a benchmark harness:
@@ -189,17 +190,57 @@ def check(port: int, threads: int) -> None:
     print(f"ORT GenAI, {len(prompt)}-token prompt, 16 tokens at (ms): " + " ".join(f"{t * 1000:.1f}" for t in times))
 
 
+def decode_step(exports: list[Path], tokens: int, rounds: int, threads: int) -> None:
+    """ms a greedy token in-process, decode only (the first 10 tokens left out): ORT GenAI's int4 model
+    against our engine on each of `exports` (OnnxComponents, its backbone's threads spinning between
+    steps as in-process), taking turns round by round on the same prompt."""
+    import onnxruntime_genai as og
+
+    from client.api import median_and_spread
+    from dualend.engine.onnx_engine import OnnxComponents
+
+    peer = OrtGenAI()
+    text = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+    prompt = [int(token) for token in og.Tokenizer(peer.model).encode(text)]
+    per_token = {"ORT GenAI": [], **{str(export): [] for export in exports}}
+    for _ in range(rounds):
+        per_token["ORT GenAI"].append(float(np.median(np.diff(peer.generate([prompt], tokens)[0])[10:])) * 1e3)
+        for export in exports:  # one engine at a time: its threads spin between its steps
+            ours = OnnxComponents(export, threads=threads)
+            session = ours.open_backbone()
+            output = session.prefill(ours.compress(np.array(prompt)[:, None]), len(prompt) + tokens)
+            times = []
+            for _ in range(tokens):
+                started = time.perf_counter()
+                output = session.step(ours.compress(np.array([[int(output.logits.argmax())]]))[0])
+                times.append(time.perf_counter() - started)
+            del session, ours
+            per_token[str(export)].append(float(np.median(times[10:])) * 1e3)
+    print(f"in-process decode, ms a token (median of each round's tokens 11-{tokens}; median [p10-p90] of "
+          f"{rounds} rounds), {len(prompt)}-token prompt, greedy")
+    for name, values in per_token.items():
+        median, low, high = median_and_spread(values)
+        print(f"  {name:32} {median:6.2f} [{low:.2f}-{high:.2f}]")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     check_parser = commands.add_parser("check", help="one smoke request to each peer")
     check_parser.add_argument("--port", type=int, default=8090)
     check_parser.add_argument("--threads", type=int, default=2, help="llama-server's -t")
+    step_parser = commands.add_parser("decode-step", help="in-process ms a token: ORT GenAI against an export of ours")
+    step_parser.add_argument("--exports", type=Path, nargs="+", default=[ROOT / "build" / "export" / "smollm2_int4"])
+    step_parser.add_argument("--tokens", type=int, default=200)
+    step_parser.add_argument("--rounds", type=int, default=5)
+    step_parser.add_argument("--threads", type=int, default=2)
     hf_parser = commands.add_parser("hf-folder", help="the packaged GGUF as a Hugging Face folder")
     hf_parser.add_argument("--out", type=Path, default=PEERS / "smollm2_hf")
     args = parser.parse_args(argv)
     if args.command == "check":
         check(args.port, args.threads)
+    elif args.command == "decode-step":
+        decode_step(args.exports, args.tokens, args.rounds, args.threads)
     else:
         write_hf_folder(args.out)
 

@@ -2,7 +2,8 @@
 
 The runners own nothing but an engine session and a KV cache (`kv_pool.KVCache`); the Triton
 backbone model and the in-process engine both drive the same runners. A step hands the engine
-views of the cache rows (no copy) and writes back only its new keys and values.
+views of the cache rows (no copy) and writes back only its new keys and values; a backbone graph that
+writes them into those views itself (`in_place_backbone_inputs`) leaves nothing to write back.
 """
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ from dualend.engine.checkpoint import load_checkpoint
 from dualend.engine.engines import ENGINES
 from dualend.engine.kv_blocks import blocks_for
 from dualend.engine.manifest import ManifestError
-from dualend.engine.onnx_engine import ExportedModel
+from dualend.engine.onnx_engine import OUTPUT_POSITIONS, ExportedModel
 from dualend.serving.contract import config_values
 from dualend.serving.keys import PIPELINE_SECRET_FILE
 from dualend.train import draft_head
@@ -461,8 +461,10 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
     pair_size = settings["pair_size"]
     max_new_tokens = args.max_new_tokens or raw_context_limit
     sequence_slots = max_sequence_latents(raw_context_limit, max_new_tokens, pair_size)
-    if settings.get("backbone_graph") == FUSED_GRAPH and sequence_slots > ROTARY_POSITIONS:
-        raise SystemExit(f"{name}: a sequence may reach {sequence_slots} latents, beyond the {ROTARY_POSITIONS} "
+    # A full row waiting beside a step gets that step's dummy latents after its slots (BackboneRunner._decode)
+    if settings.get("backbone_graph") == FUSED_GRAPH and sequence_slots + OUTPUT_POSITIONS > ROTARY_POSITIONS:
+        raise SystemExit(f"{name}: a sequence may reach {sequence_slots} latents (+ {OUTPUT_POSITIONS} written beside "
+                         f"a step while it waits), beyond the {ROTARY_POSITIONS} "
                          f"positions of the backbone's RoPE table; lower --raw-context-limit or --max-new-tokens")
     config = DeploymentConfig(
         deployment=name, pipeline=pipeline, pair_size=pair_size,

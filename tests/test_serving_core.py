@@ -318,9 +318,12 @@ def test_a_deployment_longer_than_the_fused_backbones_rope_table_is_refused_when
     import builder.assemble as assemble
     from builder.export import FUSED_GRAPH
     from builder.fused_backbone import ROTARY_POSITIONS
+    from dualend.engine.onnx_engine import OUTPUT_POSITIONS
 
     exported = SimpleNamespace(settings={"pair_size": 1, "backbone_graph": FUSED_GRAPH})
     args = argparse.Namespace(max_new_tokens=64)
-    with pytest.raises(SystemExit, match=f"smollm2: a sequence may reach {ROTARY_POSITIONS + 1} latents, beyond the "
-                                         f"{ROTARY_POSITIONS} positions of the backbone's RoPE table"):
-        assemble.deployment_values("smollm2", "smollm2", exported, args, 1.0, ROTARY_POSITIONS + 1, 256)
+    longest = ROTARY_POSITIONS - OUTPUT_POSITIONS + 1  # a waiting row gets a step's latents written after its own
+    with pytest.raises(SystemExit, match=rf"smollm2: a sequence may reach {longest} latents \(\+ {OUTPUT_POSITIONS} "
+                                         rf"written beside a step while it waits\), beyond the {ROTARY_POSITIONS} "
+                                         "positions of the backbone's RoPE table"):
+        assemble.deployment_values("smollm2", "smollm2", exported, args, 1.0, longest, 256)

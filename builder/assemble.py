@@ -113,7 +113,7 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
             draft_min_acceptance="a sequence whose recent drafts were kept less often than this stops drafting "
                                  "for a while (decode.DraftPacer; A for every deployment, NAME=A for one; "
                                  "repeatable; 0: never); default: a draft head's break-even by weight precision "
-                                 "(fp32 0.05, int8 and int4 0.3), 0 for pair models",
+                                 "(fp32 0.05, int8 and int4 0.15), 0 for pair models",
             fair_rows_per_client="while more than one client (API key) has requests running, each decodes at most this "
                                  "many of them per step, and a new client's first token gets a step of its own, so "
                                  "one key's flood slows another's first token only as far as this many rows do "
@@ -152,11 +152,13 @@ PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefi
 EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for precision in WEIGHT_BITS}
 DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536}
                        for name in ("smollm2", "smollm2_dualend", "smollm2_mtp")}
-# A draft head's drafts pay above about this share kept (reports/draft_pacing.txt: on SmolLM2 a fed
-# draft costs ~0.3 of a step in int4, next to nothing in fp32; int8 not measured, taken as int4).
+# A draft head's drafts pay above about this share kept: on SmolLM2 a fed draft costs next to nothing
+# in fp32 (reports/draft_pacing.txt), and ~0.13 of a step in int4 with the backbone writing its keys in
+# place (a verifying step 1.06x a plain one, the head 0.56 of 8.19 ms:
+# reports/fused_backbone/step_profile_smollm2_mtp_int4.txt; ~0.3 with the graph before); int8 taken as int4.
 # Verified drafts keep the base's output whatever is drafted, so pausing them costs no quality; a
 # pair model's pause restarts its MTP head's context, so it is paused only when asked.
-DRAFT_BREAK_EVEN = {"fp32": 0.05, "int8": 0.3, "int4": 0.3}
+DRAFT_BREAK_EVEN = {"fp32": 0.05, "int8": 0.15, "int4": 0.15}
 # Triton model suffix -> (source folder, components copied into its version folder)
 MODELS = {
     "": ("ensemble", ()),

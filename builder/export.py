@@ -168,8 +168,7 @@ def export_matches(exported: ExportedModel, checkpoint: Checkpoint, weight_preci
     settings = {"weight_precision": "fp32"} | exported.settings
     wanted = weight_settings(weight_precision, checkpoint.config.head_dim)
     return (exported.checkpoint_id == checkpoint.id and exported.tokenizer().config == checkpoint.tokenizer.config
-            and all(settings.get(key) == value for key, value in wanted.items())
-            and settings.get("backbone_graph") == wanted.get("backbone_graph"))
+            and all(settings.get(key) == wanted.get(key) for key in {*wanted, "backbone_graph"}))
 
 
 def write_backbone(model: LanguageModel, path: Path, fused: bool) -> None:

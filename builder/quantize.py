@@ -91,10 +91,10 @@ class _Rewriter:
         self.ranks = {value.name: len(value.type.tensor_type.shape.dim)
                       for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
         self.weights = {tensor.name: tensor for tensor in model.graph.initializer}
-        self.new_weights: list[onnx.TensorProto] = []
+        self.new_weights: dict[str, onnx.TensorProto] = {}
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        self.new_weights.append(numpy_helper.from_array(array, name))
+        self.new_weights[name] = numpy_helper.from_array(array, name)
         return name
 
     def nbits(self, node: onnx.NodeProto, codes: np.ndarray, scales: np.ndarray, bits: int, k: int,
@@ -115,7 +115,7 @@ class _Rewriter:
         activations, name = node.input[0], node.name
         blocks = minimums.shape[1]
         indicator = f"k{k}_block{self.block_size}{CORRECTION_WEIGHTS[0]}"  # one per K, shared
-        if indicator not in self.weights and all(w.name != indicator for w in self.new_weights):
+        if indicator not in self.new_weights:
             array = np.zeros((k, blocks), np.float32)
             array[np.arange(k), np.arange(k) // self.block_size] = 1
             self.weight(indicator, array)
@@ -167,7 +167,7 @@ def quantize_weights(path: Path, bits: int, block_size: int, accuracy_level: int
     kept = [tensor for tensor in model.graph.initializer if tensor.name not in used or tensor.name in still_read]
     del model.graph.node[:], model.graph.initializer[:]
     model.graph.node.extend(nodes)
-    model.graph.initializer.extend(kept + rewriter.new_weights)
+    model.graph.initializer.extend(kept + list(rewriter.new_weights.values()))
     if not any(opset.domain == "com.microsoft" for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, str(path))

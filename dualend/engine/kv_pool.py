@@ -71,9 +71,13 @@ class _Sequence:
 class Past:
     keys: list[np.ndarray]    # per layer [n, heads, T, Dh], views of the cache
     values: list[np.ndarray]
-    valid: np.ndarray         # [n, T] bool
     lengths: np.ndarray       # [n] filled slots per row
     copied: bool = False      # keys and values are a copy of the rows, not views of the cache
+
+    @property
+    def valid(self) -> np.ndarray:
+        """[n, T] bool: the filled slots (what an engine reading the past as it is must mask)."""
+        return np.arange(self.keys[0].shape[2])[None] < self.lengths[:, None]
 
 
 def _lazy_zeros(count: int) -> tuple[mmap.mmap, np.ndarray]:
@@ -237,8 +241,8 @@ class KVCache:
         else:
             span = slice(0, len(self.row_owner)) if one is None else slice(one, one + 1)
         lengths = self.lengths[span]
-        return Past([k[span] for k in self.keys], [v[span] for v in self.values],
-                    np.arange(self.width)[None] < lengths[:, None], lengths, copied=not isinstance(span, slice))
+        return Past([k[span] for k in self.keys], [v[span] for v in self.values], lengths,
+                    copied=not isinstance(span, slice))
 
     def compact(self) -> None:
         """Shrinks T back to the bucket that holds the longest sequence, once the long ones left."""
@@ -261,7 +265,7 @@ class KVCache:
                 for layer in range(self.layers):
                     self.keys[layer][row, :, start:start + new] = keys[layer, index]
                     self.values[layer][row, :, start:start + new] = values[layer, index]
-        self.lengths[rows_at] += new
+        self.advance(rows, new)
 
     def release(self, seq_id: int) -> bool:
         with self._lock:

@@ -116,8 +116,7 @@ def main(argv=None) -> dict:
                         runners[graph].prefill(row, rng.standard_normal((args.past, cfg.d_model), np.float32) * 0.1,
                                                args.past + 4 * args.repeats + 64)
                 for new in (1, 2):
-                    times = measure({graph: step(runners[graph], batch, new, rng) for graph in GRAPHS},
-                                    args.repeats, 0.0)
+                    times = measure({graph: step(runners[graph], batch, new, rng) for graph in GRAPHS}, args.repeats)
                     medians = {graph: median_and_spread(times[graph]) for graph in GRAPHS}
                     ratio = medians["portable"][0] / medians["fused"][0]
                     kind = "decode step" if new == 1 else "verifying step"

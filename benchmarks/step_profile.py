@@ -7,10 +7,8 @@ For each export: the backbone's step (its past 64 latents long, every row of the
 runs it; measured last and alone, as its threads take a core from any other session once it ran) and
 within a call only (as the served backbone runs it), and, as served, a step verifying a
 draft (two latents a row); the MTP head's step on one thread and on
-`--threads`; the compressor folding one pair. Calls are interleaved call by call, so the machine's
-noise falls on every variant alike; prints the median and the 10th-90th percentile spread in ms.
-`--busy-ms` keeps this process's main thread busy that long before each call (a served step comes
-after the other processes' work for it).
+`--threads`; the compressor folding one pair. The variants take turns in blocks of calls, so the
+machine's noise falls on every one alike; prints the median and the 10th-90th percentile spread in ms.
 """
 from __future__ import annotations
 
@@ -32,19 +30,21 @@ def variants(exported: ExportedModel, batch: int, threads: int, spinning_on: boo
     settings = exported.settings
     width, rng = settings["d_model"], np.random.default_rng(0)
     calls = {}
-    for label in ([", spinning between calls"] if spinning_on else [""]):
-        cache = kv_cache(settings, settings["n_layers"], batch)
-        runner = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning_on), cache, settings["vocab_size"], width)
-        for seq_id in range(batch):
-            runner.prefill(seq_id, rng.standard_normal((PAST_LATENTS, width), np.float32) * 0.02, 4096)
-        latents = rng.standard_normal((batch, width), np.float32) * 0.02
-        calls[f"backbone, {threads} threads{label}"] = lambda runner=runner, latents=latents: runner.step(list(range(batch)), latents)
-        if not label:  # as served: a step that verifies a draft: two latents a row, both dropped again after
-            verify = BackboneBatch(list(range(batch)), np.repeat(latents, 2, axis=0), [2] * batch, [0] * batch, [],
-                                   discard=[2] * batch, verify=True)
-            calls[f"backbone verifying, {threads} threads"] = lambda runner=runner, verify=verify: runner.run_batch(verify)
+    backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning_on),
+                              kv_cache(settings, settings["n_layers"], batch), settings["vocab_size"], width)
+    for seq_id in range(batch):
+        backbone.prefill(seq_id, rng.standard_normal((PAST_LATENTS, width), np.float32) * 0.02, 4096)
+    latents = rng.standard_normal((batch, width), np.float32) * 0.02
+
+    def step():
+        backbone.step(list(range(batch)), latents)
     if spinning_on:
-        return calls
+        return {f"backbone, {threads} threads, spinning between calls": step}
+    calls[f"backbone, {threads} threads"] = step
+    # as served: a step that verifies a draft: two latents a row, both dropped again after
+    verify = BackboneBatch(list(range(batch)), np.repeat(latents, 2, axis=0), [2] * batch, [0] * batch, [],
+                           discard=[2] * batch, verify=True)
+    calls[f"backbone verifying, {threads} threads"] = lambda: backbone.run_batch(verify)
     if "mtp" in exported.manifests:
         for mtp_threads in sorted({1, threads}):
             runner = MTPRunner(ort_session(exported.path("mtp"), mtp_threads), kv_cache(settings, 1, batch))
@@ -63,16 +63,13 @@ def variants(exported: ExportedModel, batch: int, threads: int, spinning_on: boo
     return calls
 
 
-def measure(calls: dict, repeats: int, busy_ms: float, block: int = 4) -> dict:
+def measure(calls: dict, repeats: int, block: int = 4) -> dict:
     """name -> ms of `repeats` calls: the variants take turns in blocks of `block` consecutive calls
     (each block's first not counted: it meets the threads as the other variant left them)."""
     times = {name: [] for name in calls}
     for repeat in range(-(-repeats // (block - 1)) + 1):  # a warm-up round first
         for name, call in calls.items():
             for index in range(block):
-                busy_until = time.perf_counter() + busy_ms / 1e3
-                while time.perf_counter() < busy_until:
-                    pass
                 started = time.perf_counter()
                 call()
                 if repeat and index and len(times[name]) < repeats:
@@ -86,7 +83,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--busy-ms", type=float, default=0.0, help="main-thread work before each call")
     args = parser.parse_args(argv)
     figures = {}
     for directory in args.exports:
@@ -95,9 +91,9 @@ def main(argv=None) -> dict:
             times = {}
             for spinning_on in (False, True):  # the variant spinning on last, alone: it would slow the others
                 calls = variants(exported, batch, args.threads, spinning_on)
-                times |= measure(calls, args.repeats, args.busy_ms)
-            print(f"\n{directory} (weights {exported.weight_precision}), batch {batch}, past {PAST_LATENTS} latents, "
-                  f"{args.busy_ms} ms busy before each call; ms per step, median (p10-p90) of {args.repeats}")
+                times |= measure(calls, args.repeats)
+            print(f"\n{directory} (weights {exported.weight_precision}), batch {batch}, past {PAST_LATENTS} latents; "
+                  f"ms per step, median (p10-p90) of {args.repeats}")
             for name, values in times.items():
                 median, low, high = median_and_spread(values)
                 print(f"  {name:45} {median:8.2f} ({low:.2f}-{high:.2f})")

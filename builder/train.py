@@ -54,6 +54,7 @@ from dualend.engine.model import LanguageModel, ModelConfig, count_parameters, d
 from dualend.engine.tokenizer import TextTokenizer, train_tokenizer
 from dualend.train import conversion, draft_head
 from dualend.train.data import FAMILIES, examples, stdlib_chunks
+from dualend.train.open_prompts import open_prompts
 from dualend.train.parallel import Replicas
 from dualend.train.evaluation import evaluate_pass1
 from dualend.train.training import (
@@ -85,9 +86,17 @@ CONVERT_DEFAULTS = dict(
     hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2, device="cpu",
     compressor_init="mean", decay_tokens=0, decay_minutes=0.0,
 )
+# `draft-head`: per invocation, --time-limit-minutes of training and/or up to --steps in all (neither: none).
 DRAFT_HEAD_DEFAULTS = dict(
     batch_size=8, seq_tokens=192, lr=1e-3, warmup=20, time_limit_minutes=10.0, eval_every=25, eval_rows=32,
     chat_prompts=384, chat_fraction=0.6, chat_tokens=96, seed=0, threads=2, draft_vocab=8192,
+    decay_tokens=0, decay_minutes=0.0, steps=0,
+)
+
+# `draft-head-records`: prompts per source (RECORD_SOURCES) for training and for the held-out shard.
+RECORDS_DEFAULTS = dict(
+    open=1633, task=384, text=600, held_out_open=64, held_out_task=32, held_out_text=32, max_tokens=192,
+    text_tokens=64, rows=48, time_limit_minutes=0.0, seed=0, threads=2,
 )
 
 
@@ -517,11 +526,92 @@ def token_rows(samples: list[Sample], pad_id: int, length: int) -> tuple[torch.T
     return tokens, valid, torch.tensor([min(len(s.prompt), length) - 1 for s in samples])
 
 
+def load_records(directory: str | Path, base_id: str) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) records of a draft-head-records folder: every train shard written so far."""
+    directory = Path(directory)
+    meta = json.loads((directory / "records.json").read_text(encoding="utf-8"))
+    if meta["base"] != base_id:
+        sys.exit(f"{directory} holds records of base {meta['base']}, not {base_id}")
+    train = [r for shard in sorted(directory.glob("train_*.pt")) for r in torch.load(shard, weights_only=False)]
+    if not train:
+        sys.exit(f"{directory} holds no train shard yet")
+    return train, torch.load(directory / "held_out.pt", weights_only=False)
+
+
+class ChatDraftData:
+    """The head's data made on the fly: the base's answers to task questions (chat.json) and text
+    windows, the base run on every batch."""
+
+    def __init__(self, args, run: Path, base: Checkpoint):
+        self.args, self.base = args, base
+        self.chat_train, chat_eval = chat_data(args, run, base.model, base.tokenizer, base.id, Replicas("cpu"))
+        self.held_out = token_rows(chat_eval, base.config.pad_id, args.seq_tokens)
+        self.stream = None
+
+    def start(self, step: int) -> None:
+        self.stream = conversion.sample_stream(self.base.tokenizer, self.args.seed + step, self.args.seq_tokens,
+                                               self.chat_train, self.args.chat_fraction)
+
+    def train_loss(self, model: LanguageModel):
+        tokens, valid, start = token_rows([next(self.stream) for _ in range(self.args.batch_size)],
+                                          self.base.config.pad_id, self.args.seq_tokens)
+        return draft_head.draft_loss(model, tokens, valid, start)
+
+    def held_out_figures(self, model: LanguageModel) -> dict:
+        _, figures = draft_head.draft_loss(model, *self.held_out)
+        return {"chat_kl": figures["kl"], "chat_top1": figures["top1"], "chat_positions": figures["positions"]}
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """The --draft-vocab tokens most frequent in the training data's targets (the teacher's answers
+        and text)."""
+        if not self.args.draft_vocab:
+            return None
+        text = conversion.text_samples(self.base.tokenizer, "train", self.args.seed, self.args.seq_tokens)
+        targets = [s.completion for s in self.chat_train] + [next(text).completion for _ in range(len(self.chat_train))]
+        return draft_head.frequent_tokens(targets, self.args.draft_vocab, always=[self.base.config.eos_id])
+
+
+class RecordDraftData:
+    """The head's data from teacher records (draft-head-records): the base never runs; the head drafts
+    from the --draft-vocab tokens most frequent in the records from the start."""
+
+    def __init__(self, args, base: Checkpoint):
+        self.args = args
+        self.train, held_out = load_records(args.records, base.id)
+        self.ids = (draft_head.frequent_tokens([r["tokens"] for r in self.train], args.draft_vocab,
+                                               always=[base.config.eos_id])
+                    if args.draft_vocab else torch.arange(base.config.vocab_size))
+        self.held_out = {source: draft_head.record_rows([r for r in held_out if r["source"] == source])
+                         for source in sorted({r["source"] for r in held_out})}
+        self.rng = None
+        print(f"records: {len(self.train)} continuations, {sum(len(r['tokens']) for r in self.train)} tokens; "
+              f"drafts from {len(self.ids)} tokens")
+
+    def start(self, step: int) -> None:
+        self.rng = random.Random(self.args.seed + step)
+
+    def train_loss(self, model: LanguageModel):
+        return draft_head.record_loss(model, draft_head.record_rows(self.rng.sample(self.train, self.args.batch_size)),
+                                      self.ids)
+
+    def held_out_figures(self, model: LanguageModel) -> dict:
+        figures, positions, kl, top1 = {}, 0, 0.0, 0.0
+        for source, rows in self.held_out.items():
+            _, part = draft_head.record_loss(model, rows, self.ids)
+            figures[f"{source}_top1"] = part["top1"]
+            positions, kl, top1 = (positions + part["positions"], kl + part["kl"] * part["positions"],
+                                   top1 + part["top1"] * part["positions"])
+        return {"records_kl": kl / positions, "records_top1": top1 / positions, **figures, "records_positions": positions}
+
+    def draft_ids(self) -> torch.Tensor | None:
+        return self.ids if self.args.draft_vocab else None
+
+
 def cmd_draft_head(args) -> None:
-    """Only the head learns; the base runs without gradients. Resumable; each invocation trains
-    --time-limit-minutes more; held-out figures are logged every --eval-every steps."""
+    """Only the head learns; the base runs without gradients (or not at all, from --records).
+    Resumable; each invocation trains --time-limit-minutes more; held-out figures are logged every
+    --eval-every steps."""
     base = load_checkpoint(args.baseline)
-    tokenizer, pad = base.tokenizer, base.config.pad_id
     run = Path(args.run)
     run.mkdir(parents=True, exist_ok=True)
     state_path, log_path = run / "state.pt", run / "log.jsonl"
@@ -538,26 +628,30 @@ def cmd_draft_head(args) -> None:
         optimizer.load_state_dict(state["optimizer"])
         step, tokens, elapsed = state["step"], state["tokens"], state["elapsed"]
         print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
-    chat_train, chat_eval = chat_data(args, run, base.model, tokenizer, base.id, Replicas("cpu"))
-    held_out = token_rows(chat_eval, pad, args.seq_tokens)
-    stream = conversion.sample_stream(tokenizer, args.seed + step, args.seq_tokens, chat_train, args.chat_fraction)
+    elif args.init_head:
+        weights, meta = draft_head.load_head(args.init_head)
+        if meta["base"] != base.id:
+            sys.exit(f"{args.init_head} is a head for base {meta['base']}, not {base.id}")
+        model.load_state_dict({k: v for k, v in weights.items() if k != "mtp.draft_ids"}, strict=False)
+    data = RecordDraftData(args, base) if args.records else ChatDraftData(args, run, base)
+    data.start(step)
     recipe = {"kind": "draft-head", "torch": torch.__version__,
-              **{k: getattr(args, k) for k in DRAFT_HEAD_DEFAULTS if k not in ("threads", "draft_vocab")}}
+              **{k: getattr(args, k) for k in DRAFT_HEAD_DEFAULTS if k not in ("threads", "draft_vocab")},
+              "records": args.records, "init_head": args.init_head}
 
     def record_and_save(window: dict) -> None:
         model.eval()
         with torch.no_grad():
-            _, figures = draft_head.draft_loss(model, *held_out)
+            figures = data.held_out_figures(model)
         record = {"step": step, "tokens": tokens, "minutes": round(elapsed / 60, 2),
                   "tokens_per_s": round(window["tokens"] / window["seconds"], 1) if window["seconds"] else None,
                   "train_kl": round(window["kl"] / max(window["steps"], 1), 4),
-                  "chat_kl": round(figures["kl"], 4), "chat_top1": round(figures["top1"], 4),
-                  "chat_positions": figures["positions"]}
+                  **{k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}}
         with log_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
-        recipe.update(steps=step, tokens=tokens, minutes=record["minutes"], heldout_chat_top1=record["chat_top1"],
-                      heldout_chat_kl=record["chat_kl"])
+        recipe.update(steps=step, tokens=tokens, minutes=record["minutes"],
+                      **{f"heldout_{k}": record[k] for k in figures if not k.endswith("positions")})
         draft_head.write_head(model, base.id, dict(recipe), run / "head")
         torch.save({"head": draft_head.head_state(model), "optimizer": optimizer.state_dict(), "step": step,
                     "tokens": tokens, "elapsed": elapsed, "base": base.id}, state_path)
@@ -566,21 +660,21 @@ def cmd_draft_head(args) -> None:
     window = {"steps": 0, "tokens": 0, "seconds": 0.0, "kl": 0.0}
     if step == 0:
         record_and_save(window)
-    deadline = time.time() + 60 * args.time_limit_minutes
-    while time.time() < deadline:
+    run_started_at, deadline = elapsed, time.time() + 60 * args.time_limit_minutes
+    while (args.time_limit_minutes or args.steps) and (not args.time_limit_minutes or time.time() < deadline) \
+            and (not args.steps or step < args.steps):
         started = time.time()
         model.train()
         for group in optimizer.param_groups:
-            group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
-        batch_tokens, valid, start = token_rows([next(stream) for _ in range(args.batch_size)], pad, args.seq_tokens)
-        loss, parts = draft_head.draft_loss(model, batch_tokens, valid, start)
+            group["lr"] = lr_at(step, decay_progress(args, tokens, elapsed - run_started_at), args.lr, args.warmup)
+        loss, parts = data.train_loss(model)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         seconds = time.time() - started
-        step, tokens, elapsed = step + 1, tokens + int(valid.sum()), elapsed + seconds
-        window.update(steps=window["steps"] + 1, tokens=window["tokens"] + int(valid.sum()),
+        step, tokens, elapsed = step + 1, tokens + parts["positions"], elapsed + seconds
+        window.update(steps=window["steps"] + 1, tokens=window["tokens"] + parts["positions"],
                       seconds=window["seconds"] + seconds, kl=window["kl"] + parts["kl"])
         if step % args.eval_every == 0:
             record_and_save(window)
@@ -588,29 +682,89 @@ def cmd_draft_head(args) -> None:
         record_and_save(window)
     print(f"stopped at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes); head -> {run / 'head'}")
     if args.ship_to:
-        ship_draft_head(args, model, base, run, chat_train, held_out)
+        ship_draft_head(args, model, base, run, data)
 
 
-def ship_draft_head(args, model, base: Checkpoint, run: Path, chat_train: list, held_out: tuple) -> None:
-    """The run's head in bf16 where it ships from, its drafts from the --draft-vocab tokens most
-    frequent in the training data's targets (the teacher's answers and text); the held-out
-    agreement of the shipped head is recorded beside the run's."""
+RECORD_SOURCES = {"open": "open-ended chat requests (dualend.train.open_prompts)",
+                  "task": "the project's task questions under the chat template",
+                  "text": "standard-library text windows continued as raw text"}
+
+
+def record_prompts(tokenizer: TextTokenizer, split: str, counts: dict[str, int], text_tokens: int,
+                   seed: int) -> list[tuple[str, list[int]]]:
+    """(source, prompt tokens) for each source's first `counts[source]` prompts of `split` ("train" or
+    "held_out"), shuffled together; a question is a user turn under the chat template (as it is, for a
+    tokenizer without one)."""
+    def chat(question: str) -> list[int]:
+        return tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": question}])
+                                       if tokenizer.chat_template else question)
+
+    made = [("open", chat(q)) for q in open_prompts(split, seed)[:counts["open"]]]
+    made += [("task", chat(q)) for q in conversion.chat_prompts("train" if split == "train" else "calibration",
+                                                                 counts["task"], seed)]
+    windows = stdlib_chunks("train" if split == "train" else "calibration", 8 * text_tokens, seed)
+    made += [("text", tokenizer.encode_prompt(tokenizer.decode(tokenizer.encode(next(windows))[:text_tokens - 1])))
+             for _ in range(counts["text"])]
+    random.Random(f"records-{split}-{seed}").shuffle(made)
+    return made
+
+
+def cmd_draft_head_records(args) -> None:
+    """The base's greedy continuations with their hidden states, in shards of --rows prompts
+    (`held_out.pt` first, then `train_NNNN.pt`); resumable: shards already written are kept."""
+    base = load_checkpoint(args.baseline)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"base": base.id, "max_tokens": args.max_tokens, "text_tokens": args.text_tokens, "seed": args.seed,
+            "train": {"open": args.open, "task": args.task, "text": args.text},
+            "held_out": {"open": args.held_out_open, "task": args.held_out_task, "text": args.held_out_text}}
+    meta_path = out / "records.json"
+    if meta_path.exists() and json.loads(meta_path.read_text(encoding="utf-8")) != meta:
+        sys.exit(f"{out} holds records made otherwise ({meta_path}); choose another --out")
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    deadline = time.time() + 60 * args.time_limit_minutes if args.time_limit_minutes else float("inf")
+    shards = [("held_out", record_prompts(base.tokenizer, "held_out", meta["held_out"], args.text_tokens, args.seed))]
+    train = record_prompts(base.tokenizer, "train", meta["train"], args.text_tokens, args.seed)
+    shards += [(f"train_{i // args.rows:04d}", train[i:i + args.rows]) for i in range(0, len(train), args.rows)]
+    for name, prompts in shards:
+        path = out / f"{name}.pt"
+        if path.exists():
+            continue
+        if time.time() > deadline:
+            print(f"time limit: stopped before {name}")
+            return
+        started = time.time()
+        records = []
+        for at in range(0, len(prompts), args.rows):
+            chunk = prompts[at:at + args.rows]
+            made = draft_head.greedy_records(base.model, [p for _, p in chunk], args.max_tokens, base.config.eos_id)
+            records += [{**r, "source": source} for (source, _), r in zip(chunk, made)]
+        torch.save(records, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+        tokens = sum(len(r["tokens"]) for r in records)
+        print(f"{name}: {len(records)} continuations, {tokens} tokens, {tokens / (time.time() - started):.0f} tokens/s",
+              flush=True)
+    print(f"all {len(shards)} shards in {out}")
+
+
+def ship_draft_head(args, model, base: Checkpoint, run: Path, data) -> None:
+    """The run's head in bf16 where it ships from, drafting from the data's --draft-vocab tokens; the
+    held-out figures of the shipped head are recorded beside the run's."""
     weights, meta = draft_head.load_head(run / "head")
     model.mtp.load_state_dict({k.removeprefix("mtp."): v for k, v in weights.items()})
     recipe = dict(meta["recipe"])
-    if args.draft_vocab:
-        text = conversion.text_samples(base.tokenizer, "train", args.seed, args.seq_tokens)
-        targets = [s.completion for s in chat_train] + [next(text).completion for _ in range(len(chat_train))]
-        model = draft_head.restricted(model, draft_head.frequent_tokens(targets, args.draft_vocab,
-                                                                        always=[base.config.eos_id]))
+    ids = data.draft_ids()
+    if ids is not None:
+        model = draft_head.restricted(model, ids)
     shipped = draft_head.with_draft_head(base.model, model.cfg.draft_vocab)
     shipped.load_state_dict({k: v.to(torch.bfloat16).float() if v.is_floating_point() else v
                              for k, v in model.state_dict().items() if k.startswith("mtp.")}, strict=False)
     with torch.no_grad():
-        recipe["shipped_chat_top1"] = round(draft_head.draft_loss(shipped.eval(), *held_out)[1]["top1"], 4)
+        recipe.update({f"shipped_{k}": round(v, 4) for k, v in data.held_out_figures(shipped.eval()).items()
+                       if isinstance(v, float)})
     draft_head.write_head(shipped, base.id, recipe, args.ship_to, dtype=torch.bfloat16)
-    print(f"shipped (bf16, draft vocabulary {model.cfg.draft_vocab or 'all'}; held-out top-1 agreement "
-          f"{recipe['shipped_chat_top1']}) -> {args.ship_to}")
+    print(f"shipped (bf16, draft vocabulary {model.cfg.draft_vocab or 'all'}; held-out "
+          f"{ {k: v for k, v in recipe.items() if k.startswith('shipped_')} }) -> {args.ship_to}")
 
 
 def load_base(source: str) -> Checkpoint:
@@ -671,8 +825,18 @@ def main(argv=None) -> None:
         head.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     head.add_argument("--baseline", required=True, help="the token-level checkpoint (frozen; the teacher)")
     head.add_argument("--run", required=True)
+    head.add_argument("--records", help="train from these teacher records (draft-head-records): the base does not "
+                      "run; --batch-size counts continuations")
+    head.add_argument("--init-head", help="start from this head (a run's head/ or a shipped one); ignored when the "
+                      "run folder holds a state to resume")
     head.add_argument("--ship-to", help="write the head in bf16 here at the end (checkpoints/NAME), drafting from "
                       "the --draft-vocab most frequent tokens (0: all)")
+    records = sub.add_parser("draft-head-records", help="the base's greedy continuations with their hidden states, "
+                             "for draft-head --records")
+    for key, value in RECORDS_DEFAULTS.items():
+        records.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    records.add_argument("--baseline", required=True, help="the token-level checkpoint (the teacher)")
+    records.add_argument("--out", required=True, help="the records folder (resumed when it exists)")
     for name in ("tokenizer", "baseline", "dualend"):
         p = sub.add_parser(name)
         for key, value in DEFAULTS.items():
@@ -694,7 +858,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(getattr(args, "threads", 2))
     commands = {"tokenizer": cmd_tokenizer, "baseline": cmd_baseline, "dualend": cmd_dualend, "merge": cmd_merge,
                 "promote": cmd_promote, "convert": cmd_convert, "merge-adapters": cmd_merge_adapters,
-                "ship-adapters": cmd_ship_adapters, "draft-head": cmd_draft_head}
+                "ship-adapters": cmd_ship_adapters, "draft-head": cmd_draft_head,
+                "draft-head-records": cmd_draft_head_records}
     with torch.device(getattr(args, "device", "cpu")):  # batches are built where the model is
         commands[args.command](args)
 

@@ -1,4 +1,6 @@
 """Verified drafts: a token-level model with a draft head gives exactly the base's output."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from dualend.engine.decode import DraftPacer, SamplingParams, SequenceDecoder, V
 from dualend.engine.onnx_engine import OnnxComponents
 from dualend.serving.offline import generate_text
 from dualend.train import draft_head
+from dualend.train.conversion import teacher_hidden
 
 PAD, EOS, BOS, V = 0, 2, 1, 8
 
@@ -278,3 +281,84 @@ def test_a_pair_model_whose_gate_rejects_its_drafts_stops_calling_the_head_for_a
         step = decoder.finish([5], logits if asked[-1] else None, confidence=0.1)  # below the gate: PAD
         assert step.tokens == [5] and decoder.next_pair == [5, 0]
     assert asked[:4] == [True] * 4 and not any(asked[4:12])  # paused from the fifth step, for 8
+
+
+def varied_base(tokenizer):
+    """An untrained tiny model repeats one token with little confidence; this one's greedy text
+    varies, and its distributions are sharp."""
+    model = tiny_model(tokenizer, 1, seed=3)
+    with torch.no_grad():
+        for weight in model.backbone.parameters():
+            weight.mul_(4 if weight.dim() == 2 else 1)
+        model.backbone.norm.weight.mul_(100)
+    return model
+
+
+def test_teacher_records_hold_the_bases_greedy_tokens_and_the_hidden_states_that_chose_them(tiny_tokenizer):
+    base = varied_base(tiny_tokenizer)
+    prompts = [tiny_tokenizer.encode_prompt(p) for p in ("Q: 3+4\nA:", "def f(x):\n", "get ab:")]
+    records = draft_head.greedy_records(base, prompts, 12, tiny_tokenizer.eos_id)
+    for prompt, record in zip(prompts, records):
+        tokens = record["tokens"].tolist()
+        assert 1 <= len(tokens) <= 12 and (len(tokens) == 12 or tokens[-1] == tiny_tokenizer.eos_id)
+        assert tiny_tokenizer.eos_id not in tokens[:-1] and record["position"] == len(prompt) - 1
+        with torch.no_grad():  # the same text teacher-forced in one pass, each row alone
+            hidden = teacher_hidden(base, torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1]
+            chosen = base.lm_head(hidden).argmax(-1)
+        assert chosen.tolist() == tokens
+        torch.testing.assert_close(record["hidden"].float(), hidden, atol=2e-2, rtol=1e-2)
+
+
+def test_the_loss_on_records_is_the_loss_with_the_base_run_on_the_same_text(tiny_tokenizer):
+    """The two ways of training a head see the same positions and targets: recorded hidden states
+    (draft-head --records) and the base run on the batch (draft_loss)."""
+    base = varied_base(tiny_tokenizer)
+    torch.manual_seed(1)
+    model = draft_head.with_draft_head(base)
+    prompts = [tiny_tokenizer.encode_prompt(p) for p in ("Q: 3+4\nA:", "def f(x):\n")]
+    records = draft_head.greedy_records(base, prompts, 16, tiny_tokenizer.eos_id)
+    rows = [p + r["tokens"].tolist() for p, r in zip(prompts, records)]
+    width = max(map(len, rows))
+    tokens = torch.tensor([r + [tiny_tokenizer.pad_id] * (width - len(r)) for r in rows])
+    valid = torch.tensor([[i < len(r) for i in range(width)] for r in rows])
+    start = torch.tensor([len(p) - 1 for p in prompts])
+    with torch.no_grad():
+        expected_kl, expected = draft_head.draft_loss(model, tokens, valid, start)
+        kl, got = draft_head.record_loss(model, draft_head.record_rows(records), torch.arange(base.cfg.vocab_size))
+    assert got["positions"] == expected["positions"] == sum(len(r["tokens"]) - 1 for r in records) > 10
+    assert got["top1"] == pytest.approx(expected["top1"])
+    assert kl.item() == pytest.approx(expected_kl.item(), rel=2e-2)
+    with torch.no_grad():  # over fewer tokens the distributions are renormalised: still a KL, smaller support
+        narrow_kl, _ = draft_head.record_loss(model, draft_head.record_rows(records),
+                                              draft_head.frequent_tokens([r["tokens"] for r in records], 4))
+    assert 0 <= narrow_kl.item() < kl.item()
+
+
+def test_a_head_trained_from_records_learns_the_bases_held_out_continuations(tiny_tokenizer, tmp_path, monkeypatch):
+    """draft-head-records then draft-head --records, as a user runs them, on a tiny base."""
+    from builder import train
+    base = Checkpoint(varied_base(tiny_tokenizer), tiny_tokenizer)
+    base.save(tmp_path / "base")
+    monkeypatch.setattr(train, "open_prompts", lambda split, seed: [f"Q: {i}+{split == 'train'}\nA:" for i in range(9)])
+    train.main(["draft-head-records", "--baseline", str(tmp_path / "base"), "--out", str(tmp_path / "records"),
+                "--open", "9", "--task", "0", "--text", "6", "--held-out-open", "3", "--held-out-task", "0",
+                "--held-out-text", "3", "--max-tokens", "24", "--text-tokens", "12", "--rows", "5"])
+    assert sorted(p.name for p in (tmp_path / "records").glob("*.pt")) == [
+        "held_out.pt", "train_0000.pt", "train_0001.pt", "train_0002.pt"]
+    torch.manual_seed(0)
+    scrambled = draft_head.with_draft_head(base.model)  # a head far from the base: what it learns shows
+    with torch.no_grad():
+        for weight in scrambled.mtp.parameters():
+            weight.normal_(0.0, 0.5)
+    draft_head.write_head(scrambled, base.id, {"steps": 0}, tmp_path / "scrambled")
+    train.main(["draft-head", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"),
+                "--init-head", str(tmp_path / "scrambled"),
+                "--records", str(tmp_path / "records"), "--time-limit-minutes", "0", "--steps", "400", "--eval-every", "1000",
+                "--batch-size", "4", "--lr", "1e-2", "--warmup", "1", "--draft-vocab", "0",
+                "--ship-to", str(tmp_path / "shipped")])
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in log] == [0, 400]
+    assert log[0]["records_kl"] > 1.0 and log[0]["records_top1"] < 0.1
+    assert log[-1]["records_kl"] < 0.8 * log[0]["records_kl"] and log[-1]["records_top1"] > 0.3
+    shipped = draft_head.checkpoint_with_head(base, tmp_path / "shipped")
+    assert shipped.recipe["draft_head"]["records"] == str(tmp_path / "records")

@@ -12,11 +12,13 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from dualend.engine.checkpoint import Checkpoint
 from dualend.engine.model import LanguageModel, ModelConfig
+from dualend.engine.reference import TorchBatch
 
 from .conversion import _kl, teacher_hidden
 
@@ -86,6 +88,69 @@ def draft_loss(model: LanguageModel, tokens: torch.Tensor, valid: torch.Tensor,
     kl = _kl(target, drafted)
     agree = (drafted.argmax(-1) == target.argmax(-1)).float().mean().item() if len(target) else 0.0
     return kl, {"kl": kl.item(), "top1": agree, "positions": int(keep.sum())}
+
+
+# Teacher records: the base's greedy continuations with the hidden states that chose them, so that
+# training passes skip the base ------------------------------------------------------------------
+
+@torch.no_grad()
+def greedy_records(base: LanguageModel, prompts: list[list[int]], max_tokens: int, eos_id: int) -> list[dict]:
+    """The base's greedy continuation of each prompt (to EOS or `max_tokens`), decoded together:
+    `tokens` [n] and `hidden` [n, D] (fp16), hidden[i] the final hidden state whose LM head chose
+    tokens[i]; `position` is hidden[0]'s (the prompt's last)."""
+    batch = TorchBatch(base, prompts, max_tokens)
+    logits, hidden = batch.restart()
+    tokens, hiddens = [[] for _ in prompts], [[] for _ in prompts]
+    running = set(range(len(prompts)))
+    while True:
+        chosen = logits.argmax(-1)
+        for row in list(running):
+            tokens[row].append(int(chosen[row]))
+            hiddens[row].append(hidden[row])
+            if chosen[row] == eos_id or len(tokens[row]) == max_tokens:
+                running.discard(row)
+        if not running:
+            break
+        logits, hidden = batch.step(chosen[:, None])
+    return [{"position": len(prompt) - 1, "tokens": torch.tensor(t), "hidden": torch.from_numpy(np.stack(h)).half()}
+            for prompt, t, h in zip(prompts, tokens, hiddens)]
+
+
+def record_rows(records: list[dict]) -> dict[str, torch.Tensor]:
+    """Records -> the head's teacher-forced inputs, padded: at i it reads hidden[i] and tokens[i] (the
+    token after hidden[i]'s position) and is scored against the base's distribution from hidden[i+1]
+    and its choice tokens[i+1]. next_tokens, target_tokens, valid, positions: [B, n]; hidden,
+    target_hidden: [B, n, D]; n = longest record - 1."""
+    width = max(len(r["tokens"]) for r in records) - 1
+    dim = records[0]["hidden"].shape[-1]
+    rows = {"next_tokens": torch.zeros(len(records), width, dtype=torch.long),
+            "target_tokens": torch.zeros(len(records), width, dtype=torch.long),
+            "valid": torch.zeros(len(records), width, dtype=torch.bool),
+            "positions": torch.zeros(len(records), width, dtype=torch.long),
+            "hidden": torch.zeros(len(records), width, dim), "target_hidden": torch.zeros(len(records), width, dim)}
+    for i, record in enumerate(records):
+        n = len(record["tokens"]) - 1
+        rows["next_tokens"][i, :n], rows["target_tokens"][i, :n] = record["tokens"][:n], record["tokens"][1:]
+        rows["valid"][i, :n] = True
+        rows["positions"][i, :n] = record["position"] + torch.arange(n)
+        rows["hidden"][i, :n] = record["hidden"][:n].float()
+        rows["target_hidden"][i, :n] = record["hidden"][1:n + 1].float()
+    return rows
+
+
+def record_loss(model: LanguageModel, rows: dict[str, torch.Tensor], draft_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """KL(base || head) over the `draft_ids` tokens (both renormalised over them: what a head drafting
+    from them can learn) and the share of positions where the head's draft is the base's greedy
+    choice (the greedy first-draft acceptance), on record rows."""
+    valid = rows["valid"]
+    mtp_hidden, _, _ = model.mtp(model.embedding(rows["next_tokens"]), rows["hidden"], rows["positions"], valid)
+    output = model.embedding.weight if model.cfg.tie_embeddings else model.output.weight
+    drafted = mtp_hidden[valid] @ output[draft_ids].T
+    with torch.no_grad():
+        target = rows["target_hidden"][valid] @ output[draft_ids].T
+    kl = _kl(target, drafted)
+    agree = (draft_ids[drafted.argmax(-1)] == rows["target_tokens"][valid]).float().mean().item() if len(target) else 0.0
+    return kl, {"kl": kl.item(), "top1": agree, "positions": int(valid.sum())}
 
 
 def weights_sha256(directory: str | Path) -> str:

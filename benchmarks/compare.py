@@ -4,12 +4,16 @@
         --in-process engine=build/export/smollm2 --reference smollm2
     python -m benchmarks.compare --openai smollm2=http://127.0.0.1:8000/v1@smollm2 --smoke
 
-Workloads: held-out standard-library source cut to exact SmolLM2 token counts, a different prompt for
-every request; greedy, EOS ignored, so every request generates its max_tokens.
+Workloads: held-out standard-library source cut to exact SmolLM2 token counts, or held-out chat requests
+(`chat`), a different prompt for every request; greedy, EOS ignored, so every request generates its
+max_tokens.
   prompt-heavy   700-token prompts, 128 output tokens
   decode-heavy    60-token prompts, 256 output tokens
   ttft-2048    2040-token prompts,   8 output tokens: 2048 in all, smollm2's raw_context_limit (it refuses
                a 2048-token prompt with any max_tokens); TTFT only
+  chat         held-out open-ended requests (dualend.train.open_prompts: explain, describe, advise, write;
+               topics no draft head trained on) under the chat template, sent as raw completions,
+               256 output tokens: what verified drafts give on answers users ask for
 A cell is (workload, concurrency N): N closed-loop clients each send one warm-up request (not counted)
 and, once all have answered, `--requests` requests one after another. Per request, over streamed
 /v1/completions: TTFT = first chunk with text - request sent; TPOT = (last chunk with text - first) /
@@ -66,6 +70,7 @@ except ImportError:  # the `benchmark` extra: pip install -e '.[benchmark]'
 from client.api import API_KEY_ENV, median_and_spread, percentile
 from dualend.engine.tokenizer import TextTokenizer
 from dualend.train.data import stdlib_chunks
+from dualend.train.open_prompts import open_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(concurrency=[1, 4, 16], requests=3, rounds=3, out=ROOT / "reports" / "compare",
@@ -79,9 +84,14 @@ NAN = float("nan")
 
 @dataclass(frozen=True)
 class Workload:
-    prompt_tokens: int
+    prompt_tokens: int  # 0: held-out chat requests, each as long as it is
     output_tokens: int
     figures: tuple[str, ...] = ("tokens_per_s", "ttft", "tpot")
+
+    def describe(self, output_tokens: int) -> str:
+        prompts = (f"{self.prompt_tokens}-token prompts" if self.prompt_tokens
+                   else "held-out open-ended chat requests under the chat template")
+        return f"{prompts}, {output_tokens} output tokens"
 
 
 # A run counts as measured on an idle machine when the 1-minute load average, before the first cell,
@@ -90,7 +100,7 @@ class Workload:
 IDLE_LOAD, IDLE_WAIT_S = 0.5, 300.0
 
 WORKLOADS = {"prompt-heavy": Workload(700, 128), "decode-heavy": Workload(60, 256),
-             "ttft-2048": Workload(2040, 8, ("ttft",))}
+             "ttft-2048": Workload(2040, 8, ("ttft",)), "chat": Workload(0, 256)}
 
 
 # --- prompts -------------------------------------------------------------------------------------
@@ -110,6 +120,15 @@ def cut_prompts(tokenizer: TextTokenizer, texts: Iterable[str], length: int, cou
             if len(prompts) == count:
                 return prompts
     raise ValueError(f"only {len(prompts)} of {count} texts give a {length}-token prompt")
+
+
+def chat_requests(tokenizer: TextTokenizer, count: int, seed: int) -> list[str]:
+    """`count` held-out open-ended requests (topics no draft head trained on) rendered under the chat
+    template, sent as raw completions so that every server sees the same text."""
+    requests = open_prompts("held_out", seed + 1)
+    if count > len(requests):
+        raise ValueError(f"the chat workload has {len(requests)} held-out requests; this run needs {count}")
+    return [tokenizer.render_chat([{"role": "user", "content": q}]) for q in requests[:count]]
 
 
 def plan_prompts(pool: list[str], concurrencies: list[int], requests: int, rounds: int) -> dict:
@@ -416,7 +435,7 @@ def report_tables(cells: list[dict], targets: list[str], concurrencies: list[int
     for name in workloads:
         workload, mine = WORKLOADS[name], [c for c in cells if c["workload"] == name]
         output_tokens = "/".join(str(n) for n in sorted({c["max_tokens"] for c in mine})) or workload.output_tokens
-        lines.append(f"\n### {name}: {workload.prompt_tokens}-token prompts, {output_tokens} output tokens\n")
+        lines.append(f"\n### {name}: {workload.describe(output_tokens)}\n")
         for figure in workload.figures:
             lines += figure_table(mine, name, figure, targets, concurrencies, reference)
         errors = collections.Counter()
@@ -550,7 +569,8 @@ def main(argv: list[str] | None = None) -> dict:
                         metavar="LABEL=EXPORT_DIR[@synthetic=RATE][@threshold=T]")
     parser.add_argument("--threads", type=int, default=DEFAULTS["threads"], help="in-process engine threads")
     parser.add_argument("--reference", default=None, help="the target the ratios are taken against")
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
+                        default=["prompt-heavy", "decode-heavy", "ttft-2048"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=DEFAULTS["concurrency"])
     parser.add_argument("--requests", type=int, default=DEFAULTS["requests"], help="measured requests per client")
     parser.add_argument("--rounds", type=int, default=DEFAULTS["rounds"])
@@ -593,9 +613,9 @@ def main(argv: list[str] | None = None) -> dict:
         env = environment(argv, targets)
         prompts = {}
         for name in tqdm(args.workloads, desc="prompts"):
-            length = WORKLOADS[name].prompt_tokens
-            pool = cut_prompts(tokenizer, stdlib_chunks("report", length * 6 + 64, args.seed), length,
-                               pool_size(args.concurrency, args.requests, args.rounds))
+            length, size = WORKLOADS[name].prompt_tokens, pool_size(args.concurrency, args.requests, args.rounds)
+            pool = (cut_prompts(tokenizer, stdlib_chunks("report", length * 6 + 64, args.seed), length, size) if length
+                    else chat_requests(tokenizer, size, args.seed))
             prompts[name] = plan_prompts(pool, args.concurrency, args.requests, args.rounds)
         env["load_average_before_cells"] = settled_load(IDLE_LOAD, args.idle_wait_s)
         env["idle"] = env["load_average_before_cells"] <= IDLE_LOAD

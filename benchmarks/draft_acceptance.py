@@ -6,7 +6,9 @@
     python -m benchmarks.draft_acceptance ... --prompt-set text --min-acceptance 0 0.3
 
 Prompts (`--prompt-set`): `chat`, the project's held-out task questions under the chat template (the
-calibration split the draft head's training held out, `conversion.chat_prompts`), or `text`, the first
+calibration split the draft head's training held out, `conversion.chat_prompts`); `open`, held-out
+open-ended requests under the chat template (explain, describe, advise, write: `open_prompts`, topics
+training never saw); or `text`, the first
 48 tokens of held-out standard-library text windows as raw continuations (the draft head saw chat
 answers and code only: low acceptance); greedy to EOS or `--max-tokens`. For each threshold (the least
 top probability a draft needs to be fed) and each `--min-acceptance` (the draft pacing:
@@ -29,6 +31,7 @@ from dualend.engine.decode import SamplingParams
 from dualend.engine.onnx_engine import OnnxComponents
 from dualend.serving.offline import generate_text
 from dualend.train.conversion import chat_prompts, held_out_samples
+from dualend.train.open_prompts import open_prompts
 
 TEXT_PROMPT_TOKENS = 48
 
@@ -46,14 +49,15 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.0])
     parser.add_argument("--min-acceptance", type=float, nargs="+", default=[0.0])
-    parser.add_argument("--prompt-set", choices=("chat", "text"), default="chat")
+    parser.add_argument("--prompt-set", choices=("chat", "open", "text"), default="chat")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     base, drafting = OnnxComponents(args.base, args.threads), OnnxComponents(args.drafting, args.threads)
     tokenizer = base.exported.tokenizer()
-    if args.prompt_set == "chat":
-        prompts = [tokenizer.render_chat([{"role": "user", "content": q}])
-                   for q in chat_prompts("calibration", args.prompts, seed=0)]
+    if args.prompt_set in ("chat", "open"):
+        questions = (chat_prompts("calibration", args.prompts, seed=0) if args.prompt_set == "chat"
+                     else open_prompts("held_out", seed=1)[:args.prompts])
+        prompts = [tokenizer.render_chat([{"role": "user", "content": q}]) for q in questions]
     else:
         prompts = [tokenizer.decode((sample.prompt + sample.completion)[1:TEXT_PROMPT_TOKENS])  # after BOS
                    for sample in held_out_samples(tokenizer, args.prompts, 2 * TEXT_PROMPT_TOKENS)]

@@ -23,7 +23,7 @@ done
 peers=()
 [ -x build/peers/bin/llama-server ] && peers+=(--llama-server)
 .venv/bin/python -m benchmarks.compare --reference smollm2 --rounds "${ROUNDS:-2}" --requests "${REQUESTS:-1}" \
-    "${targets[@]}" "${peers[@]}" --workloads decode-heavy --concurrency 1 16 --out "$out/throughput"
+    "${targets[@]}" "${peers[@]}" --workloads decode-heavy chat --concurrency 1 16 --out "$out/throughput"
 kill -TERM $server; wait $server 2>/dev/null || true
 trap - EXIT
 for precision in "" _int4; do

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import benchmarks
-from benchmarks.compare import (OpenAITarget, OrtGenAITarget, StreamedCompletion, completions_url, cut_prompts,
-                                import_peers, parse_in_process, parse_openai, plan_prompts, pool_size, ratios,
+from benchmarks.compare import (OpenAITarget, OrtGenAITarget, StreamedCompletion, chat_requests, completions_url,
+                                cut_prompts, import_peers, parse_in_process, parse_openai, plan_prompts, pool_size, ratios,
                                 rotated, settled_load, summarize)
 from dualend.engine.tokenizer import TextTokenizer
 
@@ -174,6 +174,26 @@ def test_prompts_are_cut_to_exact_smollm2_token_counts():
                                         (SMOLLM2 / "tokenizer_config.json").read_text())
     chunks = stdlib_chunks("report", 800, seed=3)
     check_cut(tokenizer, [next(chunks) for _ in range(8)], 60)
+
+
+def test_chat_requests_are_held_out_topics_under_the_chat_template_each_once():
+    """The chat workload asks about topics the draft head's records never held (the served benchmarks'
+    own questions among them), rendered by SmolLM2's template."""
+    from builder.assemble import imported_checkpoint, packaged_source
+    from dualend.train.open_prompts import TOPICS, open_prompts, topic_split
+
+    imported_checkpoint(packaged_source("smollm2"), SMOLLM2)
+    tokenizer = TextTokenizer.from_json((SMOLLM2 / "tokenizer.json").read_text(),
+                                        (SMOLLM2 / "tokenizer_config.json").read_text())
+    requests = chat_requests(tokenizer, 40, seed=0)
+    assert len(set(requests)) == 40 and all(r.endswith("<|im_start|>assistant\n") for r in requests)
+    trained = set(open_prompts("train", seed=0))
+    assert not any(q in r for r in requests for q in trained)
+    assert topic_split("bicycle") == topic_split("the water cycle") == "held_out"
+    held = [t for topics in TOPICS.values() for t in topics if topic_split(t) == "held_out"]
+    assert 0.1 < len(held) / sum(map(len, TOPICS.values())) < 0.3
+    with pytest.raises(ValueError, match="held-out requests"):
+        chat_requests(tokenizer, 10_000, seed=0)
 
 
 def test_a_text_too_short_for_the_length_is_skipped(tiny_tokenizer):

@@ -13,7 +13,8 @@ max_tokens.
                a 2048-token prompt with any max_tokens); TTFT only
   chat         held-out open-ended requests (dualend.train.open_prompts: explain, describe, advise, write;
                topics no draft head trained on) under the chat template, sent as raw completions,
-               256 output tokens: what verified drafts give on answers users ask for
+               256 output tokens (EOS ignored as everywhere: an answer that ends sooner goes on past its
+               end, as the model writes it): what verified drafts give on answers users ask for
 A cell is (workload, concurrency N): N closed-loop clients each send one warm-up request (not counted)
 and, once all have answered, `--requests` requests one after another. Per request, over streamed
 /v1/completions: TTFT = first chunk with text - request sent; TPOT = (last chunk with text - first) /
@@ -125,7 +126,7 @@ def cut_prompts(tokenizer: TextTokenizer, texts: Iterable[str], length: int, cou
 def chat_requests(tokenizer: TextTokenizer, count: int, seed: int) -> list[str]:
     """`count` held-out open-ended requests (topics no draft head trained on) rendered under the chat
     template, sent as raw completions so that every server sees the same text."""
-    requests = open_prompts("held_out", seed + 1)
+    requests = open_prompts("held_out", seed + 1)  # another order than the records' held-out shard (seed 0)
     if count > len(requests):
         raise ValueError(f"the chat workload has {len(requests)} held-out requests; this run needs {count}")
     return [tokenizer.render_chat([{"role": "user", "content": q}]) for q in requests[:count]]

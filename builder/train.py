@@ -93,6 +93,9 @@ DRAFT_HEAD_DEFAULTS = dict(
     decay_tokens=0, decay_minutes=0.0, steps=0,
 )
 
+RECORD_SOURCES = {"open": "open-ended chat requests (dualend.train.open_prompts)",
+                  "task": "the project's task questions under the chat template",
+                  "text": "standard-library text windows continued as raw text"}
 # `draft-head-records`: prompts per source (RECORD_SOURCES) for training and for the held-out shard.
 RECORDS_DEFAULTS = dict(
     open=1633, task=384, text=600, held_out_open=64, held_out_task=32, held_out_text=32, max_tokens=192,
@@ -532,13 +535,13 @@ def load_records(directory: str | Path, base_id: str) -> tuple[list[dict], list[
     meta = json.loads((directory / "records.json").read_text(encoding="utf-8"))
     if meta["base"] != base_id:
         sys.exit(f"{directory} holds records of base {meta['base']}, not {base_id}")
-    train = [r for shard in sorted(directory.glob("train_*.pt")) for r in torch.load(shard, weights_only=False)]
+    train = [r for shard in sorted(directory.glob("train_*.pt")) for r in torch.load(shard, weights_only=True)]
     if not train:
         sys.exit(f"{directory} holds no train shard yet")
-    return train, torch.load(directory / "held_out.pt", weights_only=False)
+    return train, torch.load(directory / "held_out.pt", weights_only=True)
 
 
-class ChatDraftData:
+class BaseRunDraftData:
     """The head's data made on the fly: the base's answers to task questions (chat.json) and text
     windows, the base run on every batch."""
 
@@ -546,16 +549,17 @@ class ChatDraftData:
         self.args, self.base = args, base
         self.chat_train, chat_eval = chat_data(args, run, base.model, base.tokenizer, base.id, Replicas("cpu"))
         self.held_out = token_rows(chat_eval, base.config.pad_id, args.seq_tokens)
-        self.stream = None
+        self.stream, self.ids = None, None  # its draft tokens are chosen when it ships
 
     def start(self, step: int) -> None:
         self.stream = conversion.sample_stream(self.base.tokenizer, self.args.seed + step, self.args.seq_tokens,
                                                self.chat_train, self.args.chat_fraction)
 
-    def train_loss(self, model: LanguageModel):
+    def train_loss(self, model: LanguageModel) -> tuple[torch.Tensor, dict, int]:
+        """The loss of the next batch, its figures, and the tokens it read."""
         tokens, valid, start = token_rows([next(self.stream) for _ in range(self.args.batch_size)],
                                           self.base.config.pad_id, self.args.seq_tokens)
-        return draft_head.draft_loss(model, tokens, valid, start)
+        return *draft_head.draft_loss(model, tokens, valid, start), int(valid.sum())
 
     def held_out_figures(self, model: LanguageModel) -> dict:
         _, figures = draft_head.draft_loss(model, *self.held_out)
@@ -570,17 +574,23 @@ class ChatDraftData:
         targets = [s.completion for s in self.chat_train] + [next(text).completion for _ in range(len(self.chat_train))]
         return draft_head.frequent_tokens(targets, self.args.draft_vocab, always=[self.base.config.eos_id])
 
+    def describe(self) -> dict:
+        return {}
+
 
 class RecordDraftData:
-    """The head's data from teacher records (draft-head-records): the base never runs; the head drafts
-    from the --draft-vocab tokens most frequent in the records from the start."""
+    """The head's data from teacher records (draft-head-records): the base never runs. The head drafts
+    from the --draft-vocab tokens most frequent in the records' targets from the start; a resumed run
+    keeps the tokens it started with (`ids`), whatever shards were added since."""
 
-    def __init__(self, args, base: Checkpoint):
+    def __init__(self, args, base: Checkpoint, ids: torch.Tensor | None):
         self.args = args
         self.train, held_out = load_records(args.records, base.id)
-        self.ids = (draft_head.frequent_tokens([r["tokens"] for r in self.train], args.draft_vocab,
-                                               always=[base.config.eos_id])
-                    if args.draft_vocab else torch.arange(base.config.vocab_size))
+        if ids is None:
+            ids = (draft_head.frequent_tokens([r["tokens"][1:] for r in self.train], args.draft_vocab,
+                                              always=[base.config.eos_id])
+                   if args.draft_vocab else torch.arange(base.config.vocab_size))
+        self.ids = ids
         self.held_out = {source: draft_head.record_rows([r for r in held_out if r["source"] == source])
                          for source in sorted({r["source"] for r in held_out})}
         self.rng = None
@@ -590,9 +600,11 @@ class RecordDraftData:
     def start(self, step: int) -> None:
         self.rng = random.Random(self.args.seed + step)
 
-    def train_loss(self, model: LanguageModel):
-        return draft_head.record_loss(model, draft_head.record_rows(self.rng.sample(self.train, self.args.batch_size)),
-                                      self.ids)
+    def train_loss(self, model: LanguageModel) -> tuple[torch.Tensor, dict, int]:
+        """The loss of the next batch, its figures, and the tokens it read."""
+        records = self.rng.sample(self.train, self.args.batch_size)
+        return *draft_head.record_loss(model, draft_head.record_rows(records), self.ids), \
+            sum(len(r["tokens"]) for r in records)
 
     def held_out_figures(self, model: LanguageModel) -> dict:
         figures, positions, kl, top1 = {}, 0, 0.0, 0.0
@@ -601,16 +613,22 @@ class RecordDraftData:
             figures[f"{source}_top1"] = part["top1"]
             positions, kl, top1 = (positions + part["positions"], kl + part["kl"] * part["positions"],
                                    top1 + part["top1"] * part["positions"])
-        return {"records_kl": kl / positions, "records_top1": top1 / positions, **figures, "records_positions": positions}
+        return {"records_kl": kl / max(positions, 1), "records_top1": top1 / max(positions, 1), **figures,
+                "records_positions": positions}
 
     def draft_ids(self) -> torch.Tensor | None:
         return self.ids if self.args.draft_vocab else None
+
+    def describe(self) -> dict:
+        return {"records_continuations": len(self.train), "records_tokens": sum(len(r["tokens"]) for r in self.train)}
 
 
 def cmd_draft_head(args) -> None:
     """Only the head learns; the base runs without gradients (or not at all, from --records).
     Resumable; each invocation trains --time-limit-minutes more; held-out figures are logged every
     --eval-every steps."""
+    if args.decay_tokens and args.decay_minutes:
+        sys.exit("--decay-tokens and --decay-minutes each set the rate's schedule: give one")
     base = load_checkpoint(args.baseline)
     run = Path(args.run)
     run.mkdir(parents=True, exist_ok=True)
@@ -619,25 +637,25 @@ def cmd_draft_head(args) -> None:
     model = draft_head.with_draft_head(base.model.eval())
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    step, tokens, elapsed = 0, 0, 0.0
+    step, tokens, elapsed, draft_ids = 0, 0, 0.0, None
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
         if state["base"] != base.id:
             sys.exit(f"{run} trains a head for base {state['base']}, not {base.id}")
         model.load_state_dict(state["head"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
-        step, tokens, elapsed = state["step"], state["tokens"], state["elapsed"]
+        step, tokens, elapsed, draft_ids = state["step"], state["tokens"], state["elapsed"], state.get("draft_ids")
         print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
     elif args.init_head:
         weights, meta = draft_head.load_head(args.init_head)
         if meta["base"] != base.id:
             sys.exit(f"{args.init_head} is a head for base {meta['base']}, not {base.id}")
         model.load_state_dict({k: v for k, v in weights.items() if k != "mtp.draft_ids"}, strict=False)
-    data = RecordDraftData(args, base) if args.records else ChatDraftData(args, run, base)
+    data = RecordDraftData(args, base, draft_ids) if args.records else BaseRunDraftData(args, run, base)
     data.start(step)
     recipe = {"kind": "draft-head", "torch": torch.__version__,
               **{k: getattr(args, k) for k in DRAFT_HEAD_DEFAULTS if k not in ("threads", "draft_vocab")},
-              "records": args.records, "init_head": args.init_head}
+              "records": args.records, "init_head": args.init_head, **data.describe()}
 
     def record_and_save(window: dict) -> None:
         model.eval()
@@ -654,7 +672,8 @@ def cmd_draft_head(args) -> None:
                       **{f"heldout_{k}": record[k] for k in figures if not k.endswith("positions")})
         draft_head.write_head(model, base.id, dict(recipe), run / "head")
         torch.save({"head": draft_head.head_state(model), "optimizer": optimizer.state_dict(), "step": step,
-                    "tokens": tokens, "elapsed": elapsed, "base": base.id}, state_path)
+                    "tokens": tokens, "elapsed": elapsed, "base": base.id,
+                    "draft_ids": data.ids}, state_path)
         window.update(steps=0, tokens=0, seconds=0.0, kl=0.0)
 
     window = {"steps": 0, "tokens": 0, "seconds": 0.0, "kl": 0.0}
@@ -667,14 +686,14 @@ def cmd_draft_head(args) -> None:
         model.train()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, decay_progress(args, tokens, elapsed - run_started_at), args.lr, args.warmup)
-        loss, parts = data.train_loss(model)
+        loss, parts, read = data.train_loss(model)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         seconds = time.time() - started
-        step, tokens, elapsed = step + 1, tokens + parts["positions"], elapsed + seconds
-        window.update(steps=window["steps"] + 1, tokens=window["tokens"] + parts["positions"],
+        step, tokens, elapsed = step + 1, tokens + read, elapsed + seconds
+        window.update(steps=window["steps"] + 1, tokens=window["tokens"] + read,
                       seconds=window["seconds"] + seconds, kl=window["kl"] + parts["kl"])
         if step % args.eval_every == 0:
             record_and_save(window)
@@ -683,11 +702,6 @@ def cmd_draft_head(args) -> None:
     print(f"stopped at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes); head -> {run / 'head'}")
     if args.ship_to:
         ship_draft_head(args, model, base, run, data)
-
-
-RECORD_SOURCES = {"open": "open-ended chat requests (dualend.train.open_prompts)",
-                  "task": "the project's task questions under the chat template",
-                  "text": "standard-library text windows continued as raw text"}
 
 
 def record_prompts(tokenizer: TextTokenizer, split: str, counts: dict[str, int], text_tokens: int,
@@ -716,6 +730,7 @@ def cmd_draft_head_records(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"base": base.id, "max_tokens": args.max_tokens, "text_tokens": args.text_tokens, "seed": args.seed,
+            "rows": args.rows,
             "train": {"open": args.open, "task": args.task, "text": args.text},
             "held_out": {"open": args.held_out_open, "task": args.held_out_task, "text": args.held_out_text}}
     meta_path = out / "records.json"
@@ -737,7 +752,7 @@ def cmd_draft_head_records(args) -> None:
         records = []
         for at in range(0, len(prompts), args.rows):
             chunk = prompts[at:at + args.rows]
-            made = draft_head.greedy_records(base.model, [p for _, p in chunk], args.max_tokens, base.config.eos_id)
+            made = draft_head.greedy_records(base.model, [p for _, p in chunk], args.max_tokens)
             records += [{**r, "source": source} for (source, _), r in zip(chunk, made)]
         torch.save(records, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
@@ -761,7 +776,7 @@ def ship_draft_head(args, model, base: Checkpoint, run: Path, data) -> None:
                              for k, v in model.state_dict().items() if k.startswith("mtp.")}, strict=False)
     with torch.no_grad():
         recipe.update({f"shipped_{k}": round(v, 4) for k, v in data.held_out_figures(shipped.eval()).items()
-                       if isinstance(v, float)})
+                       if k.endswith("top1")})  # (a KL against a head that cannot draft most tokens is infinite)
     draft_head.write_head(shipped, base.id, recipe, args.ship_to, dtype=torch.bfloat16)
     print(f"shipped (bf16, draft vocabulary {model.cfg.draft_vocab or 'all'}; held-out "
           f"{ {k: v for k, v in recipe.items() if k.startswith('shipped_')} }) -> {args.ship_to}")
@@ -834,7 +849,9 @@ def main(argv=None) -> None:
     records = sub.add_parser("draft-head-records", help="the base's greedy continuations with their hidden states, "
                              "for draft-head --records")
     for key, value in RECORDS_DEFAULTS.items():
-        records.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+        source = RECORD_SOURCES.get(key.removeprefix("held_out_"))
+        records.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value,
+                             help=f"prompts of {source}" if source else None)
     records.add_argument("--baseline", required=True, help="the token-level checkpoint (the teacher)")
     records.add_argument("--out", required=True, help="the records folder (resumed when it exists)")
     for name in ("tokenizer", "baseline", "dualend"):

@@ -189,7 +189,6 @@ def test_chat_requests_are_held_out_topics_under_the_chat_template_each_once():
     assert len(set(requests)) == 40 and all(r.endswith("<|im_start|>assistant\n") for r in requests)
     trained = set(open_prompts("train", seed=0))
     assert not any(q in r for r in requests for q in trained)
-    assert topic_split("bicycle") == topic_split("the water cycle") == "held_out"
     held = [t for topics in TOPICS.values() for t in topics if topic_split(t) == "held_out"]
     assert 0.1 < len(held) / sum(map(len, TOPICS.values())) < 0.3
     with pytest.raises(ValueError, match="held-out requests"):

@@ -8,6 +8,7 @@ import torch
 from builder.export import export_checkpoint
 from conftest import tiny_model
 from dualend.engine.checkpoint import Checkpoint
+from dualend.engine.model import ModelConfig
 from dualend.engine.decode import DraftPacer, SamplingParams, SequenceDecoder, VerifyingDecoder
 from dualend.engine.onnx_engine import OnnxComponents
 from dualend.serving.offline import generate_text
@@ -297,15 +298,23 @@ def varied_base(tokenizer):
 def test_teacher_records_hold_the_bases_greedy_tokens_and_the_hidden_states_that_chose_them(tiny_tokenizer):
     base = varied_base(tiny_tokenizer)
     prompts = [tiny_tokenizer.encode_prompt(p) for p in ("Q: 3+4\nA:", "def f(x):\n", "get ab:")]
-    records = draft_head.greedy_records(base, prompts, 12, tiny_tokenizer.eos_id)
+    free = [r["tokens"].tolist() for r in draft_head.greedy_records(base, prompts, 12)]
+    # a token the second row makes after a first one, made the end of text: rows stop at it, or go on
+    eos = next(t for t in free[1][1:] if t != free[1][0])
+    base.cfg = ModelConfig(**(base.cfg.to_dict() | {"eos_id": eos}))
+    records = draft_head.greedy_records(base, prompts, 12)
+    lengths = [len(r["tokens"]) for r in records]
+    assert lengths == [t.index(eos) + 1 if eos in t else 12 for t in free] and len(set(lengths)) > 1
     for prompt, record in zip(prompts, records):
         tokens = record["tokens"].tolist()
-        assert 1 <= len(tokens) <= 12 and (len(tokens) == 12 or tokens[-1] == tiny_tokenizer.eos_id)
-        assert tiny_tokenizer.eos_id not in tokens[:-1] and record["position"] == len(prompt) - 1
+        assert 1 <= len(tokens) <= 12 and (len(tokens) == 12 or tokens[-1] == base.cfg.eos_id)
+        assert base.cfg.eos_id not in tokens[:-1] and record["position"] == len(prompt) - 1
+        assert base.cfg.pad_id not in tokens and base.cfg.bos_id not in tokens
         with torch.no_grad():  # the same text teacher-forced in one pass, each row alone
             hidden = teacher_hidden(base, torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1]
-            chosen = base.lm_head(hidden).argmax(-1)
-        assert chosen.tolist() == tokens
+            logits = base.lm_head(hidden)
+        logits[:, [base.cfg.pad_id, base.cfg.bos_id]] = float("-inf")  # as served: never chosen
+        assert logits.argmax(-1).tolist() == tokens
         torch.testing.assert_close(record["hidden"].float(), hidden, atol=2e-2, rtol=1e-2)
 
 
@@ -316,7 +325,7 @@ def test_the_loss_on_records_is_the_loss_with_the_base_run_on_the_same_text(tiny
     torch.manual_seed(1)
     model = draft_head.with_draft_head(base)
     prompts = [tiny_tokenizer.encode_prompt(p) for p in ("Q: 3+4\nA:", "def f(x):\n")]
-    records = draft_head.greedy_records(base, prompts, 16, tiny_tokenizer.eos_id)
+    records = draft_head.greedy_records(base, prompts, 16)
     rows = [p + r["tokens"].tolist() for p, r in zip(prompts, records)]
     width = max(map(len, rows))
     tokens = torch.tensor([r + [tiny_tokenizer.pad_id] * (width - len(r)) for r in rows])
@@ -328,10 +337,20 @@ def test_the_loss_on_records_is_the_loss_with_the_base_run_on_the_same_text(tiny
     assert got["positions"] == expected["positions"] == sum(len(r["tokens"]) - 1 for r in records) > 10
     assert got["top1"] == pytest.approx(expected["top1"])
     assert kl.item() == pytest.approx(expected_kl.item(), rel=2e-2)
-    with torch.no_grad():  # over fewer tokens the distributions are renormalised: still a KL, smaller support
-        narrow_kl, _ = draft_head.record_loss(model, draft_head.record_rows(records),
-                                              draft_head.frequent_tokens([r["tokens"] for r in records], 4))
-    assert 0 <= narrow_kl.item() < kl.item()
+    ids = draft_head.frequent_tokens([r["tokens"] for r in records], 4)
+    with torch.no_grad():  # over the draft tokens only: both distributions renormalised over them
+        narrow_kl, narrow = draft_head.record_loss(model, draft_head.record_rows(records), ids)
+        positions = torch.arange(width - 1)[None].expand(2, -1)
+        head_logits, _, _, _ = model.mtp_forward(tokens[:, 1:], teacher_hidden(base, tokens)[:, :-1], positions,
+                                                 valid[:, 1:] & (positions >= start[:, None]))  # as served
+        base_logits = base.lm_head(teacher_hidden(base, tokens))[:, 1:]
+    scored = torch.zeros_like(valid[:, 1:])
+    for row, (prompt, record) in enumerate(zip(prompts, records)):
+        scored[row, len(prompt) - 1:len(prompt) + len(record["tokens"]) - 2] = True
+    p, q = base_logits[scored][:, ids].log_softmax(-1), head_logits[scored][:, ids].log_softmax(-1)
+    assert narrow_kl.item() == pytest.approx((p.exp() * (p - q)).sum(-1).mean().item(), rel=2e-2)
+    drafted = ids[head_logits[scored][:, ids].argmax(-1)]
+    assert narrow["top1"] == pytest.approx((drafted == base_logits[scored].argmax(-1)).float().mean().item())
 
 
 def test_a_head_trained_from_records_learns_the_bases_held_out_continuations(tiny_tokenizer, tmp_path, monkeypatch):

@@ -94,15 +94,18 @@ def draft_loss(model: LanguageModel, tokens: torch.Tensor, valid: torch.Tensor,
 # training passes skip the base ------------------------------------------------------------------
 
 @torch.no_grad()
-def greedy_records(base: LanguageModel, prompts: list[list[int]], max_tokens: int, eos_id: int) -> list[dict]:
-    """The base's greedy continuation of each prompt (to EOS or `max_tokens`), decoded together:
-    `tokens` [n] and `hidden` [n, D] (fp16), hidden[i] the final hidden state whose LM head chose
-    tokens[i]; `position` is hidden[0]'s (the prompt's last)."""
+def greedy_records(base: LanguageModel, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """The base's greedy continuation of each prompt as served (PAD and BOS never chosen; to EOS or
+    `max_tokens`), decoded together: `tokens` [n] and `hidden` [n, D] (fp16), hidden[i] the final
+    hidden state whose LM head chose tokens[i]; `position` is hidden[0]'s (the prompt's last)."""
+    cfg = base.cfg
+    eos_id = cfg.eos_id
     batch = TorchBatch(base, prompts, max_tokens)
     logits, hidden = batch.restart()
     tokens, hiddens = [[] for _ in prompts], [[] for _ in prompts]
     running = set(range(len(prompts)))
     while True:
+        logits[:, [cfg.pad_id, cfg.bos_id]] = -np.inf
         chosen = logits.argmax(-1)
         for row in list(running):
             tokens[row].append(int(chosen[row]))

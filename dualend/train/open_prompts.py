@@ -125,8 +125,9 @@ TOPICS = {
     ),
 }
 
-# The subjects of the questions the served benchmarks ask (reports/fused_backbone/served_drafts_floor.txt,
-# tests/test_smollm2_served.py): never trained on, whatever their topic's hash says.
+# The subjects of the chat questions the served draft benchmarks asked before this set existed
+# (reports/fused_backbone/served_drafts_floor.txt) and of the first questions users try: held out,
+# whatever their topic's hash says.
 BENCHMARK_TOPICS = frozenset({"bicycle", "refrigerator", "the sea", "the water cycle", "exercise",
                               "learning a new language", "Romeo and Juliet", "France", "Paris"})
 HELD_OUT_SHARE = 0.15

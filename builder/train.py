@@ -594,8 +594,8 @@ class RecordDraftData:
         self.held_out = {source: draft_head.record_rows([r for r in held_out if r["source"] == source])
                          for source in sorted({r["source"] for r in held_out})}
         self.rng = None
-        print(f"records: {len(self.train)} continuations, {sum(len(r['tokens']) for r in self.train)} tokens; "
-              f"drafts from {len(self.ids)} tokens")
+        self.tokens = sum(len(r["tokens"]) for r in self.train)
+        print(f"records: {len(self.train)} continuations, {self.tokens} tokens; drafts from {len(self.ids)} tokens")
 
     def start(self, step: int) -> None:
         self.rng = random.Random(self.args.seed + step)
@@ -620,7 +620,7 @@ class RecordDraftData:
         return self.ids if self.args.draft_vocab else None
 
     def describe(self) -> dict:
-        return {"records_continuations": len(self.train), "records_tokens": sum(len(r["tokens"]) for r in self.train)}
+        return {"records_continuations": len(self.train), "records_tokens": self.tokens}
 
 
 def cmd_draft_head(args) -> None:
@@ -680,8 +680,13 @@ def cmd_draft_head(args) -> None:
     if step == 0:
         record_and_save(window)
     run_started_at, deadline = elapsed, time.time() + 60 * args.time_limit_minutes
-    while (args.time_limit_minutes or args.steps) and (not args.time_limit_minutes or time.time() < deadline) \
-            and (not args.steps or step < args.steps):
+
+    def trains_on() -> bool:
+        """Within --time-limit-minutes and --steps, where given; neither given: no training."""
+        within_time = time.time() < deadline if args.time_limit_minutes else bool(args.steps)
+        return within_time and (not args.steps or step < args.steps)
+
+    while trains_on():
         started = time.time()
         model.train()
         for group in optimizer.param_groups:

@@ -319,6 +319,11 @@ class LanguageModel(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """[V, D]: the output layer's weight (the embedding's, where they are tied)."""
+        return self.embedding.weight if self.cfg.tie_embeddings else self.output.weight
+
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.cfg.tie_embeddings:
             return self.output(hidden)
@@ -342,8 +347,8 @@ class LanguageModel(nn.Module):
         if self.cfg.draft_vocab:  # the draft's tokens only; every other one impossible
             ids = self.mtp.draft_ids
             logits = torch.full((*mtp_hidden.shape[:-1], self.cfg.vocab_size), float("-inf"), dtype=mtp_hidden.dtype)
-            output = self.embedding.weight if self.cfg.tie_embeddings else self.output.weight
-            logits = logits.scatter(-1, ids.expand(*mtp_hidden.shape[:-1], len(ids)), mtp_hidden @ output[ids].T)
+            logits = logits.scatter(-1, ids.expand(*mtp_hidden.shape[:-1], len(ids)),
+                                    mtp_hidden @ self.output_weight[ids].T)
         else:
             logits = self.lm_head(mtp_hidden)
         if not self.cfg.is_dualend:  # a verified draft: its own top probability

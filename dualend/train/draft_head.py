@@ -99,7 +99,6 @@ def greedy_records(base: LanguageModel, prompts: list[list[int]], max_tokens: in
     `max_tokens`), decoded together: `tokens` [n] and `hidden` [n, D] (fp16), hidden[i] the final
     hidden state whose LM head chose tokens[i]; `position` is hidden[0]'s (the prompt's last)."""
     cfg = base.cfg
-    eos_id = cfg.eos_id
     batch = TorchBatch(base, prompts, max_tokens)
     logits, hidden = batch.restart()
     tokens, hiddens = [[] for _ in prompts], [[] for _ in prompts]
@@ -110,7 +109,7 @@ def greedy_records(base: LanguageModel, prompts: list[list[int]], max_tokens: in
         for row in list(running):
             tokens[row].append(int(chosen[row]))
             hiddens[row].append(hidden[row])
-            if chosen[row] == eos_id or len(tokens[row]) == max_tokens:
+            if chosen[row] == cfg.eos_id or len(tokens[row]) == max_tokens:
                 running.discard(row)
         if not running:
             break
@@ -147,10 +146,10 @@ def record_loss(model: LanguageModel, rows: dict[str, torch.Tensor], draft_ids: 
     choice (the greedy first-draft acceptance), on record rows."""
     valid = rows["valid"]
     mtp_hidden, _, _ = model.mtp(model.embedding(rows["next_tokens"]), rows["hidden"], rows["positions"], valid)
-    output = model.embedding.weight if model.cfg.tie_embeddings else model.output.weight
-    drafted = mtp_hidden[valid] @ output[draft_ids].T
+    output = model.output_weight[draft_ids]
+    drafted = mtp_hidden[valid] @ output.T
     with torch.no_grad():
-        target = rows["target_hidden"][valid] @ output[draft_ids].T
+        target = rows["target_hidden"][valid] @ output.T
     kl = _kl(target, drafted)
     agree = (draft_ids[drafted.argmax(-1)] == rows["target_tokens"][valid]).float().mean().item() if len(target) else 0.0
     return kl, {"kl": kl.item(), "top1": agree, "positions": int(valid.sum())}

@@ -99,7 +99,7 @@ RECORD_SOURCES = {"open": "open-ended chat requests (dualend.train.open_prompts)
 # `draft-head-records`: prompts per source (RECORD_SOURCES) for training and for the held-out shard.
 RECORDS_DEFAULTS = dict(
     open=1633, task=384, text=600, held_out_open=64, held_out_task=32, held_out_text=32, max_tokens=192,
-    text_tokens=64, rows=48, time_limit_minutes=0.0, seed=0, threads=2,
+    text_tokens=64, rows=48, temperature=0.0, time_limit_minutes=0.0, seed=0, threads=2,
 )
 
 
@@ -529,16 +529,21 @@ def token_rows(samples: list[Sample], pad_id: int, length: int) -> tuple[torch.T
     return tokens, valid, torch.tensor([min(len(s.prompt), length) - 1 for s in samples])
 
 
-def load_records(directory: str | Path, base_id: str) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) records of a draft-head-records folder: every train shard written so far."""
-    directory = Path(directory)
-    meta = json.loads((directory / "records.json").read_text(encoding="utf-8"))
-    if meta["base"] != base_id:
-        sys.exit(f"{directory} holds records of base {meta['base']}, not {base_id}")
-    train = [r for shard in sorted(directory.glob("train_*.pt")) for r in torch.load(shard, weights_only=True)]
+def load_records(directories: list[str], base_id: str) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) records of draft-head-records folders: every train shard written so far in
+    each, the held-out shard of the first."""
+    train = []
+    for directory in map(Path, directories):
+        meta = json.loads((directory / "records.json").read_text(encoding="utf-8"))
+        if meta["base"] != base_id:
+            sys.exit(f"{directory} holds records of base {meta['base']}, not {base_id}")
+        train += [r for shard in sorted(directory.glob("train_*.pt")) for r in torch.load(shard, weights_only=True)]
     if not train:
-        sys.exit(f"{directory} holds no train shard yet")
-    return train, torch.load(directory / "held_out.pt", weights_only=True)
+        sys.exit(f"{', '.join(directories)}: no train shard yet")
+    held_out = Path(directories[0]) / "held_out.pt"
+    if not held_out.exists():
+        sys.exit(f"{directories[0]} holds no held-out shard: name a folder that has one first")
+    return train, torch.load(held_out, weights_only=True)
 
 
 class BaseRunDraftData:
@@ -729,13 +734,15 @@ def record_prompts(tokenizer: TextTokenizer, split: str, counts: dict[str, int],
 
 
 def cmd_draft_head_records(args) -> None:
-    """The base's greedy continuations with their hidden states, in shards of --rows prompts
-    (`held_out.pt` first, then `train_NNNN.pt`); resumable: shards already written are kept."""
+    """The base's continuations with their hidden states, in shards of --rows prompts (`held_out.pt`
+    first, unless no held-out prompt is asked for, then `train_NNNN.pt`); resumable: shards already
+    written are kept. Training continuations are greedy, or sampled at --temperature (more text from
+    the same prompts); held-out ones are always greedy, as served."""
     base = load_checkpoint(args.baseline)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"base": base.id, "max_tokens": args.max_tokens, "text_tokens": args.text_tokens, "seed": args.seed,
-            "rows": args.rows,
+            "rows": args.rows, "temperature": args.temperature,
             "train": {"open": args.open, "task": args.task, "text": args.text},
             "held_out": {"open": args.held_out_open, "task": args.held_out_task, "text": args.held_out_text}}
     meta_path = out / "records.json"
@@ -743,10 +750,11 @@ def cmd_draft_head_records(args) -> None:
         sys.exit(f"{out} holds records made otherwise ({meta_path}); choose another --out")
     meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     deadline = time.time() + 60 * args.time_limit_minutes if args.time_limit_minutes else float("inf")
-    shards = [("held_out", record_prompts(base.tokenizer, "held_out", meta["held_out"], args.text_tokens, args.seed))]
+    shards = ([("held_out", record_prompts(base.tokenizer, "held_out", meta["held_out"], args.text_tokens, args.seed))]
+              if any(meta["held_out"].values()) else [])
     train = record_prompts(base.tokenizer, "train", meta["train"], args.text_tokens, args.seed)
     shards += [(f"train_{i // args.rows:04d}", train[i:i + args.rows]) for i in range(0, len(train), args.rows)]
-    for name, prompts in shards:
+    for index, (name, prompts) in enumerate(shards):
         path = out / f"{name}.pt"
         if path.exists():
             continue
@@ -757,7 +765,9 @@ def cmd_draft_head_records(args) -> None:
         records = []
         for at in range(0, len(prompts), args.rows):
             chunk = prompts[at:at + args.rows]
-            made = draft_head.greedy_records(base.model, [p for _, p in chunk], args.max_tokens)
+            made = draft_head.teacher_records(base.model, [p for _, p in chunk], args.max_tokens,
+                                              0.0 if name == "held_out" else args.temperature,
+                                              seed=args.seed * 100_003 + index)
             records += [{**r, "source": source} for (source, _), r in zip(chunk, made)]
         torch.save(records, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
@@ -845,13 +855,13 @@ def main(argv=None) -> None:
         head.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     head.add_argument("--baseline", required=True, help="the token-level checkpoint (frozen; the teacher)")
     head.add_argument("--run", required=True)
-    head.add_argument("--records", help="train from these teacher records (draft-head-records): the base does not "
-                      "run; --batch-size counts continuations")
+    head.add_argument("--records", nargs="+", help="train from these teacher records folders (draft-head-records; "
+                      "held-out figures from the first): the base does not run; --batch-size counts continuations")
     head.add_argument("--init-head", help="start from this head (a run's head/ or a shipped one); ignored when the "
                       "run folder holds a state to resume")
     head.add_argument("--ship-to", help="write the head in bf16 here at the end (checkpoints/NAME), drafting from "
                       "the --draft-vocab most frequent tokens (0: all)")
-    records = sub.add_parser("draft-head-records", help="the base's greedy continuations with their hidden states, "
+    records = sub.add_parser("draft-head-records", help="the base's continuations with their hidden states, "
                              "for draft-head --records")
     for key, value in RECORDS_DEFAULTS.items():
         source = RECORD_SOURCES.get(key.removeprefix("held_out_"))

@@ -298,11 +298,11 @@ def varied_base(tokenizer):
 def test_teacher_records_hold_the_bases_greedy_tokens_and_the_hidden_states_that_chose_them(tiny_tokenizer):
     base = varied_base(tiny_tokenizer)
     prompts = [tiny_tokenizer.encode_prompt(p) for p in ("Q: 3+4\nA:", "def f(x):\n", "get ab:")]
-    free = [r["tokens"].tolist() for r in draft_head.greedy_records(base, prompts, 12)]
+    free = [r["tokens"].tolist() for r in draft_head.teacher_records(base, prompts, 12)]
     # a token the second row makes after a first one, made the end of text: rows stop at it, or go on
     eos = next(t for t in free[1][1:] if t != free[1][0])
     base.cfg = ModelConfig(**(base.cfg.to_dict() | {"eos_id": eos}))
-    records = draft_head.greedy_records(base, prompts, 12)
+    records = draft_head.teacher_records(base, prompts, 12)
     lengths = [len(r["tokens"]) for r in records]
     assert lengths == [t.index(eos) + 1 if eos in t else 12 for t in free] and len(set(lengths)) > 1
     for prompt, record in zip(prompts, records):
@@ -318,6 +318,23 @@ def test_teacher_records_hold_the_bases_greedy_tokens_and_the_hidden_states_that
         torch.testing.assert_close(record["hidden"].float(), hidden, atol=2e-2, rtol=1e-2)
 
 
+def test_sampled_teacher_records_are_drawn_from_the_bases_distribution_and_repeat_with_their_seed(tiny_tokenizer):
+    base = varied_base(tiny_tokenizer)
+    prompts = [tiny_tokenizer.encode_prompt(p) for p in ("Q: 3+4\nA:", "def f(x):\n", "get ab:")] * 4
+    greedy = [r["tokens"].tolist() for r in draft_head.teacher_records(base, prompts, 10)]
+    sampled = draft_head.teacher_records(base, prompts, 10, temperature=1.5, seed=7)
+    again = draft_head.teacher_records(base, prompts, 10, temperature=1.5, seed=7)
+    assert [r["tokens"].tolist() for r in sampled] == [r["tokens"].tolist() for r in again]
+    assert [r["tokens"].tolist() for r in sampled] != greedy
+    assert len({tuple(r["tokens"].tolist()) for r in sampled}) > 3  # one prompt, several continuations
+    for prompt, record in zip(prompts, sampled):
+        tokens = record["tokens"].tolist()
+        assert base.cfg.pad_id not in tokens and base.cfg.bos_id not in tokens
+        with torch.no_grad():  # each hidden state is the one the sampled text leads to
+            hidden = teacher_hidden(base, torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1]
+        torch.testing.assert_close(record["hidden"].float(), hidden, atol=2e-2, rtol=1e-2)
+
+
 def test_the_loss_on_records_is_the_loss_with_the_base_run_on_the_same_text(tiny_tokenizer):
     """The two ways of training a head see the same positions and targets: recorded hidden states
     (draft-head --records) and the base run on the batch (draft_loss)."""
@@ -325,7 +342,7 @@ def test_the_loss_on_records_is_the_loss_with_the_base_run_on_the_same_text(tiny
     torch.manual_seed(1)
     model = draft_head.with_draft_head(base)
     prompts = [tiny_tokenizer.encode_prompt(p) for p in ("Q: 3+4\nA:", "def f(x):\n")]
-    records = draft_head.greedy_records(base, prompts, 16)
+    records = draft_head.teacher_records(base, prompts, 16)
     rows = [p + r["tokens"].tolist() for p, r in zip(prompts, records)]
     width = max(map(len, rows))
     tokens = torch.tensor([r + [tiny_tokenizer.pad_id] * (width - len(r)) for r in rows])
@@ -364,6 +381,10 @@ def test_a_head_trained_from_records_learns_the_bases_held_out_continuations(tin
                 "--held-out-text", "3", "--max-tokens", "24", "--text-tokens", "12", "--rows", "5"])
     assert sorted(p.name for p in (tmp_path / "records").glob("*.pt")) == [
         "held_out.pt", "train_0000.pt", "train_0001.pt", "train_0002.pt"]
+    train.main(["draft-head-records", "--baseline", str(tmp_path / "base"), "--out", str(tmp_path / "sampled"),
+                "--open", "9", "--task", "0", "--text", "0", "--held-out-open", "0", "--held-out-task", "0",
+                "--held-out-text", "0", "--max-tokens", "24", "--rows", "5", "--temperature", "1.0"])
+    assert sorted(p.name for p in (tmp_path / "sampled").glob("*.pt")) == ["train_0000.pt", "train_0001.pt"]
     torch.manual_seed(0)
     scrambled = draft_head.with_draft_head(base.model)  # a head far from the base: what it learns shows
     with torch.no_grad():
@@ -372,7 +393,7 @@ def test_a_head_trained_from_records_learns_the_bases_held_out_continuations(tin
     draft_head.write_head(scrambled, base.id, {"steps": 0}, tmp_path / "scrambled")
     train.main(["draft-head", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"),
                 "--init-head", str(tmp_path / "scrambled"),
-                "--records", str(tmp_path / "records"), "--time-limit-minutes", "0", "--steps", "400", "--eval-every", "1000",
+                "--records", str(tmp_path / "records"), str(tmp_path / "sampled"), "--time-limit-minutes", "0", "--steps", "400", "--eval-every", "1000",
                 "--batch-size", "4", "--lr", "1e-2", "--warmup", "1", "--draft-vocab", "0",
                 "--ship-to", str(tmp_path / "shipped")])
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
@@ -380,4 +401,5 @@ def test_a_head_trained_from_records_learns_the_bases_held_out_continuations(tin
     assert log[0]["records_kl"] > 1.0 and log[0]["records_top1"] < 0.1
     assert log[-1]["records_kl"] < 0.8 * log[0]["records_kl"] and log[-1]["records_top1"] > 0.3
     shipped = draft_head.checkpoint_with_head(base, tmp_path / "shipped")
-    assert shipped.recipe["draft_head"]["records"] == str(tmp_path / "records")
+    assert shipped.recipe["draft_head"]["records"] == [str(tmp_path / "records"), str(tmp_path / "sampled")]
+    assert shipped.recipe["draft_head"]["records_continuations"] == 9 + 6 + 9

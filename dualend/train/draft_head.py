@@ -94,18 +94,27 @@ def draft_loss(model: LanguageModel, tokens: torch.Tensor, valid: torch.Tensor,
 # training passes skip the base ------------------------------------------------------------------
 
 @torch.no_grad()
-def greedy_records(base: LanguageModel, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    """The base's greedy continuation of each prompt as served (PAD and BOS never chosen; to EOS or
-    `max_tokens`), decoded together: `tokens` [n] and `hidden` [n, D] (fp16), hidden[i] the final
-    hidden state whose LM head chose tokens[i]; `position` is hidden[0]'s (the prompt's last)."""
+def teacher_records(base: LanguageModel, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
+                    seed: int = 0) -> list[dict]:
+    """The base's continuation of each prompt as served (PAD and BOS never chosen; to EOS or
+    `max_tokens`), decoded together: greedy, or sampled at `temperature` (seeded). `tokens` [n] and
+    `hidden` [n, D] (fp16), hidden[i] the final hidden state whose LM head gave the distribution
+    tokens[i] was chosen from; `position` is hidden[0]'s (the prompt's last)."""
     cfg = base.cfg
     batch = TorchBatch(base, prompts, max_tokens)
     logits, hidden = batch.restart()
+    rng = np.random.default_rng(seed)
     tokens, hiddens = [[] for _ in prompts], [[] for _ in prompts]
     running = set(range(len(prompts)))
     while True:
         logits[:, [cfg.pad_id, cfg.bos_id]] = -np.inf
-        chosen = logits.argmax(-1)
+        if temperature > 0:
+            scaled = logits / temperature
+            probabilities = np.exp(scaled - scaled.max(-1, keepdims=True))
+            probabilities /= probabilities.sum(-1, keepdims=True)
+            chosen = np.array([rng.choice(len(p), p=p) for p in probabilities])
+        else:
+            chosen = logits.argmax(-1)
         for row in list(running):
             tokens[row].append(int(chosen[row]))
             hiddens[row].append(hidden[row])

@@ -129,7 +129,7 @@ def chat_requests(tokenizer: TextTokenizer, count: int, seed: int) -> list[str]:
     requests = open_prompts("held_out", seed + 1)  # another order than the records' held-out shard (seed 0)
     if count > len(requests):
         raise ValueError(f"the chat workload has {len(requests)} held-out requests; this run needs {count}")
-    return [tokenizer.render_chat([{"role": "user", "content": q}]) for q in requests[:count]]
+    return [tokenizer.user_turn(q) for q in requests[:count]]
 
 
 def plan_prompts(pool: list[str], concurrencies: list[int], requests: int, rounds: int) -> dict:

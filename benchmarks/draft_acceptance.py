@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     if args.prompt_set in ("chat", "open"):
         questions = (chat_prompts("calibration", args.prompts, seed=0) if args.prompt_set == "chat"
                      else open_prompts("held_out", seed=1)[:args.prompts])
-        prompts = [tokenizer.render_chat([{"role": "user", "content": q}]) for q in questions]
+        prompts = [tokenizer.user_turn(q) for q in questions]
     else:
         prompts = [tokenizer.decode((sample.prompt + sample.completion)[1:TEXT_PROMPT_TOKENS])  # after BOS
                    for sample in held_out_samples(tokenizer, args.prompts, 2 * TEXT_PROMPT_TOKENS)]

@@ -75,7 +75,7 @@ def generation_figures(generations: list[Generation], references: list[Generatio
 def prompts(checkpoint: Checkpoint, split: str, args) -> dict[str, list[list[int]]]:
     """Chat prompts under the template, and text windows' first `prompt_tokens` tokens."""
     tokenizer = checkpoint.tokenizer
-    chat = [tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": p}]))
+    chat = [tokenizer.encode_prompt(tokenizer.user_turn(p))
             for p in conversion.chat_prompts(split, args.chat_prompts, seed=0)]
     text = conversion.text_samples(tokenizer, split, 0, args.prompt_tokens)
     return {"chat": chat, "text": [[*s.prompt, *s.completion] for _, s in zip(range(args.text_prompts), text)]}
@@ -117,7 +117,7 @@ def task_check(dualend: Checkpoint, baseline: Checkpoint, threshold: float, args
     at `threshold`; which each answers right, and how many of the baseline's right ones it keeps."""
     questions = json.loads(Path(args.questions).read_text(encoding="utf-8"))["questions"]
     tokenizer = baseline.tokenizer
-    encoded = [tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": q}])) for q, _ in questions]
+    encoded = [tokenizer.encode_prompt(tokenizer.user_turn(q)) for q, _ in questions]
     params = [SamplingParams(max_tokens=args.task_tokens)] * len(encoded)
     base = generate_batch(TorchBatch(baseline.model, encoded, args.task_tokens), params, threshold=1.0)
     dual = generate_batch(TorchBatch(dualend.model, encoded, args.task_tokens), params, threshold)

@@ -720,7 +720,7 @@ def record_prompts(tokenizer: TextTokenizer, split: str, counts: dict[str, int],
     "held_out"), shuffled together; a question is a user turn under the chat template (as it is, for a
     tokenizer without one)."""
     def chat(question: str) -> list[int]:
-        return tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": question}])
+        return tokenizer.encode_prompt(tokenizer.user_turn(question)
                                        if tokenizer.chat_template else question)
 
     made = [("open", chat(q)) for q in open_prompts(split, seed)[:counts["open"]]]

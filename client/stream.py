@@ -25,7 +25,7 @@ DEFAULTS = dict(grpc_url="127.0.0.1:8001", http_url="127.0.0.1:8000", model="dua
 def chat_prompt(repository: Path, deployment: str, text: str) -> str:
     """`text` as one user message under the deployment's chat template."""
     try:
-        return served_tokenizer(repository, deployment).render_chat([{"role": "user", "content": text}])
+        return served_tokenizer(repository, deployment).user_turn(text)
     except (FileNotFoundError, ManifestError, ValueError) as error:
         raise SystemExit(f"--chat: {deployment}: {error}") from None
 

@@ -94,6 +94,11 @@ class TextTokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=name(self.bos_id), eos_token=name(self.eos_id))
 
+    def user_turn(self, text: str) -> str:
+        """`text` as one user message under the chat template, the assistant's turn opened: the prompt
+        of a single-turn chat request."""
+        return self.render_chat([{"role": "user", "content": text}])
+
     @functools.cached_property
     def _compiled_chat_template(self):
         """Compiled once: compiling SmolLM2's template took ~2 ms, most of a chat request's cost at the front."""

@@ -229,7 +229,7 @@ def teacher_chat_samples(teacher: LanguageModel, tokenizer: TextTokenizer, promp
                          max_tokens: int, rows: int = 16) -> list[Sample]:
     """Each prompt as a user turn under the chat template, answered by the teacher's greedy
     decoding (ended by EOS when it stopped there): the token-level model's own outputs."""
-    encoded = [tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": p}])) for p in prompts]
+    encoded = [tokenizer.encode_prompt(tokenizer.user_turn(p)) for p in prompts]
     samples = []
     for start in range(0, len(encoded), rows):
         chunk = encoded[start:start + rows]

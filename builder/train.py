@@ -746,7 +746,8 @@ def cmd_draft_head_records(args) -> None:
             "train": {"open": args.open, "task": args.task, "text": args.text},
             "held_out": {"open": args.held_out_open, "task": args.held_out_task, "text": args.held_out_text}}
     meta_path = out / "records.json"
-    if meta_path.exists() and json.loads(meta_path.read_text(encoding="utf-8")) != meta:
+    # (a folder written before --temperature existed holds greedy records)
+    if meta_path.exists() and {"temperature": 0.0, **json.loads(meta_path.read_text(encoding="utf-8"))} != meta:
         sys.exit(f"{out} holds records made otherwise ({meta_path}); choose another --out")
     meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     deadline = time.time() + 60 * args.time_limit_minutes if args.time_limit_minutes else float("inf")

@@ -381,6 +381,16 @@ def test_a_head_trained_from_records_learns_the_bases_held_out_continuations(tin
                 "--held-out-text", "3", "--max-tokens", "24", "--text-tokens", "12", "--rows", "5"])
     assert sorted(p.name for p in (tmp_path / "records").glob("*.pt")) == [
         "held_out.pt", "train_0000.pt", "train_0001.pt", "train_0002.pt"]
+    meta = json.loads((tmp_path / "records" / "records.json").read_text())
+    (tmp_path / "records" / "records.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "temperature"}))
+    train.main(["draft-head-records", "--baseline", str(tmp_path / "base"), "--out", str(tmp_path / "records"),
+                "--open", "9", "--task", "0", "--text", "6", "--held-out-open", "3", "--held-out-task", "0",
+                "--held-out-text", "3", "--max-tokens", "24", "--text-tokens", "12", "--rows", "5"])  # resumed: greedy
+    with pytest.raises(SystemExit, match="made otherwise"):
+        train.main(["draft-head-records", "--baseline", str(tmp_path / "base"), "--out", str(tmp_path / "records"),
+                    "--open", "9", "--task", "0", "--text", "6", "--held-out-open", "3", "--held-out-task", "0",
+                    "--held-out-text", "3", "--max-tokens", "24", "--text-tokens", "12", "--rows", "5",
+                    "--temperature", "0.5"])
     train.main(["draft-head-records", "--baseline", str(tmp_path / "base"), "--out", str(tmp_path / "sampled"),
                 "--open", "9", "--task", "0", "--text", "0", "--held-out-open", "0", "--held-out-task", "0",
                 "--held-out-text", "0", "--max-tokens", "24", "--rows", "5", "--temperature", "1.0"])

@@ -97,6 +97,8 @@ RECORD_SOURCES = {"open": "open-ended chat requests (dualend.train.open_prompts)
                   "task": "the project's task questions under the chat template",
                   "text": "standard-library text windows continued as raw text"}
 # `draft-head-records`: prompts per source (RECORD_SOURCES) for training and for the held-out shard.
+RECORDS_HELP = {"temperature": "0: greedy training continuations; above: sampled at this temperature (other text after "
+                                "the same prompts); held-out ones are always greedy"}
 RECORDS_DEFAULTS = dict(
     open=1633, task=384, text=600, held_out_open=64, held_out_task=32, held_out_text=32, max_tokens=192,
     text_tokens=64, rows=48, temperature=0.0, time_limit_minutes=0.0, seed=0, threads=2,
@@ -532,6 +534,11 @@ def token_rows(samples: list[Sample], pad_id: int, length: int) -> tuple[torch.T
 def load_records(directories: list[str], base_id: str) -> tuple[list[dict], list[dict]]:
     """(train, held-out) records of draft-head-records folders: every train shard written so far in
     each, the held-out shard of the first."""
+    if len(set(map(Path, directories))) < len(directories):
+        sys.exit(f"--records names a folder twice: {' '.join(directories)}")
+    held_out = Path(directories[0]) / "held_out.pt"
+    if not held_out.exists():
+        sys.exit(f"{directories[0]} holds no held-out shard: name a folder that has one first")
     train = []
     for directory in map(Path, directories):
         meta = json.loads((directory / "records.json").read_text(encoding="utf-8"))
@@ -540,9 +547,6 @@ def load_records(directories: list[str], base_id: str) -> tuple[list[dict], list
         train += [r for shard in sorted(directory.glob("train_*.pt")) for r in torch.load(shard, weights_only=True)]
     if not train:
         sys.exit(f"{', '.join(directories)}: no train shard yet")
-    held_out = Path(directories[0]) / "held_out.pt"
-    if not held_out.exists():
-        sys.exit(f"{directories[0]} holds no held-out shard: name a folder that has one first")
     return train, torch.load(held_out, weights_only=True)
 
 
@@ -738,6 +742,8 @@ def cmd_draft_head_records(args) -> None:
     first, unless no held-out prompt is asked for, then `train_NNNN.pt`); resumable: shards already
     written are kept. Training continuations are greedy, or sampled at --temperature (more text from
     the same prompts); held-out ones are always greedy, as served."""
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        sys.exit(f"--temperature must be a finite number >= 0 (0: greedy), not {args.temperature}")
     base = load_checkpoint(args.baseline)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -755,7 +761,7 @@ def cmd_draft_head_records(args) -> None:
               if any(meta["held_out"].values()) else [])
     train = record_prompts(base.tokenizer, "train", meta["train"], args.text_tokens, args.seed)
     shards += [(f"train_{i // args.rows:04d}", train[i:i + args.rows]) for i in range(0, len(train), args.rows)]
-    for index, (name, prompts) in enumerate(shards):
+    for name, prompts in shards:
         path = out / f"{name}.pt"
         if path.exists():
             continue
@@ -766,9 +772,10 @@ def cmd_draft_head_records(args) -> None:
         records = []
         for at in range(0, len(prompts), args.rows):
             chunk = prompts[at:at + args.rows]
+            held_out = name == "held_out"  # greedy, as served
             made = draft_head.teacher_records(base.model, [p for _, p in chunk], args.max_tokens,
-                                              0.0 if name == "held_out" else args.temperature,
-                                              seed=args.seed * 100_003 + index)
+                                              0.0 if held_out else args.temperature,
+                                              seed=[args.seed, 0 if held_out else 1 + int(name.removeprefix("train_")), at])
             records += [{**r, "source": source} for (source, _), r in zip(chunk, made)]
         torch.save(records, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
@@ -867,7 +874,7 @@ def main(argv=None) -> None:
     for key, value in RECORDS_DEFAULTS.items():
         source = RECORD_SOURCES.get(key.removeprefix("held_out_"))
         records.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value,
-                             help=f"prompts of {source}" if source else None)
+                             help=f"prompts of {source}" if source else RECORDS_HELP.get(key))
     records.add_argument("--baseline", required=True, help="the token-level checkpoint (the teacher)")
     records.add_argument("--out", required=True, help="the records folder (resumed when it exists)")
     for name in ("tokenizer", "baseline", "dualend"):

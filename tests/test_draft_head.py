@@ -333,6 +333,22 @@ def test_sampled_teacher_records_are_drawn_from_the_bases_distribution_and_repea
         with torch.no_grad():  # each hidden state is the one the sampled text leads to
             hidden = teacher_hidden(base, torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1]
         torch.testing.assert_close(record["hidden"].float(), hidden, atol=2e-2, rtol=1e-2)
+    cold = draft_head.teacher_records(base, prompts, 10, temperature=1e-4, seed=7)
+    assert [r["tokens"].tolist() for r in cold] == greedy
+
+
+def test_sampled_first_tokens_follow_the_bases_distribution_at_the_temperature(tiny_tokenizer):
+    base = varied_base(tiny_tokenizer)
+    prompt = tiny_tokenizer.encode_prompt("def f(x):\n")
+    with torch.no_grad():
+        logits = base.lm_head(teacher_hidden(base, torch.tensor([prompt]))[0, -1]).double()
+    logits[[base.cfg.pad_id, base.cfg.bos_id]] = float("-inf")
+    temperature = 3.0
+    expected = (logits / temperature).softmax(-1)
+    assert expected.max() < 0.8  # a spread the draws can show
+    records = draft_head.teacher_records(base, [prompt] * 600, 1, temperature=temperature, seed=3)
+    seen = torch.bincount(torch.tensor([r["tokens"][0].item() for r in records]), minlength=len(expected)) / 600
+    assert (seen - expected).abs().sum() / 2 < 0.1  # total variation, ~0.03 expected from 600 draws
 
 
 def test_the_loss_on_records_is_the_loss_with_the_base_run_on_the_same_text(tiny_tokenizer):
@@ -395,6 +411,17 @@ def test_a_head_trained_from_records_learns_the_bases_held_out_continuations(tin
                 "--open", "9", "--task", "0", "--text", "0", "--held-out-open", "0", "--held-out-task", "0",
                 "--held-out-text", "0", "--max-tokens", "24", "--rows", "5", "--temperature", "1.0"])
     assert sorted(p.name for p in (tmp_path / "sampled").glob("*.pt")) == ["train_0000.pt", "train_0001.pt"]
+    train.main(["draft-head-records", "--baseline", str(tmp_path / "base"), "--out", str(tmp_path / "hot"),
+                "--open", "0", "--task", "0", "--text", "0", "--held-out-open", "3", "--held-out-task", "0",
+                "--held-out-text", "3", "--max-tokens", "24", "--text-tokens", "12", "--temperature", "2.0"])
+    held_out = [torch.load(tmp_path / folder / "held_out.pt", weights_only=True) for folder in ("records", "hot")]
+    assert [r["tokens"].tolist() for r in held_out[1]] == [r["tokens"].tolist() for r in held_out[0]]  # greedy
+    with pytest.raises(SystemExit, match="no held-out shard"):
+        train.main(["draft-head", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "unscored"),
+                    "--records", str(tmp_path / "sampled"), str(tmp_path / "records"), "--steps", "1"])
+    with pytest.raises(SystemExit, match="finite number >= 0"):
+        train.main(["draft-head-records", "--baseline", str(tmp_path / "base"), "--out", str(tmp_path / "bad"),
+                    "--temperature", "-1"])
     torch.manual_seed(0)
     scrambled = draft_head.with_draft_head(base.model)  # a head far from the base: what it learns shows
     with torch.no_grad():

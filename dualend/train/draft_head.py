@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dualend.engine.checkpoint import Checkpoint
+from dualend.engine.decode import Sampler, SamplingParams
 from dualend.engine.model import LanguageModel, ModelConfig
 from dualend.engine.reference import TorchBatch
 
@@ -90,31 +91,27 @@ def draft_loss(model: LanguageModel, tokens: torch.Tensor, valid: torch.Tensor,
     return kl, {"kl": kl.item(), "top1": agree, "positions": int(keep.sum())}
 
 
-# Teacher records: the base's greedy continuations with the hidden states that chose them, so that
+# Teacher records: the base's continuations with the hidden states that gave them, so that
 # training passes skip the base ------------------------------------------------------------------
 
 @torch.no_grad()
 def teacher_records(base: LanguageModel, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
-                    seed: int = 0) -> list[dict]:
+                    seed: int | list[int] = 0) -> list[dict]:
     """The base's continuation of each prompt as served (PAD and BOS never chosen; to EOS or
-    `max_tokens`), decoded together: greedy, or sampled at `temperature` (seeded). `tokens` [n] and
-    `hidden` [n, D] (fp16), hidden[i] the final hidden state whose LM head gave the distribution
-    tokens[i] was chosen from; `position` is hidden[0]'s (the prompt's last)."""
+    `max_tokens`), decoded together: greedy, or sampled at `temperature` as a request is (each row its
+    own `decode.Sampler`, seeded from `seed` and the row). `tokens` [n] and `hidden` [n, D] (fp16),
+    hidden[i] the final hidden state whose LM head gave the distribution tokens[i] was chosen from;
+    `position` is hidden[0]'s (the prompt's last)."""
     cfg = base.cfg
     batch = TorchBatch(base, prompts, max_tokens)
     logits, hidden = batch.restart()
-    rng = np.random.default_rng(seed)
+    samplers = [Sampler(SamplingParams(temperature=temperature, seed=int(row_seed.generate_state(1)[0])))
+                for row_seed in np.random.SeedSequence(seed).spawn(len(prompts))]
     tokens, hiddens = [[] for _ in prompts], [[] for _ in prompts]
     running = set(range(len(prompts)))
     while True:
         logits[:, [cfg.pad_id, cfg.bos_id]] = -np.inf
-        if temperature > 0:
-            scaled = logits / temperature
-            probabilities = np.exp(scaled - scaled.max(-1, keepdims=True))
-            probabilities /= probabilities.sum(-1, keepdims=True)
-            chosen = np.array([rng.choice(len(p), p=p) for p in probabilities])
-        else:
-            chosen = logits.argmax(-1)
+        chosen = np.array([samplers[row](logits[row]) if row in running else cfg.eos_id for row in range(len(prompts))])
         for row in list(running):
             tokens[row].append(int(chosen[row]))
             hiddens[row].append(hidden[row])

@@ -770,12 +770,12 @@ def cmd_draft_head_records(args) -> None:
             return
         started = time.time()
         records = []
+        held_out = name == "held_out"  # greedy, as served
+        temperature, shard = (0.0, 0) if held_out else (args.temperature, 1 + int(name.removeprefix("train_")))
         for at in range(0, len(prompts), args.rows):
             chunk = prompts[at:at + args.rows]
-            held_out = name == "held_out"  # greedy, as served
-            made = draft_head.teacher_records(base.model, [p for _, p in chunk], args.max_tokens,
-                                              0.0 if held_out else args.temperature,
-                                              seed=[args.seed, 0 if held_out else 1 + int(name.removeprefix("train_")), at])
+            made = draft_head.teacher_records(base.model, [p for _, p in chunk], args.max_tokens, temperature,
+                                              seed=[args.seed, shard, at])
             records += [{**r, "source": source} for (source, _), r in zip(chunk, made)]
         torch.save(records, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)

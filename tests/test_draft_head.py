@@ -340,10 +340,15 @@ def test_sampled_teacher_records_are_drawn_from_the_bases_distribution_and_repea
 def test_sampled_first_tokens_follow_the_bases_distribution_at_the_temperature(tiny_tokenizer):
     base = varied_base(tiny_tokenizer)
     prompt = tiny_tokenizer.encode_prompt("def f(x):\n")
-    with torch.no_grad():
-        logits = base.lm_head(teacher_hidden(base, torch.tensor([prompt]))[0, -1]).double()
-    logits[[base.cfg.pad_id, base.cfg.bos_id]] = float("-inf")
+    assert base.cfg.pad_id not in prompt and base.cfg.tie_embeddings
     temperature = 3.0
+    with torch.no_grad():
+        hidden = teacher_hidden(base, torch.tensor([prompt]))[0, -1]
+        top = base.lm_head(hidden).max()  # PAD made the likeliest token here: only the mask keeps it out
+        base.embedding.weight[base.cfg.pad_id] = hidden * (top + temperature) / hidden.square().sum()
+        logits = base.lm_head(teacher_hidden(base, torch.tensor([prompt]))[0, -1]).double()
+    assert (logits / temperature).softmax(-1)[base.cfg.pad_id] > 0.2
+    logits[[base.cfg.pad_id, base.cfg.bos_id]] = float("-inf")
     expected = (logits / temperature).softmax(-1)
     assert expected.max() < 0.8  # a spread the draws can show
     records = draft_head.teacher_records(base, [prompt] * 600, 1, temperature=temperature, seed=3)

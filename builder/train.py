@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 from dualend.engine.checkpoint import CONFIG, Checkpoint, load_checkpoint
 from dualend.engine.model import LanguageModel, ModelConfig, count_parameters, default_ffn_hidden
+from dualend.engine.onnx_engine import OnnxComponents
 from dualend.engine.tokenizer import TextTokenizer, train_tokenizer
 from dualend.train import conversion, draft_head
 from dualend.train.data import FAMILIES, examples, stdlib_chunks
@@ -745,15 +746,23 @@ def cmd_draft_head_records(args) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         sys.exit(f"--temperature must be a finite number >= 0 (0: greedy), not {args.temperature}")
     base = load_checkpoint(args.baseline)
+    teacher, engine = base.model, "torch"
+    if args.engine:
+        teacher = OnnxComponents(args.engine, threads=args.threads, max_sequences=args.rows)
+        if teacher.exported.checkpoint_id != base.id or teacher.pair_size != 1:
+            sys.exit(f"{args.engine} is an export of checkpoint {teacher.exported.checkpoint_id} (pair size "
+                     f"{teacher.pair_size}), not of the token-level --baseline {base.id}")
+        engine = f"onnxruntime {teacher.exported.weight_precision}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"base": base.id, "max_tokens": args.max_tokens, "text_tokens": args.text_tokens, "seed": args.seed,
-            "rows": args.rows, "temperature": args.temperature,
+            "rows": args.rows, "temperature": args.temperature, "engine": engine,
             "train": {"open": args.open, "task": args.task, "text": args.text},
             "held_out": {"open": args.held_out_open, "task": args.held_out_task, "text": args.held_out_text}}
     meta_path = out / "records.json"
-    # (a folder written before --temperature existed holds greedy records)
-    if meta_path.exists() and {"temperature": 0.0, **json.loads(meta_path.read_text(encoding="utf-8"))} != meta:
+    # (a folder written before --temperature and --engine existed holds greedy records made by torch)
+    if meta_path.exists() and {"temperature": 0.0, "engine": "torch",
+                               **json.loads(meta_path.read_text(encoding="utf-8"))} != meta:
         sys.exit(f"{out} holds records made otherwise ({meta_path}); choose another --out")
     meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     deadline = time.time() + 60 * args.time_limit_minutes if args.time_limit_minutes else float("inf")
@@ -774,7 +783,7 @@ def cmd_draft_head_records(args) -> None:
         temperature, shard = (0.0, 0) if held_out else (args.temperature, 1 + int(name.removeprefix("train_")))
         for at in range(0, len(prompts), args.rows):
             chunk = prompts[at:at + args.rows]
-            made = draft_head.teacher_records(base.model, [p for _, p in chunk], args.max_tokens, temperature,
+            made = draft_head.teacher_records(teacher, [p for _, p in chunk], args.max_tokens, temperature,
                                               seed=[args.seed, shard, at])
             records += [{**r, "source": source} for (source, _), r in zip(chunk, made)]
         torch.save(records, path.with_suffix(".tmp"))
@@ -877,6 +886,9 @@ def main(argv=None) -> None:
                              help=f"prompts of {source}" if source else RECORDS_HELP.get(key))
     records.add_argument("--baseline", required=True, help="the token-level checkpoint (the teacher)")
     records.add_argument("--out", required=True, help="the records folder (resumed when it exists)")
+    records.add_argument("--engine", help="an export of the baseline (build/export/NAME, e.g. smollm2_int4) that "
+                         "continues the prompts on ONNX Runtime, its weight precision's hidden states and choices "
+                         "recorded (several times faster than torch at int4); default: the torch model")
     for name in ("tokenizer", "baseline", "dualend"):
         p = sub.add_parser(name)
         for key, value in DEFAULTS.items():

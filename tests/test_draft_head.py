@@ -391,6 +391,42 @@ def test_the_loss_on_records_is_the_loss_with_the_base_run_on_the_same_text(tiny
     assert narrow["top1"] == pytest.approx((drafted == base_logits[scored].argmax(-1)).float().mean().item())
 
 
+def test_records_from_an_export_are_what_its_engine_chooses(tiny_tokenizer, tmp_path, monkeypatch, exported):
+    """draft-head-records --engine: the export's continuations on ONNX Runtime (the served engine), the
+    same text and hidden states as the torch base for an fp32 export; the folder says which engine."""
+    from builder import train
+    base = Checkpoint(varied_base(tiny_tokenizer), tiny_tokenizer)
+    base.save(tmp_path / "base")
+    export_checkpoint(base, tmp_path / "export")
+    engine = OnnxComponents(tmp_path / "export", max_sequences=4)
+    prompts = [tiny_tokenizer.encode_prompt(p) for p in ("Q: 3+4\nA:", "def f(x):\n", "get ab:")]
+    on_torch = draft_head.teacher_records(base.model, prompts, 12)
+    on_engine = draft_head.teacher_records(engine, prompts, 12)
+    assert [r["tokens"].tolist() for r in on_engine] == [r["tokens"].tolist() for r in on_torch]
+    assert len({len(r["tokens"]) for r in on_torch} | {tuple(r["tokens"].tolist()) for r in on_torch}) > 2
+    for mine, reference in zip(on_engine, on_torch):
+        assert mine["position"] == reference["position"]
+        torch.testing.assert_close(mine["hidden"].float(), reference["hidden"].float(), atol=2e-2, rtol=1e-2)
+    assert not engine.backbone.cache.sequences  # every row given back
+    with pytest.raises(ValueError, match="holds 4 sequences"):
+        draft_head.teacher_records(engine, prompts * 2, 12)
+    assert not engine.backbone.cache.sequences
+    with pytest.raises(ValueError, match="token-level"):
+        draft_head.teacher_records(OnnxComponents(exported["dualend"][1]), prompts, 4)
+
+    monkeypatch.setattr(train, "open_prompts", lambda split, seed: [f"Q: {i}+{split == 'train'}\nA:" for i in range(4)])
+    command = ["draft-head-records", "--baseline", str(tmp_path / "base"), "--out", str(tmp_path / "records"),
+               "--open", "4", "--task", "0", "--text", "0", "--held-out-open", "2", "--held-out-task", "0",
+               "--held-out-text", "0", "--max-tokens", "8", "--rows", "4"]
+    train.main(command + ["--engine", str(tmp_path / "export")])
+    assert json.loads((tmp_path / "records" / "records.json").read_text())["engine"] == "onnxruntime fp32"
+    assert sorted(p.name for p in (tmp_path / "records").glob("*.pt")) == ["held_out.pt", "train_0000.pt"]
+    with pytest.raises(SystemExit, match="made otherwise"):
+        train.main(command)  # the torch model would resume another engine's folder
+    with pytest.raises(SystemExit, match="not of the token-level --baseline"):
+        train.main(command[:-2] + ["--out", str(tmp_path / "other"), "--engine", str(exported["baseline"][1])])
+
+
 def test_a_head_trained_from_records_learns_the_bases_held_out_continuations(tiny_tokenizer, tmp_path, monkeypatch):
     """draft-head-records then draft-head --records, as a user runs them, on a tiny base."""
     from builder import train

@@ -536,3 +536,50 @@ class OnnxComponents(MTPComponent):
 
     def open_backbone(self) -> _BackboneSession:
         return _BackboneSession(self.backbone, next(self._ids))
+
+
+class OnnxBatch:
+    """Many prompts prefilled and then stepped together on the in-process engine: `reference.TorchBatch`'s
+    `restart` / `step` on ONNX Runtime, with the export's own weights (int4 included), so what is
+    recorded is what the served engine computes. Token-level exports only (one token a step); each
+    prompt is a sequence of the engine's cache until `close`."""
+
+    def __init__(self, engine: OnnxComponents, prompts: list[list[int]], max_steps: int):
+        if engine.pair_size != 1:
+            raise ValueError("OnnxBatch steps token-level exports only (pair_size 1)")
+        if len(prompts) > engine.backbone.cache.max_sequences:
+            raise ValueError(f"{len(prompts)} prompts, but the engine's cache holds {engine.backbone.cache.max_sequences} "
+                             f"sequences")
+        self.engine, self.max_steps, self.steps = engine, max_steps, 0
+        self.sessions: list[_BackboneSession] = []
+        try:
+            first = []
+            for prompt in prompts:
+                self.sessions.append(engine.open_backbone())
+                tokens = np.asarray(prompt, np.int64)[:, None]
+                first.append(self.sessions[-1].prefill(engine.compress(tokens), len(prompt) + max_steps))
+        except BaseException:
+            self.close()
+            raise
+        self.first = np.stack([o.logits for o in first]), np.stack([o.hidden for o in first])
+
+    def restart(self) -> tuple[np.ndarray, np.ndarray]:
+        """The logits [B, V] and hidden states [B, D] at each prompt's last token; before the first step
+        only (the cache keeps what the steps wrote)."""
+        if self.steps:
+            raise RuntimeError("an OnnxBatch restarts only before its first step")
+        return self.first
+
+    def step(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # tokens: [B, 1], one new token per row -> logits [B, V], hidden [B, D]
+        if self.steps == self.max_steps:
+            raise RuntimeError(f"OnnxBatch holds {self.max_steps} decode steps")
+        outputs = self.engine.backbone.step([s.seq_id for s in self.sessions],
+                                            self.engine.compress(np.asarray(tokens, np.int64)))
+        self.steps += 1
+        return np.stack([o.logits for o in outputs]), np.stack([o.hidden for o in outputs])
+
+    def close(self) -> None:
+        for session in self.sessions:
+            session.close()
+        self.sessions = []

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from dualend.engine.checkpoint import Checkpoint
 from dualend.engine.decode import Sampler, SamplingParams
 from dualend.engine.model import LanguageModel, ModelConfig
+from dualend.engine.onnx_engine import OnnxBatch, OnnxComponents
 from dualend.engine.reference import TorchBatch
 
 from .conversion import _kl, teacher_hidden
@@ -95,31 +96,38 @@ def draft_loss(model: LanguageModel, tokens: torch.Tensor, valid: torch.Tensor,
 # training passes skip the base ------------------------------------------------------------------
 
 @torch.no_grad()
-def teacher_records(base: LanguageModel, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
-                    seed: int | list[int] = 0) -> list[dict]:
+def teacher_records(base: LanguageModel | OnnxComponents, prompts: list[list[int]], max_tokens: int,
+                    temperature: float = 0.0, seed: int | list[int] = 0) -> list[dict]:
     """The base's continuation of each prompt as served (PAD and BOS never chosen; to EOS or
-    `max_tokens`), decoded together: greedy, or sampled at `temperature` as a request is (each row its
-    own `decode.Sampler`, seeded from `seed` and the row). `tokens` [n] and `hidden` [n, D] (fp16),
-    hidden[i] the final hidden state whose LM head gave the distribution tokens[i] was chosen from;
-    `position` is hidden[0]'s (the prompt's last)."""
-    cfg = base.cfg
-    batch = TorchBatch(base, prompts, max_tokens)
-    logits, hidden = batch.restart()
+    `max_tokens`), decoded together on the torch model or on an exported engine (`OnnxBatch`: its
+    weight precision's hidden states and choices): greedy, or sampled at `temperature` as a request is
+    (each row its own `decode.Sampler`, seeded from `seed` and the row). `tokens` [n] and `hidden` [n, D]
+    (fp16), hidden[i] the final hidden state whose LM head gave the distribution tokens[i] was chosen
+    from; `position` is hidden[0]'s (the prompt's last)."""
+    if isinstance(base, OnnxComponents):
+        batch, (pad, bos, eos) = OnnxBatch(base, prompts, max_tokens), (base.pad_id, base.bos_id, base.eos_id)
+    else:
+        batch, (pad, bos, eos) = TorchBatch(base, prompts, max_tokens), (base.cfg.pad_id, base.cfg.bos_id, base.cfg.eos_id)
     samplers = [Sampler(SamplingParams(temperature=temperature, seed=int(row_seed.generate_state(1)[0])))
                 for row_seed in np.random.SeedSequence(seed).spawn(len(prompts))]
     tokens, hiddens = [[] for _ in prompts], [[] for _ in prompts]
     running = set(range(len(prompts)))
-    while True:
-        logits[:, [cfg.pad_id, cfg.bos_id]] = -np.inf
-        chosen = np.array([samplers[row](logits[row]) if row in running else cfg.eos_id for row in range(len(prompts))])
-        for row in list(running):
-            tokens[row].append(int(chosen[row]))
-            hiddens[row].append(hidden[row])
-            if chosen[row] == cfg.eos_id or len(tokens[row]) == max_tokens:
-                running.discard(row)
-        if not running:
-            break
-        logits, hidden = batch.step(chosen[:, None])
+    try:
+        logits, hidden = batch.restart()
+        while True:
+            logits[:, [pad, bos]] = -np.inf
+            chosen = np.array([samplers[row](logits[row]) if row in running else eos for row in range(len(prompts))])
+            for row in list(running):
+                tokens[row].append(int(chosen[row]))
+                hiddens[row].append(hidden[row])
+                if chosen[row] == eos or len(tokens[row]) == max_tokens:
+                    running.discard(row)
+            if not running:
+                break
+            logits, hidden = batch.step(chosen[:, None])
+    finally:
+        if isinstance(batch, OnnxBatch):
+            batch.close()
     return [{"position": len(prompt) - 1, "tokens": torch.tensor(t), "hidden": torch.from_numpy(np.stack(h)).half()}
             for prompt, t, h in zip(prompts, tokens, hiddens)]
 

@@ -647,7 +647,7 @@ def cmd_draft_head(args) -> None:
     model = draft_head.with_draft_head(base.model.eval())
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    step, tokens, elapsed, draft_ids = 0, 0, 0.0, None
+    step, tokens, elapsed, draft_ids, earlier = 0, 0, 0.0, None, []
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
         if state["base"] != base.id:
@@ -655,6 +655,7 @@ def cmd_draft_head(args) -> None:
         model.load_state_dict(state["head"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         step, tokens, elapsed, draft_ids = state["step"], state["tokens"], state["elapsed"], state.get("draft_ids")
+        earlier = state.get("invocations") or [{"from_step": 0, "to_step": step, "arguments": "not recorded"}]
         print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
     elif args.init_head:
         weights, meta = draft_head.load_head(args.init_head)
@@ -663,9 +664,11 @@ def cmd_draft_head(args) -> None:
         model.load_state_dict({k: v for k, v in weights.items() if k != "mtp.draft_ids"}, strict=False)
     data = RecordDraftData(args, base, draft_ids) if args.records else BaseRunDraftData(args, run, base)
     data.start(step)
-    recipe = {"kind": "draft-head", "torch": torch.__version__,
-              **{k: getattr(args, k) for k in DRAFT_HEAD_DEFAULTS if k not in ("threads", "draft_vocab")},
-              "records": args.records, "init_head": args.init_head, **data.describe()}
+    # this invocation's arguments; a resumed run's recipe also lists every earlier one's (`invocations`)
+    invocation = {**{k: getattr(args, k) for k in DRAFT_HEAD_DEFAULTS if k not in ("threads", "draft_vocab")},
+                  "records": args.records, "init_head": None if earlier else args.init_head, **data.describe()}
+    recipe = {"kind": "draft-head", "torch": torch.__version__, **invocation}
+    started_at_step = step
 
     def record_and_save(window: dict) -> None:
         model.eval()
@@ -678,12 +681,13 @@ def cmd_draft_head(args) -> None:
         with log_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
-        recipe.update(steps=step, tokens=tokens, minutes=record["minutes"],
+        invocations = earlier + [{"from_step": started_at_step, "to_step": step, **invocation}]
+        recipe.update(steps=step, tokens=tokens, minutes=record["minutes"], invocations=invocations,
                       **{f"heldout_{k}": record[k] for k in figures if not k.endswith("positions")})
         draft_head.write_head(model, base.id, dict(recipe), run / "head")
         torch.save({"head": draft_head.head_state(model), "optimizer": optimizer.state_dict(), "step": step,
                     "tokens": tokens, "elapsed": elapsed, "base": base.id,
-                    "draft_ids": data.ids}, state_path)
+                    "draft_ids": data.ids, "invocations": invocations}, state_path)
         window.update(steps=0, tokens=0, seconds=0.0, kl=0.0)
 
     window = {"steps": 0, "tokens": 0, "seconds": 0.0, "kl": 0.0}

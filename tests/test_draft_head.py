@@ -481,3 +481,13 @@ def test_a_head_trained_from_records_learns_the_bases_held_out_continuations(tin
     shipped = draft_head.checkpoint_with_head(base, tmp_path / "shipped")
     assert shipped.recipe["draft_head"]["records"] == [str(tmp_path / "records"), str(tmp_path / "sampled")]
     assert shipped.recipe["draft_head"]["records_continuations"] == 9 + 6 + 9
+    train.main(["draft-head", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"),
+                "--init-head", str(tmp_path / "scrambled"), "--records", str(tmp_path / "records"),
+                "--time-limit-minutes", "0", "--steps", "410", "--eval-every", "1000", "--batch-size", "4",
+                "--lr", "1e-3", "--warmup", "1", "--draft-vocab", "0", "--ship-to", str(tmp_path / "shipped")])
+    recipe = draft_head.checkpoint_with_head(base, tmp_path / "shipped").recipe["draft_head"]
+    first, second = recipe["invocations"]  # a resumed run's recipe keeps each invocation's arguments
+    assert (first["from_step"], first["to_step"], first["lr"], first["init_head"]) == (0, 400, 1e-2, str(tmp_path / "scrambled"))
+    assert first["records"] == [str(tmp_path / "records"), str(tmp_path / "sampled")]
+    assert (second["from_step"], second["to_step"], second["lr"], second["init_head"]) == (400, 410, 1e-3, None)
+    assert second["records"] == [str(tmp_path / "records")] and recipe["lr"] == 1e-3 and recipe["steps"] == 410

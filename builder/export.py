@@ -56,6 +56,10 @@ QUANT_BLOCK_SIZE = 32  # weights along the input dimension that share one scale 
 # multiplies on its integer dot-product units; ONNX Runtime's CPU kernels have no fast path on fp32
 # activations for these weights (reports/weight_precision_nll.txt).
 QUANT_ACCURACY_LEVEL = 4
+# The MTP head's weights at 8 bits whatever the backbone's: they were trained here, on no 4-bit grid, and
+# 4-bit blocks cost SmolLM2's draft head 0.032 of its kept drafts (0.469 -> 0.437) for no time its
+# step could show (~1.0 ms either way; reports/draft_head_records/).
+MTP_BITS = 8
 # settings' backbone_graph of an export whose backbone is builder.fused_backbone's (its keys written in place;
 # "onnxruntime-fused", the graph before it, took the portable graph's tensors: such exports are redone)
 FUSED_GRAPH = "onnxruntime-kv-in-place"
@@ -144,12 +148,14 @@ def weight_settings(weight_precision: str, head_dim: int) -> dict:
     return {"weight_precision": weight_precision, **graph,
             "weight_quantization": {"op": "MatMulNBits", "bits": WEIGHT_BITS[weight_precision],
                                     "block_size": QUANT_BLOCK_SIZE, "rule": QUANT_RULES[WEIGHT_BITS[weight_precision]],
-                                    "lm_head_bits": LM_HEAD_BITS, "accuracy_level": QUANT_ACCURACY_LEVEL}}
+                                    "lm_head_bits": LM_HEAD_BITS, "mtp_bits": max(MTP_BITS, WEIGHT_BITS[weight_precision]),
+                                    "accuracy_level": QUANT_ACCURACY_LEVEL}}
 
 
-def quantize_graph(path: Path, quantization: dict, vocab_size: int) -> None:
-    """The graph at `path` with its weights stored as `quantization` (an export's settings) says."""
-    quantize_weights(path, quantization["bits"], quantization["block_size"], quantization["accuracy_level"],
+def quantize_graph(path: Path, quantization: dict, vocab_size: int, bits: int | None = None) -> None:
+    """The graph at `path` with its weights stored as `quantization` (an export's settings) says, at
+    `bits` where given."""
+    quantize_weights(path, bits or quantization["bits"], quantization["block_size"], quantization["accuracy_level"],
                      lm_head_outputs=vocab_size)
 
 
@@ -229,7 +235,7 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
                    "present_keys": {1: "batch", 3: "new"}, "present_values": {1: "batch", 3: "new"}}
         _export(MTPGraph(model), example, out / "mtp" / MODEL_FILE, MTP_INPUTS, MTP_OUTPUTS, dynamic)
         if quantization:
-            quantize_graph(out / "mtp" / MODEL_FILE, quantization, cfg.vocab_size)
+            quantize_graph(out / "mtp" / MODEL_FILE, quantization, cfg.vocab_size, bits=quantization["mtp_bits"])
         write_manifest(out / "mtp", ckpt_id, "mtp", "onnx", settings)
     return ckpt_id
 

@@ -172,8 +172,9 @@ def test_quantized_backbone_and_mtp_logits_stay_near_fp32(quantized):
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_every_constant_weight_matmul_of_backbone_and_mtp_is_quantized(exported, quantized, precision):
-    bits, vocab = {"int8": 8, "int4": 4}[precision], exported["dualend"][0].config.vocab_size
+    vocab = exported["dualend"][0].config.vocab_size
     for component, count in (("backbone", 2 * 4 + 1), ("mtp", 8)):  # 4 per layer, the proj, 2 confidence, LM head
+        bits = {"int8": 8, "int4": 4 if component == "backbone" else 8}[precision]  # the MTP head: 8 bits always
         model = onnx.load(str(quantized[precision] / component / "model.onnx"))
         assert constant_weight_matmuls(onnx.load(str(quantized["fp32"] / component / "model.onnx")))
         assert not constant_weight_matmuls(model)
@@ -197,7 +198,7 @@ def test_the_manifests_name_the_weight_precision_and_an_export_matches_only_its_
     assert export_matches(fp32, checkpoint) and not export_matches(fp32, checkpoint, "int4")
     assert int4.settings["weight_quantization"] == {"op": "MatMulNBits", "bits": 4, "block_size": 32,
                                                     "rule": "asymmetric, float block minimum",
-                                                    "lm_head_bits": 8, "accuracy_level": 4}
+                                                    "lm_head_bits": 8, "mtp_bits": 8, "accuracy_level": 4}
     assert int4.settings["backbone_graph"] == "onnxruntime-kv-in-place" and "backbone_graph" not in fp32.settings
     assert any(node.domain == "com.microsoft" and node.op_type == "GroupQueryAttention"
                for node in onnx.load(str(int4.path("backbone")), load_external_data=False).graph.node)
@@ -208,9 +209,10 @@ def test_the_manifests_name_the_weight_precision_and_an_export_matches_only_its_
         if before:
             int4.manifests["tokenizer"].settings["backbone_graph"] = before
         assert not export_matches(int4, checkpoint, "int4")
-    int4 = ExportedModel.open(quantized["int4"])
-    int4.manifests["tokenizer"].settings["weight_quantization"]["block_size"] = 128  # made by other settings
-    assert not export_matches(int4, checkpoint, "int4")
+    for setting, value in (("block_size", 128), ("mtp_bits", None)):  # made by other settings, or before the MTP
+        int4 = ExportedModel.open(quantized["int4"])  # head's weights stayed at 8 bits
+        int4.manifests["tokenizer"].settings["weight_quantization"][setting] = value
+        assert not export_matches(int4, checkpoint, "int4")
 
     older = tmp_path / "older"  # exported before the setting existed: fp32
     shutil.copytree(quantized["fp32"], older)

@@ -413,3 +413,11 @@ def test_the_public_inputs_are_read_from_the_served_ensemble_in_any_layout_and_a
     (tmp_path / "dualend" / "config.pbtxt").write_text(config.replace("input [", "input [ {", 1))
     with pytest.raises(GatewayError, match="the gateway reads the public inputs from .*config.pbtxt"):
         public_inputs(tmp_path)
+    variants = tmp_path / "variants"  # built with variants alone (builder.assemble --variant ...)
+    (variants / "dualend_int4_v1_backbone").mkdir(parents=True)
+    (variants / "dualend_int4_v1_backbone" / "config.pbtxt").write_text('backend: "python"\n')
+    with pytest.raises(GatewayError, match="holds no deployment's ensemble"):
+        public_inputs(variants)
+    (variants / "dualend_int4").mkdir()
+    (variants / "dualend_int4" / "config.pbtxt").write_text(config.replace("dualend_v", "dualend_int4_v"))
+    assert public_inputs(variants) == inputs

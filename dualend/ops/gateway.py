@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualend.serving.model_config import ModelConfigError, read_model_config
-from dualend.serving.repository import PUBLIC_DEPLOYMENTS
+from dualend.serving.repository import PUBLIC_DEPLOYMENTS, served_generation
 
 from .api_keys import read_keys
 from .host import client_host
@@ -90,12 +90,28 @@ class GatewaySettings:
     front_grpc: str | None = None     # host:port of that service's gRPC front; None: gRPC goes to tritonserver
 
 
+def _ensemble_config(model_repository: Path) -> Path | None:
+    """A public deployment's ensemble config, else a variant's (a repository built with variants alone)."""
+    public = next((model_repository / d / "config.pbtxt" for d in PUBLIC_DEPLOYMENTS
+                   if (model_repository / d / "config.pbtxt").exists()), None)
+    if public is not None or not model_repository.is_dir():
+        return public
+    for directory in sorted(model_repository.iterdir()):
+        try:
+            if served_generation(model_repository, directory.name) is not None:
+                return directory / "config.pbtxt"
+        except ModelConfigError:
+            continue  # not a deployment's ensemble
+    return None
+
+
 def public_inputs(model_repository: Path) -> dict[str, dict]:
-    """The public ensembles' inputs: {name: {"type", "many" (a list of values), "required"}}."""
-    configs = [model_repository / d / "config.pbtxt" for d in PUBLIC_DEPLOYMENTS]
-    config = next((c for c in configs if c.exists()), None)
+    """The public ensembles' inputs: {name: {"type", "many" (a list of values), "required"}}. Every
+    deployment's ensemble takes the same request contract, so the first one found tells."""
+    config = _ensemble_config(model_repository)
     if config is None:
-        raise GatewayError(f"{model_repository} holds no public ensemble ({', '.join(PUBLIC_DEPLOYMENTS)})")
+        raise GatewayError(f"{model_repository} holds no deployment's ensemble ({', '.join(PUBLIC_DEPLOYMENTS)} "
+                           f"or a variant of one)")
     try:
         inputs = read_model_config(config).get("input", [])
     except ModelConfigError as error:

@@ -423,7 +423,7 @@ def test_records_from_an_export_are_what_its_engine_chooses(tiny_tokenizer, tmp_
     assert sorted(p.name for p in (tmp_path / "records").glob("*.pt")) == ["held_out.pt", "train_0000.pt"]
     with pytest.raises(SystemExit, match="made otherwise"):
         train.main(command)  # the torch model would resume another engine's folder
-    with pytest.raises(SystemExit, match="not of the token-level --baseline"):
+    with pytest.raises(SystemExit, match="not of the --baseline"):
         train.main(command[:-2] + ["--out", str(tmp_path / "other"), "--engine", str(exported["baseline"][1])])
 
 

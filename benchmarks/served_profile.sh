@@ -18,7 +18,7 @@ duration=${DURATION:-8}
 rate=${RATE:-250}
 out=${OUT:-build/served_profile}/${deployment}_c${streams}
 pyspy=$(command -v py-spy || true)
-if [ -z "$pyspy" ]; then
+if [ -z "$pyspy" ] && [ "${PYSPY:-1}" != 0 ]; then
     [ -x build/tools/py-spy/bin/py-spy ] || .venv/bin/python -m pip install -q --target build/tools/py-spy py-spy
     pyspy=build/tools/py-spy/bin/py-spy
 fi

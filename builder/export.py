@@ -14,7 +14,8 @@ and chat template) and manifest.json. Every graph passes onnx.checker.
 weight matrices quantized: every MatMul by a constant weight (the projections and the LM head, the
 tied embedding's transpose included) becomes ONNX Runtime's MatMulNBits, blockwise along the input
 dimension in blocks of QUANT_BLOCK_SIZE, by GGUF's rules (builder.quantize: int4 as Q4_1, int8 and
-every LM head as Q8_0), so weights imported from such blocks keep their values. Such an export runs
+every LM head as Q8_0), so weights imported from such blocks keep their values; the MTP head, trained
+here on no such grid, always at 8 bits (MTP_BITS). Such an export runs
 on ONNX Runtime only, so its backbone is written for it (builder.fused_backbone, with its fused
 operators); an fp32 export's backbone is torch's portable graph, the reference and TensorRT's input.
 The compressor (for a baseline: the embedding lookup) stays fp32. Every manifest's settings name the precision
@@ -148,7 +149,7 @@ def weight_settings(weight_precision: str, head_dim: int) -> dict:
     return {"weight_precision": weight_precision, **graph,
             "weight_quantization": {"op": "MatMulNBits", "bits": WEIGHT_BITS[weight_precision],
                                     "block_size": QUANT_BLOCK_SIZE, "rule": QUANT_RULES[WEIGHT_BITS[weight_precision]],
-                                    "lm_head_bits": LM_HEAD_BITS, "mtp_bits": max(MTP_BITS, WEIGHT_BITS[weight_precision]),
+                                    "lm_head_bits": LM_HEAD_BITS, "mtp_bits": MTP_BITS,
                                     "accuracy_level": QUANT_ACCURACY_LEVEL}}
 
 

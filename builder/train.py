@@ -647,15 +647,16 @@ def cmd_draft_head(args) -> None:
     model = draft_head.with_draft_head(base.model.eval())
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    step, tokens, elapsed, draft_ids, earlier = 0, 0, 0.0, None, []
-    if state_path.exists():
+    step, tokens, elapsed, draft_ids, earlier_invocations = 0, 0, 0.0, None, []
+    resumed = state_path.exists()
+    if resumed:
         state = torch.load(state_path, weights_only=False)
         if state["base"] != base.id:
             sys.exit(f"{run} trains a head for base {state['base']}, not {base.id}")
         model.load_state_dict(state["head"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         step, tokens, elapsed, draft_ids = state["step"], state["tokens"], state["elapsed"], state.get("draft_ids")
-        earlier = state.get("invocations") or [{"from_step": 0, "to_step": step, "arguments": "not recorded"}]
+        earlier_invocations = state.get("invocations") or [{"from_step": 0, "to_step": step, "arguments": "not recorded"}]
         print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
     elif args.init_head:
         weights, meta = draft_head.load_head(args.init_head)
@@ -664,9 +665,9 @@ def cmd_draft_head(args) -> None:
         model.load_state_dict({k: v for k, v in weights.items() if k != "mtp.draft_ids"}, strict=False)
     data = RecordDraftData(args, base, draft_ids) if args.records else BaseRunDraftData(args, run, base)
     data.start(step)
-    # this invocation's arguments; a resumed run's recipe also lists every earlier one's (`invocations`)
+    # this invocation's arguments, also at the recipe's top level; `invocations` lists every one's
     invocation = {**{k: getattr(args, k) for k in DRAFT_HEAD_DEFAULTS if k not in ("threads", "draft_vocab")},
-                  "records": args.records, "init_head": None if earlier else args.init_head, **data.describe()}
+                  "records": args.records, "init_head": None if resumed else args.init_head, **data.describe()}
     recipe = {"kind": "draft-head", "torch": torch.__version__, **invocation}
     started_at_step = step
 
@@ -681,7 +682,7 @@ def cmd_draft_head(args) -> None:
         with log_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
-        invocations = earlier + [{"from_step": started_at_step, "to_step": step, **invocation}]
+        invocations = earlier_invocations + [{"from_step": started_at_step, "to_step": step, **invocation}]
         recipe.update(steps=step, tokens=tokens, minutes=record["minutes"], invocations=invocations,
                       **{f"heldout_{k}": record[k] for k in figures if not k.endswith("positions")})
         draft_head.write_head(model, base.id, dict(recipe), run / "head")
@@ -750,17 +751,19 @@ def cmd_draft_head_records(args) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         sys.exit(f"--temperature must be a finite number >= 0 (0: greedy), not {args.temperature}")
     base = load_checkpoint(args.baseline)
-    teacher, engine = base.model, "torch"
+    teacher, engine_label = base.model, "torch"
     if args.engine:
         teacher = OnnxComponents(args.engine, threads=args.threads, max_sequences=args.rows)
         if teacher.exported.checkpoint_id != base.id:
             sys.exit(f"{args.engine} is an export of checkpoint {teacher.exported.checkpoint_id}, not of the "
                      f"--baseline {base.id}")
-        engine = f"onnxruntime {teacher.exported.weight_precision}"
+        settings = teacher.exported.settings  # what makes its hidden states what they are
+        engine_label = {"runtime": "onnxruntime", "weight_precision": teacher.exported.weight_precision,
+                        **{k: settings[k] for k in ("weight_quantization", "backbone_graph") if k in settings}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"base": base.id, "max_tokens": args.max_tokens, "text_tokens": args.text_tokens, "seed": args.seed,
-            "rows": args.rows, "temperature": args.temperature, "engine": engine,
+            "rows": args.rows, "temperature": args.temperature, "engine": engine_label,
             "train": {"open": args.open, "task": args.task, "text": args.text},
             "held_out": {"open": args.held_out_open, "task": args.held_out_task, "text": args.held_out_text}}
     meta_path = out / "records.json"

@@ -148,8 +148,8 @@ def relative_rms(got: np.ndarray, want: np.ndarray) -> float:
 
 def test_quantized_backbone_and_mtp_logits_stay_near_fp32(quantized):
     """Measured on this model: relative RMS error of the backbone's logits 0.008 (int8) and 0.08 (int4),
-    of the MTP head's 0.011 and 0.12, the same top token everywhere. The bounds leave a factor of two
-    or more; the lower ones show the quantized weights are what ran."""
+    of the MTP head's 0.011 (stored at 8 bits in both: mtp_bits), the same top token everywhere. The
+    bounds leave a factor of two or more; the lower ones show the quantized weights are what ran."""
     engines = {precision: OnnxComponents(directory) for precision, directory in quantized.items()}
     latents = engines["fp32"].compress(np.arange(3, 3 + 60).reshape(-1, 2))
     logits, drafts, fp32_hidden = {}, {}, None
@@ -165,9 +165,10 @@ def test_quantized_backbone_and_mtp_logits_stay_near_fp32(quantized):
     for precision, (low, high) in {"int8": (1e-3, 0.03), "int4": (0.01, 0.25)}.items():
         errors[precision] = relative_rms(logits[precision], logits["fp32"])
         assert low < errors[precision] < high
-        assert low < relative_rms(drafts[precision], drafts["fp32"]) < high
         assert (logits[precision].argmax(-1) == logits["fp32"].argmax(-1)).mean() >= 0.9
     assert errors["int4"] > errors["int8"]
+    assert 1e-3 < relative_rms(drafts["int8"], drafts["fp32"]) < 0.03
+    np.testing.assert_array_equal(drafts["int4"], drafts["int8"])  # the same 8-bit head beside either backbone
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])

@@ -107,7 +107,8 @@ class ExportedModel:
 
     @property
     def weight_precision(self) -> str:
-        """How the backbone's and MTP head's weights are stored: fp32, int8 or int4 (older exports: fp32)."""
+        """How the backbone's weights are stored: fp32, int8 or int4 (older exports: fp32); a quantized
+        export's MTP head is at `weight_quantization["mtp_bits"]`."""
         return self.settings.get("weight_precision", "fp32")
 
     def path(self, component: str) -> Path:
@@ -547,9 +548,6 @@ class OnnxBatch:
     def __init__(self, engine: OnnxComponents, prompts: list[list[int]], max_steps: int):
         if engine.pair_size != 1:
             raise ValueError("OnnxBatch steps token-level exports only (pair_size 1)")
-        if len(prompts) > engine.backbone.cache.max_sequences:
-            raise ValueError(f"{len(prompts)} prompts, but the engine's cache holds {engine.backbone.cache.max_sequences} "
-                             f"sequences")
         self.engine, self.max_steps, self.steps = engine, max_steps, 0
         self.sessions: list[_BackboneSession] = []
         try:
@@ -564,11 +562,11 @@ class OnnxBatch:
         self.first = np.stack([o.logits for o in first]), np.stack([o.hidden for o in first])
 
     def restart(self) -> tuple[np.ndarray, np.ndarray]:
-        """The logits [B, V] and hidden states [B, D] at each prompt's last token; before the first step
-        only (the cache keeps what the steps wrote)."""
+        """The logits [B, V] and hidden states [B, D] at each prompt's last token (copies); before the
+        first step only (the cache keeps what the steps wrote)."""
         if self.steps:
             raise RuntimeError("an OnnxBatch restarts only before its first step")
-        return self.first
+        return self.first[0].copy(), self.first[1].copy()
 
     def step(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # tokens: [B, 1], one new token per row -> logits [B, V], hidden [B, D]

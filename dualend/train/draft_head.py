@@ -96,7 +96,7 @@ def draft_loss(model: LanguageModel, tokens: torch.Tensor, valid: torch.Tensor,
 # training passes skip the base ------------------------------------------------------------------
 
 @torch.no_grad()
-def teacher_records(base: LanguageModel | OnnxComponents, prompts: list[list[int]], max_tokens: int,
+def teacher_records(teacher: LanguageModel | OnnxComponents, prompts: list[list[int]], max_tokens: int,
                     temperature: float = 0.0, seed: int | list[int] = 0) -> list[dict]:
     """The base's continuation of each prompt as served (PAD and BOS never chosen; to EOS or
     `max_tokens`), decoded together on the torch model or on an exported engine (`OnnxBatch`: its
@@ -104,12 +104,13 @@ def teacher_records(base: LanguageModel | OnnxComponents, prompts: list[list[int
     (each row its own `decode.Sampler`, seeded from `seed` and the row). `tokens` [n] and `hidden` [n, D]
     (fp16), hidden[i] the final hidden state whose LM head gave the distribution tokens[i] was chosen
     from; `position` is hidden[0]'s (the prompt's last)."""
-    if isinstance(base, OnnxComponents):
-        batch, (pad, bos, eos) = OnnxBatch(base, prompts, max_tokens), (base.pad_id, base.bos_id, base.eos_id)
-    else:
-        batch, (pad, bos, eos) = TorchBatch(base, prompts, max_tokens), (base.cfg.pad_id, base.cfg.bos_id, base.cfg.eos_id)
     samplers = [Sampler(SamplingParams(temperature=temperature, seed=int(row_seed.generate_state(1)[0])))
                 for row_seed in np.random.SeedSequence(seed).spawn(len(prompts))]
+    if isinstance(teacher, OnnxComponents):
+        batch, (pad, bos, eos) = OnnxBatch(teacher, prompts, max_tokens), (teacher.pad_id, teacher.bos_id, teacher.eos_id)
+    else:
+        cfg = teacher.cfg
+        batch, (pad, bos, eos) = TorchBatch(teacher, prompts, max_tokens), (cfg.pad_id, cfg.bos_id, cfg.eos_id)
     tokens, hiddens = [[] for _ in prompts], [[] for _ in prompts]
     running = set(range(len(prompts)))
     try:
@@ -126,7 +127,7 @@ def teacher_records(base: LanguageModel | OnnxComponents, prompts: list[list[int
                 break
             logits, hidden = batch.step(chosen[:, None])
     finally:
-        if isinstance(batch, OnnxBatch):
+        if isinstance(batch, OnnxBatch):  # its rows of the engine's cache
             batch.close()
     return [{"position": len(prompt) - 1, "tokens": torch.tensor(t), "hidden": torch.from_numpy(np.stack(h)).half()}
             for prompt, t, h in zip(prompts, tokens, hiddens)]

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualend.serving.model_config import ModelConfigError, read_model_config
-from dualend.serving.repository import PUBLIC_DEPLOYMENTS, served_generation
+from dualend.serving.repository import PUBLIC_DEPLOYMENTS, served_deployments
 
 from .api_keys import read_keys
 from .host import client_host
@@ -94,15 +94,13 @@ def _ensemble_config(model_repository: Path) -> Path | None:
     """A public deployment's ensemble config, else a variant's (a repository built with variants alone)."""
     public = next((model_repository / d / "config.pbtxt" for d in PUBLIC_DEPLOYMENTS
                    if (model_repository / d / "config.pbtxt").exists()), None)
-    if public is not None or not model_repository.is_dir():
+    if public is not None:
         return public
-    for directory in sorted(model_repository.iterdir()):
-        try:
-            if served_generation(model_repository, directory.name) is not None:
-                return directory / "config.pbtxt"
-        except ModelConfigError:
-            continue  # not a deployment's ensemble
-    return None
+    try:
+        variants = served_deployments(model_repository)
+    except ModelConfigError as error:
+        raise GatewayError(f"the gateway reads the public inputs from {error}") from None
+    return model_repository / variants[0] / "config.pbtxt" if variants else None
 
 
 def public_inputs(model_repository: Path) -> dict[str, dict]:

@@ -155,6 +155,12 @@ def served_generation(repository: Path, deployment: str) -> int | None:
     return generation_of(steps[0]["model_name"], deployment) if steps else None
 
 
+def served_deployments(repository: Path) -> list[str]:
+    """The deployments whose ensemble the repository holds (public ones and variants), by name."""
+    return sorted(d.name for d in repository.iterdir() if served_generation(repository, d.name) is not None) \
+        if repository.is_dir() else []
+
+
 def served_tokenizer(repository: Path, deployment: str) -> TextTokenizer:
     """The tokenizer (with its config: specials, chat template) of the generation the deployment's
     ensemble serves, verified against its manifest."""

@@ -37,7 +37,7 @@ from starlette.routing import Route
 from dualend.engine.tokenizer import TextTokenizer
 from dualend.serving.contract import COUNTERS, merge_counters
 from dualend.serving.outcomes import Outcome
-from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served_generation
+from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served_deployments, served_generation
 
 from ..api_keys import ApiKey, client_of, keyed_salt, read_keys
 from ..usage import UsageStore, seconds_to_next_day
@@ -138,7 +138,7 @@ class Service:
         """The deployments whose ensemble the repository holds and tritonserver has ready (the public ones
         first), and the canary when both of its deployments are."""
         repository = self.settings.model_repository
-        found = sorted((d.name for d in repository.iterdir() if served_generation(repository, d.name) is not None),
+        found = sorted(served_deployments(repository),
                        key=lambda name: (name not in PUBLIC_DEPLOYMENTS, PUBLIC_DEPLOYMENTS.index(name)
                                          if name in PUBLIC_DEPLOYMENTS else 0, name))
         ready = await asyncio.gather(*(self.readiness.is_ready(name) for name in found))

@@ -207,6 +207,48 @@ def test_the_watchdog_marks_the_server_not_live_after_repeated_failed_restores_a
     assert not (tmp_path / "down" / STUCK_MARK).exists()
 
 
+def test_a_restore_cut_short_by_a_server_restart_leaves_no_down_mark_once_the_model_is_ready(tmp_path, monkeypatch):
+    """The CI failure of 2026-12-05: tritonserver aborted while the watchdog reloaded a dead stub's model,
+    the launcher started it again with every stub new, and `dualend` stayed marked down for good."""
+    from types import SimpleNamespace
+
+    from dualend.ops import watchdog as watchdog_module
+
+    class Repository:
+        ready = ["dualend", "dualend_v1_backbone", "dualend_v1_mtp_verify"]
+        up = True
+
+        def ready_models(self):
+            if not self.up:
+                raise ConnectionError("failed to connect to all addresses")
+            return self.ready
+
+        def serving_pipeline(self, deployment):
+            return "dualend_v1"
+
+        def replace(self, model):
+            self.up = False  # tritonserver aborts under the reload
+            raise ConnectionError("socket closed")
+
+    stubs = {}
+    monkeypatch.setattr(watchdog_module, "stub_processes", lambda server_pid: stubs)
+    monkeypatch.setattr(watchdog_module, "is_stopped", lambda pid: False)
+    watchdog = watchdog_module.Watchdog(SimpleNamespace(grpc_url="127.0.0.1:1", admin_key=None, pid=1), tmp_path / "down")
+    watchdog.repository = repository = Repository()
+    (tmp_path / "down").mkdir()
+    (tmp_path / "down" / "baseline").touch()  # an operator's mark: not the watchdog's to lift
+    stubs.update({"dualend_v1_backbone": (10, "")})  # the decode loop's stub is gone
+    watchdog.check_once()
+    assert (tmp_path / "down" / "dualend").exists() and watchdog.failures == {"dualend_v1_mtp_verify": 1}
+    watchdog.check_once()  # the server is down: the mark stays
+    assert (tmp_path / "down" / "dualend").exists()
+    repository.up = True  # started again by the launcher, every stub new
+    stubs.update({"dualend_v1_backbone": (20, ""), "dualend_v1_mtp_verify": (21, "")})
+    watchdog.check_once()
+    assert not (tmp_path / "down" / "dualend").exists() and watchdog.failures == {}
+    assert (tmp_path / "down" / "baseline").exists()
+
+
 def test_the_launcher_serves_where_the_builder_builds_and_keeps_its_files_under_build():
     from builder.assemble import DEFAULTS
     from dualend.ops.gateway import DEFAULT_PREFIX

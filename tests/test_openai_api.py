@@ -408,7 +408,7 @@ def launched(tmp_path_factory):
     flags = [f"--{name.replace('_', '-')}-port" for name in ports]
     launcher = subprocess.Popen(
         [sys.executable, "-m", "dualend.ops.launch", "--model-repository", str(repository), "--no-source-check",
-         "--api-keys", str(root / "keys"), "--log-file", str(root / "server.log")]
+         "--api-keys", str(root / "keys"), "--log-file", str(root / "server.log"), "--server-restarts", "10"]
         + [part for flag, port in zip(flags, ports.values()) for part in (flag, str(port))],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -622,6 +622,23 @@ def test_a_dead_or_stopped_step_ends_streams_on_every_route(launched, step, how,
         assert retryable, (route, message)
     assert max(at for _, _, at in ended) - stopped < bound_s
     assert wait_for(lambda: serves_every_route(launched), 15, poll_s=0.3)
+
+
+def test_tritonserver_aborting_while_a_dead_stub_is_restored_is_started_again_and_serves(launched):
+    """tritonserver 2.51 can abort while the watchdog reloads a dead stub's model (the CI failure of
+    2026-12-05: the deployment then stayed marked down for good). The launcher starts it again, the
+    watchdog lifts the mark once the new server's model is ready, and every route serves again."""
+    import os
+    import signal
+
+    from dualend.ops.gateway import DEFAULT_PREFIX
+    from dualend.ops.processes import stub_processes
+
+    server_pid = int(subprocess.check_output(["pgrep", "-P", str(launched.pid), "tritonserver"]).split()[0])
+    os.kill(stub_processes(server_pid)["dualend_v1_mtp_verify"][0], signal.SIGKILL)
+    assert wait_for(lambda: (DEFAULT_PREFIX / "down" / "dualend").exists(), 5, poll_s=0.02)  # restoring
+    os.kill(server_pid, signal.SIGABRT)
+    assert wait_for(lambda: serves_every_route(launched), 30, poll_s=0.3)
 
 
 @pytest.mark.parametrize("process", ["dualend.ops.openai_api", "tritonserver"])

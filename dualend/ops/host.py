@@ -7,6 +7,13 @@ import socket
 from pathlib import Path
 
 
+UNLIMITED_MESSAGES = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+# A channel to this host's own tritonserver: once a restarted server listens again (after seconds),
+# calls pass within a second, not after gRPC's default reconnect backoff (x1.6 a try, up to 120 s)
+TO_LOCAL_SERVER = UNLIMITED_MESSAGES + [("grpc.initial_reconnect_backoff_ms", 100),
+                                        ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 def client_host(host: str) -> str:
     """Where a client on this machine connects to a server bound to `host` (wildcard binds are
     reached via loopback)."""

@@ -602,6 +602,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "step; default: %(default)s, beyond a queue wait and a long prompt's prefill)")
     parser.add_argument("--log-file", type=Path, help="server log (default: a temporary file)")
     parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+    parser.add_argument("--server-restarts", type=int, default=SERVER_RESTARTS,
+                        help=f"a tritonserver that exits is started again up to this often in "
+                             f"{SERVER_RESTART_WINDOW_S / 60:.0f} minutes; once more and the launcher exits, for its "
+                             f"supervisor to act (default %(default)s)")
     parser.add_argument(
         "--no-source-check", action="store_true",
         help="serve the repository without checking that its adapters are this checkout's (containers)",
@@ -698,14 +702,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             restarts = [at for at in restarts if time.monotonic() - at < SERVER_RESTART_WINDOW_S]
             print(f"error: tritonserver exited with code {server.poll()}; last lines of "
                   f"{server.log_file}:\n{_tail(server.log_file)}", file=sys.stderr, flush=True)
-            if len(restarts) >= SERVER_RESTARTS:
+            if len(restarts) >= args.server_restarts:
                 return 1
             # tritonserver 2.51 aborts (boost::interprocess::lock_exception) when a Python stub dies
             # holding a lock it shares with the server: started again, as a supervisor would
             restarts.append(time.monotonic())
             server.stop(keep_log=True, drain=False)
             server.start()
-            print(f"tritonserver started again (pid {server.pid}; {len(restarts)} of {SERVER_RESTARTS} restarts "
+            print(f"tritonserver started again (pid {server.pid}; {len(restarts)} of {args.server_restarts} restarts "
                   f"in {SERVER_RESTART_WINDOW_S / 60:.0f} minutes)", flush=True)
     except KeyboardInterrupt:
         print("stopping tritonserver", flush=True)

@@ -13,6 +13,8 @@ import time
 
 from dualend.serving.model_config import ensemble_pipeline
 
+from .host import TO_LOCAL_SERVER
+
 ADMIN_HEADER = "dualend-admin-key"
 GRPC_PROTOCOL_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # how tritonserver reads a restricted gRPC key
 
@@ -21,7 +23,7 @@ class RepositoryAPI:
     def __init__(self, grpc_url: str, admin_key: str | None, timeout_s: float = 300.0):
         import tritonclient.grpc as grpcclient
 
-        self.client = grpcclient.InferenceServerClient(grpc_url)
+        self.client = grpcclient.InferenceServerClient(grpc_url, channel_args=TO_LOCAL_SERVER)
         self.headers = {GRPC_PROTOCOL_HEADER: admin_key} if admin_key else None
         self.timeout_s = timeout_s
 

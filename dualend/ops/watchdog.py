@@ -48,6 +48,7 @@ class Watchdog:
         self.failures: dict[str, int] = {}  # model -> restores failed in a row; retried each round
         self.stopped: set[str] = set()      # deployments marked down because a stub of theirs is stopped
         self.stopped_since: dict[int, float] = {}  # stub pid -> when it was first seen stopped
+        self.marked: set[str] = set()       # deployments this watchdog marked down (an operator's marks stay)
 
     def failed_models(self, ready: list[str]) -> list[str]:
         """Of the READY models, the Python models of our deployments whose stub is gone."""
@@ -71,36 +72,43 @@ class Watchdog:
         stopped = {self.deployment_of(model) for model in stopped_stubs}
         for deployment in sorted(stopped - self.stopped):
             log.error("watchdog: a stub of %s is stopped; %s is marked down while it stays so", deployment, deployment)
-            if self.down_dir:
-                self.down_dir.mkdir(parents=True, exist_ok=True)
-                (self.down_dir / deployment).touch()
+            self.mark_down(deployment)
         for deployment in sorted(self.stopped - stopped):
             log.warning("watchdog: the stubs of %s run again", deployment)
-            if self.down_dir:
-                (self.down_dir / deployment).unlink(missing_ok=True)
         self.stopped = stopped
 
     def deployment_of(self, model: str) -> str:
         return next(d for d in self.deployments if model.startswith(f"{d}_v"))
+
+    def mark_down(self, deployment: str) -> None:
+        self.marked.add(deployment)
+        if self.down_dir:
+            self.down_dir.mkdir(parents=True, exist_ok=True)
+            (self.down_dir / deployment).touch()
+
+    def settle_marks(self) -> None:
+        """Keeps a deployment marked down by the watchdog exactly while a stub of it is stopped or a model
+        of it waits to be restored. A restore cut short (tritonserver aborting under it, then started again
+        by the launcher with every stub new) keeps its mark until the next check finds the model ready."""
+        down = self.stopped | {self.deployment_of(model) for model in self.failures}
+        for deployment in self.marked - down:
+            if self.down_dir:
+                (self.down_dir / deployment).unlink(missing_ok=True)
+        self.marked &= down
 
     def restore(self, model: str) -> None:
         """Replaces `model` (after its backbone, if it is a decode loop: the backbone still holds the
         dead loop's sequences) while its deployment is marked down; the mark stays if that fails."""
         deployment = self.deployment_of(model)
         pipeline = pipeline_name(deployment, generation_of(model, deployment))
-        mark = self.down_dir / deployment if self.down_dir else None
         log.error("watchdog: the stub of %s died; %s is marked down while it reloads", model, deployment)
-        if mark:
-            mark.parent.mkdir(parents=True, exist_ok=True)
-            mark.touch()
+        self.mark_down(deployment)
         models = [f"{pipeline}_backbone", model] if model.endswith("_mtp_verify") else [model]
         for name in models:
             if self.stopping.is_set():
                 return
             self.repository.replace(name)  # over gRPC: an HTTP load loses HTTP streams' events
         log.warning("watchdog: %s restored", model)
-        if mark:
-            mark.unlink(missing_ok=True)
 
     def served(self, model: str) -> bool:
         """Whether the loaded ensemble runs this model's generation (after a redeploy's swap, the old
@@ -112,37 +120,40 @@ class Watchdog:
 
     def run(self) -> None:
         while not self.stopping.wait(self.interval_s):
-            for service in self.services:
-                try:
-                    service.ensure_running()
-                except Exception as error:  # noqa: BLE001 - retried next round
-                    log.warning("watchdog: restarting a service failed (retried next round): %s", error)
+            self.check_once()
+
+    def check_once(self) -> None:
+        """One round: services started again, stopped stubs marked (and killed), dead stubs restored."""
+        for service in self.services:
             try:
-                self.mark_stopped()
+                service.ensure_running()
+            except Exception as error:  # noqa: BLE001 - retried next round
+                log.warning("watchdog: restarting a service failed (retried next round): %s", error)
+        try:
+            self.mark_stopped()
+            ready = self.repository.ready_models()
+            failed = set(self.failed_models(ready))
+            if failed:  # again, just before acting: a redeploy may be unloading models right now
+                time.sleep(0.2)
                 ready = self.repository.ready_models()
-                failed = set(self.failed_models(ready))
-                if failed:  # again, just before acting: a redeploy may be unloading models right now
-                    time.sleep(0.2)
-                    ready = self.repository.ready_models()
-                    failed &= set(self.failed_models(ready))
-                for model in set(ready) - failed:  # a late load that did finish
-                    self.failures.pop(model, None)
-            except Exception as error:  # noqa: BLE001 - the watchdog must outlive one bad check
-                log.warning("watchdog: check failed: %s", error)
-                continue
-            for model in sorted(failed | set(self.failures)):  # the failures are retried
+                failed &= set(self.failed_models(ready))
+            for model in set(ready) - failed:  # a late load that did finish, or a server started again
+                self.failures.pop(model, None)
+        except Exception as error:  # noqa: BLE001 - the watchdog must outlive one bad check
+            log.warning("watchdog: check failed: %s", error)
+            return
+        for model in sorted(failed | set(self.failures)):  # the failures are retried
+            try:
                 if not self.served(model):
                     self.failures.pop(model, None)  # its generation was swapped out: nothing to restore
-                    if self.down_dir:
-                        (self.down_dir / self.deployment_of(model)).unlink(missing_ok=True)
                     continue
-                try:
-                    self.restore(model)
-                    self.failures.pop(model, None)
-                except Exception as error:  # noqa: BLE001 - one model's failure does not stop the others
-                    self.failures[model] = self.failures.get(model, 0) + 1
-                    log.warning("watchdog: restoring %s failed (retried next round): %s", model, error)
-            self.report_stuck()
+                self.restore(model)
+                self.failures.pop(model, None)
+            except Exception as error:  # noqa: BLE001 - one model's failure does not stop the others
+                self.failures[model] = self.failures.get(model, 0) + 1
+                log.warning("watchdog: restoring %s failed (retried next round): %s", model, error)
+        self.settle_marks()
+        self.report_stuck()
 
     def report_stuck(self) -> None:
         """Marks the server not live while a model's restores keep failing; clears the mark after."""

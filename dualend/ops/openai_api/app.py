@@ -40,9 +40,10 @@ from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served_deployments, served_generation
 
 from ..api_keys import ApiKey, client_of, keyed_salt, read_keys
+from ..host import TO_LOCAL_SERVER, UNLIMITED_MESSAGES
 from ..usage import UsageStore, seconds_to_next_day
 from .front import ClientGone, DisconnectAwareStream, DownMarks, KeyCaps, Progress, Readiness, unless_gone
-from .triton_routes import UNLIMITED, GrpcFront, HttpGenerate
+from .triton_routes import GrpcFront, HttpGenerate
 from .translation import (ApiError, Generation, chunk_body, finish_reason, parse_body, parse_chat,
                           parse_completion, response_body, triton_error, triton_inputs, usage, usage_chunk)
 
@@ -441,13 +442,13 @@ class Service:
         async def lifespan(app):
             import tritonclient.grpc.aio as grpcaio
 
-            self.client = grpcaio.InferenceServerClient(self.settings.triton_grpc)
+            self.client = grpcaio.InferenceServerClient(self.settings.triton_grpc, channel_args=TO_LOCAL_SERVER)
             poller = asyncio.create_task(self.marks.run())
             await http_generate.start()
             grpc_server = None
             if self.settings.grpc_port is not None:
                 grpc_front = GrpcFront(self, self.settings.triton_grpc)
-                grpc_server = grpc.aio.server(options=UNLIMITED)
+                grpc_server = grpc.aio.server(options=UNLIMITED_MESSAGES)
                 grpc_server.add_generic_rpc_handlers((grpc_front.handler(),))
                 grpc_server.add_insecure_port(f"{self.settings.host}:{self.settings.grpc_port}")
                 await grpc_server.start()

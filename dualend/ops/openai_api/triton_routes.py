@@ -24,6 +24,7 @@ from tritonclient.grpc import service_pb2
 from dualend.serving.contract import COUNTERS, merge_counters
 
 from ..api_keys import ApiKey, keyed_salt
+from ..host import TO_LOCAL_SERVER
 from .front import ClientGone, DisconnectAwareStream, Progress, unless_gone
 from .translation import ApiError, triton_error
 
@@ -31,7 +32,6 @@ GRPC_SERVICE = "inference.GRPCInferenceService"
 UNARY_METHODS = ("ModelInfer", "ModelMetadata", "ModelReady", "ServerLive", "ServerReady", "ServerMetadata")
 FINAL = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"
-UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 TICK_S = 0.1  # how often the requests in flight are checked against their deployment's marks
 
 
@@ -192,7 +192,7 @@ class GrpcFront:
 
     def __init__(self, service, triton_grpc: str):
         self.service = service
-        self.channel = grpc.aio.insecure_channel(triton_grpc, options=UNLIMITED)
+        self.channel = grpc.aio.insecure_channel(triton_grpc, options=TO_LOCAL_SERVER)
         self.ids = itertools.count()
 
     def handler(self) -> grpc.GenericRpcHandler:

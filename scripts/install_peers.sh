@@ -64,7 +64,25 @@ fi
 
 if stage llama_source test -f "$PEERS/src/llama.cpp/CMakeLists.txt"; then
     rm -rf "$PEERS/src/sdist" && mkdir -p "$PEERS/src/sdist"
-    "$PY" -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$PEERS/src/sdist"
+    # the sdist file itself, checked against PyPI's sha256 (`pip download --no-binary :all:` builds every
+    # build dependency from source to read its metadata: over 15 minutes here, once seemingly for ever)
+    "$PY" - "$LLAMA_CPP_PYTHON" "$PEERS/src/sdist" <<'PYTHON'
+import hashlib, re, sys, urllib.parse, urllib.request
+from pathlib import Path
+version, folder = sys.argv[1], Path(sys.argv[2])
+index = "https://pypi.org/simple/llama-cpp-python/"  # the simple index: the link carries the sha256
+with urllib.request.urlopen(index, timeout=60) as answer:
+    page = answer.read().decode()
+name = f"llama_cpp_python-{version}.tar.gz"
+link = re.search(r'href="([^"]*/' + re.escape(name) + r')#sha256=([0-9a-f]{64})"', page)
+if link is None:
+    sys.exit(f"install_peers: {index} lists no {name}")
+with urllib.request.urlopen(urllib.parse.urljoin(index, link[1]), timeout=600) as answer:
+    data = answer.read()
+if hashlib.sha256(data).hexdigest() != link[2]:
+    sys.exit(f"install_peers: {name}: sha256 differs from the index's")
+(folder / name).write_bytes(data)
+PYTHON
     tar -xzf "$PEERS/src/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$PEERS/src/sdist"
     rm -rf "$PEERS/src/llama.cpp"
     mv "$PEERS/src/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp" "$PEERS/src/llama.cpp"

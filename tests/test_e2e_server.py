@@ -6,6 +6,7 @@ the in-process ONNX Runtime engine on the same export is the reference for every
 import json
 import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -280,7 +281,6 @@ def test_three_redeploys_under_live_load_refuse_nothing_and_a_bad_repository_cha
     checkpoint, the old version is unloaded after it drains, and a corrupt repository is refused
     before anything is loaded."""
     import shutil
-    import threading
 
     import torch
 
@@ -364,8 +364,6 @@ def test_long_http_and_grpc_streams_finish_across_a_reload(tmp_path):
     arriving all along: the old generation unloads only after every stream got all its tokens and its
     end, and no request fails. (With the repository API called over HTTP, half of such HTTP streams
     lost every event after the load: `dualend.ops.repository_api`.)"""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
 
     from client.api import generate_http, stream_http
     from client.reload import reload
@@ -580,6 +578,9 @@ class Launched:
         for line in self.process.stdout:
             if "Ctrl-C or SIGTERM stops it" in line:
                 break
+        else:
+            raise AssertionError(f"the launcher exited before serving (code {self.process.wait()})")
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()  # a full pipe would block it
         self.key = (tmp_path / "keys").read_text().split()[1]
         self.server_pid = int(subprocess.check_output(["pgrep", "-P", str(self.process.pid), "tritonserver"]).split()[0])
 
@@ -683,8 +684,6 @@ def test_a_keys_cap_counts_its_requests_on_every_route_together(tmp_path):
     so they stay open) is refused a third request on every route (HTTP generate, gRPC, /v1) with the
     cap's code, counted by the service in front, while another key is served; once its streams end, it
     is served again."""
-    import threading
-
     import openai
 
     capped, other = "c0" * 16, "e1" * 16

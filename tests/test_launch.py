@@ -205,6 +205,9 @@ def test_the_watchdog_marks_the_server_not_live_after_repeated_failed_restores_a
     watchdog.failures.clear()  # restored after all
     watchdog.report_stuck()
     assert not (tmp_path / "down" / STUCK_MARK).exists()
+    (tmp_path / "down" / STUCK_MARK).write_text("an operator's")
+    watchdog.report_stuck()
+    assert (tmp_path / "down" / STUCK_MARK).exists()  # not the watchdog's to lift
 
 
 def test_a_restore_cut_short_by_a_server_restart_leaves_no_down_mark_once_the_model_is_ready(tmp_path, monkeypatch):

@@ -195,6 +195,9 @@ class TorchBatch:
             self.mtp_values = torch.zeros_like(self.mtp_keys)
         self.restart()
 
+    def close(self) -> None:
+        """Nothing to give back (its buffers go with it); `OnnxBatch` gives back its rows of an engine's cache."""
+
     @torch.no_grad()
     def restart(self) -> tuple[np.ndarray, np.ndarray]:
         """Back to the state right after the prefill; returns its logits [B, V] and hidden [B, D]."""

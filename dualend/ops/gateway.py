@@ -90,26 +90,27 @@ class GatewaySettings:
     front_grpc: str | None = None     # host:port of that service's gRPC front; None: gRPC goes to tritonserver
 
 
-def _ensemble_config(model_repository: Path) -> Path | None:
-    """A public deployment's ensemble config, else a variant's (a repository built with variants alone)."""
-    public = next((model_repository / d / "config.pbtxt" for d in PUBLIC_DEPLOYMENTS
-                   if (model_repository / d / "config.pbtxt").exists()), None)
+def first_served_deployment(model_repository: Path) -> str | None:
+    """A public deployment the repository serves, else a variant (a repository built with variants
+    alone): its ensemble tells the public inputs, and the gateway's /v2/health/ready follows it."""
+    public = next((d for d in PUBLIC_DEPLOYMENTS if (model_repository / d / "config.pbtxt").exists()), None)
     if public is not None:
         return public
     try:
         variants = served_deployments(model_repository)
     except ModelConfigError as error:
         raise GatewayError(f"the gateway reads the public inputs from {error}") from None
-    return model_repository / variants[0] / "config.pbtxt" if variants else None
+    return variants[0] if variants else None
 
 
 def public_inputs(model_repository: Path) -> dict[str, dict]:
     """The public ensembles' inputs: {name: {"type", "many" (a list of values), "required"}}. Every
     deployment's ensemble takes the same request contract, so the first one found tells."""
-    config = _ensemble_config(model_repository)
-    if config is None:
+    deployment = first_served_deployment(model_repository)
+    if deployment is None:
         raise GatewayError(f"{model_repository} holds no deployment's ensemble ({', '.join(PUBLIC_DEPLOYMENTS)} "
                            f"or a variant of one)")
+    config = model_repository / deployment / "config.pbtxt"
     try:
         inputs = read_model_config(config).get("input", [])
     except ModelConfigError as error:
@@ -147,6 +148,8 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
     down_check = (f"if (-f {prefix}/down/$deployment) {{ return 503 '{{\"error\":\"$deployment is restoring a failed "
                   "component; retry in a few seconds\"}'; }")
     models = "|".join(PUBLIC_DEPLOYMENTS)
+    followed = (first_served_deployment(settings.model_repository) if settings.model_repository else None) \
+        or PUBLIC_DEPLOYMENTS[0]
     openai_error = ('{{"error":{{"message":"{message}","type":"{type}","param":null,"code":"{code}"}}}}')
     v1_check = ("if ($client = \"\") { return 401 '" + openai_error.format(
         message="missing or unknown API key: send Authorization: Bearer <key>", type="authentication_error",
@@ -257,9 +260,9 @@ http {{
             proxy_pass http://triton_http;
         }}
         location = /v2/health/ready {{
-            # ready when the public deployment is, whatever another model's state
-            if (-f {prefix}/down/{PUBLIC_DEPLOYMENTS[0]}) {{ return 503 '{{"error":"restoring a failed component"}}'; }}
-            proxy_pass http://triton_http/v2/models/{PUBLIC_DEPLOYMENTS[0]}/ready;
+            # ready when the first deployment served is, whatever another model's state
+            if (-f {prefix}/down/{followed}) {{ return 503 '{{"error":"restoring a failed component"}}'; }}
+            proxy_pass http://triton_http/v2/models/{followed}/ready;
         }}
         location @too_large {{
             {v1_error(413, f"request body over {settings.max_body}", "invalid_request_error", "too_large")}

@@ -48,7 +48,7 @@ class Watchdog:
         self.failures: dict[str, int] = {}  # model -> restores failed in a row; retried each round
         self.stopped: set[str] = set()      # deployments marked down because a stub of theirs is stopped
         self.stopped_since: dict[int, float] = {}  # stub pid -> when it was first seen stopped
-        self.marked: set[str] = set()       # deployments this watchdog marked down (an operator's marks stay)
+        self.marked: set[str] = set()       # the marks this watchdog wrote (an operator's it leaves alone)
 
     def failed_models(self, ready: list[str]) -> list[str]:
         """Of the READY models, the Python models of our deployments whose stub is gone."""
@@ -80,17 +80,18 @@ class Watchdog:
     def deployment_of(self, model: str) -> str:
         return next(d for d in self.deployments if model.startswith(f"{d}_v"))
 
-    def mark_down(self, deployment: str) -> None:
-        self.marked.add(deployment)
+    def mark_down(self, name: str, text: str = "") -> None:
+        """A deployment's mark, or STUCK_MARK's (the whole server); the watchdog lifts only its own."""
+        self.marked.add(name)
         if self.down_dir:
             self.down_dir.mkdir(parents=True, exist_ok=True)
-            (self.down_dir / deployment).touch()
+            (self.down_dir / name).write_text(text)
 
     def settle_marks(self) -> None:
         """Keeps a deployment marked down by the watchdog exactly while a stub of it is stopped or a model
         of it waits to be restored. A restore cut short (tritonserver aborting under it, then started again
         by the launcher with every stub new) keeps its mark until the next check finds the model ready."""
-        down = self.stopped | {self.deployment_of(model) for model in self.failures}
+        down = self.stopped | {self.deployment_of(model) for model in self.failures} | {STUCK_MARK}  # report_stuck's
         for deployment in self.marked - down:
             if self.down_dir:
                 (self.down_dir / deployment).unlink(missing_ok=True)
@@ -156,16 +157,15 @@ class Watchdog:
         self.report_stuck()
 
     def report_stuck(self) -> None:
-        """Marks the server not live while a model's restores keep failing; clears the mark after."""
+        """Marks the server not live while a model's restores keep failing; clears its mark after."""
         stuck = sorted(m for m, n in self.failures.items() if n >= STUCK_AFTER)
-        mark = self.down_dir / STUCK_MARK if self.down_dir else None
         if stuck:
             log.error("watchdog: %s cannot be restored (%d tries); restart the server", ", ".join(stuck), STUCK_AFTER)
-            if mark:
-                mark.parent.mkdir(parents=True, exist_ok=True)
-                mark.write_text(", ".join(stuck))
-        elif mark:
-            mark.unlink(missing_ok=True)
+            self.mark_down(STUCK_MARK, ", ".join(stuck))
+        elif STUCK_MARK in self.marked:
+            self.marked.discard(STUCK_MARK)
+            if self.down_dir:
+                (self.down_dir / STUCK_MARK).unlink(missing_ok=True)
 
     def start(self) -> "Watchdog":
         self.thread = threading.Thread(target=self.run, daemon=True, name="watchdog")

@@ -107,10 +107,10 @@ def teacher_records(teacher: LanguageModel | OnnxComponents, prompts: list[list[
     samplers = [Sampler(SamplingParams(temperature=temperature, seed=int(row_seed.generate_state(1)[0])))
                 for row_seed in np.random.SeedSequence(seed).spawn(len(prompts))]
     if isinstance(teacher, OnnxComponents):
-        batch, (pad, bos, eos) = OnnxBatch(teacher, prompts, max_tokens), (teacher.pad_id, teacher.bos_id, teacher.eos_id)
+        batch, specials = OnnxBatch(teacher, prompts, max_tokens), teacher
     else:
-        cfg = teacher.cfg
-        batch, (pad, bos, eos) = TorchBatch(teacher, prompts, max_tokens), (cfg.pad_id, cfg.bos_id, cfg.eos_id)
+        batch, specials = TorchBatch(teacher, prompts, max_tokens), teacher.cfg
+    pad, bos, eos = specials.pad_id, specials.bos_id, specials.eos_id
     tokens, hiddens = [[] for _ in prompts], [[] for _ in prompts]
     running = set(range(len(prompts)))
     try:
@@ -127,8 +127,7 @@ def teacher_records(teacher: LanguageModel | OnnxComponents, prompts: list[list[
                 break
             logits, hidden = batch.step(chosen[:, None])
     finally:
-        if isinstance(batch, OnnxBatch):  # its rows of the engine's cache
-            batch.close()
+        batch.close()  # an engine's rows of its cache
     return [{"position": len(prompt) - 1, "tokens": torch.tensor(t), "hidden": torch.from_numpy(np.stack(h)).half()}
             for prompt, t, h in zip(prompts, tokens, hiddens)]
 

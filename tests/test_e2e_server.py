@@ -235,18 +235,18 @@ def test_busy_server_refuses_clearly_and_the_running_stream_loses_nothing(tmp_pa
     fits beside the long one once the queue is clear, and the long one runs to the end."""
     repository = assemble_dualend(tmp_path, "--raw-context-limit", "4096", "--max-new-tokens", "4096",
                                   "--kv-cache-mb", "32", "--max-concurrent-requests", "2",
-                                  "--max-queue-size", "1", "--queue-wait-s", "1")
+                                  "--max-queue-size", "1", "--queue-wait-s", "2")
     with TritonServer(repository, log_file=tmp_path / "server.log") as busy, ThreadPoolExecutor(2) as pool:
         long_stream = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[0], 2000, ignore_eos=True,
                                   acceptance_threshold=1.0, exclude_input_in_output=True)
         assert wait_for(lambda: metric(busy, "dualend_kv_live_sequences", "dualend_v1_backbone") == 1)
         waiting = pool.submit(stream_grpc, busy.grpc_url, "dualend", PROMPTS[2], 4000)
-        time.sleep(0.3)
+        time.sleep(0.6)  # queued by now, and 1.4 s from its end (the long stream takes ~7 s here)
         with pytest.raises(RequestError, match=r"\[queue_full\] server busy: 1 requests running and 1 waiting, "
                                                r"the queue \(max_queue_size 1\) is full; retry later") as full:
             stream_grpc(busy.grpc_url, "dualend", PROMPTS[1], 8)
         assert full.value.outcome == Outcome.QUEUE_FULL
-        with pytest.raises(RequestError, match=r"waited 1 s in the queue \(queue_wait_s\) for a place \(1 of 2 "
+        with pytest.raises(RequestError, match=r"waited 2 s in the queue \(queue_wait_s\) for a place \(1 of 2 "
                                                r"taken\) and room in the KV cache .* retry later or lower max_tokens") as late:
             waiting.result()
         assert late.value.outcome == Outcome.QUEUE_TIMEOUT
@@ -262,7 +262,7 @@ def test_a_long_prompt_arriving_during_decoding_streams_beside_the_others(server
     already running keep their text, and the newcomer's text equals the engine's."""
     tokenizer = engines["dualend"].exported.tokenizer()
     long_prompt = next(sized_examples("lookup", "report", 11, tokenizer.prompt_length, 400, 440)).prompt
-    jobs = [(PROMPTS[i % len(PROMPTS)], 120) for i in range(4)]
+    jobs = [(PROMPTS[i % len(PROMPTS)], 240) for i in range(4)]  # still decoding while the newcomer runs
     with ThreadPoolExecutor(5) as pool:
         running = [pool.submit(stream_grpc, server.grpc_url, "dualend", p, n, ignore_eos=True,
                                exclude_input_in_output=True) for p, n in jobs]

@@ -664,6 +664,19 @@ def test_tritonserver_aborting_while_a_dead_stub_is_restored_is_started_again_an
     assert wait_for(lambda: serves_every_route(launched), 30, poll_s=0.3)
 
 
+def test_a_second_launcher_of_the_same_checkout_is_refused_and_the_first_serves_on(launched):
+    """Both would keep their gateway's state in build/gateway: the second would wipe the first's down
+    marks and rewrite its nginx config. It is refused at once, before touching anything."""
+    ports = [str(port) for port in free_ports("127.0.0.1", 5)]
+    second = subprocess.run(
+        [sys.executable, "-m", "dualend.ops.launch", "--model-repository", str(launched.root / "repository"),
+         "--no-source-check", "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
+         "--triton-http-port", ports[3], "--triton-grpc-port", ports[4]],
+        capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and f"another launcher (pid {launched.pid}) serves from" in second.stderr, second
+    assert serves_every_route(launched)
+
+
 @pytest.mark.parametrize("process", ["dualend.ops.openai_api", "tritonserver"])
 def test_the_service_in_front_and_tritonserver_are_started_again_when_they_die(launched, process):
     """The front by the watchdog; tritonserver by the launcher (2.51 aborts when a stub dies holding a

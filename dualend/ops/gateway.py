@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -338,6 +339,27 @@ def _stopping(pid: int) -> bool:
         return b"shutting down" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
     except OSError:
         return True
+
+
+def hold_state(prefix: Path = DEFAULT_PREFIX):
+    """Locks the gateway's state folder for this process's life (the lock goes with the process, however
+    it ends): a second launcher of the same checkout would otherwise wipe the first's down marks and
+    rewrite its nginx config. Returns the open lock file; GatewayError names the holder."""
+    prefix.mkdir(parents=True, exist_ok=True)
+    handle = open(prefix / "launcher.pid", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise GatewayError(f"another launcher (pid {holder}) serves from {prefix}: one launcher a checkout; "
+                           f"stop it first") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 class Gateway:

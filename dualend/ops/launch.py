@@ -621,20 +621,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     from .api_keys import KeysFileError, write_new_keys
-    from .gateway import DEFAULT_PREFIX, Gateway, GatewayError, GatewaySettings
+    from .gateway import DEFAULT_PREFIX, Gateway, GatewayError, GatewaySettings, hold_state
     from .openai_api.app import ServiceSettings
     from .openai_api.process import ApiService, ServiceStartError
     from .watchdog import Watchdog
 
     gateway, watching, api = None, None, None
     try:
+        behind = not args.no_gateway
+        state = hold_state() if behind else None  # held until the end below
         for pipeline in prune_unserved_generations(Path(args.model_repository)):
             print(f"removed {pipeline}_*: assembled but never swapped in, or replaced")
         if not args.no_source_check:
             check_repository(args.model_repository)
         for line in benchmark_notices(Path(args.model_repository)):
             print(line)
-        behind = not args.no_gateway
         server = TritonServer(
             args.model_repository,
             host=DEFAULT_HOST if behind else args.host,
@@ -731,6 +732,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if api is not None:
             api.stop()
         server.stop(keep_log=True, drain=False)  # drained above, before the gateway went
+        if state is not None:
+            state.close()
     return 0
 
 

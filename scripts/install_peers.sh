@@ -67,10 +67,11 @@ if stage llama_source test -f "$PEERS/src/llama.cpp/CMakeLists.txt"; then
     # the sdist file itself, checked against PyPI's sha256 (`pip download --no-binary :all:` builds every
     # build dependency from source to read its metadata: over 15 minutes here, once seemingly for ever)
     "$PY" - "$LLAMA_CPP_PYTHON" "$PEERS/src/sdist" <<'PYTHON'
-import hashlib, re, sys, urllib.parse, urllib.request
+import hashlib, os, re, sys, urllib.parse, urllib.request
 from pathlib import Path
 version, folder = sys.argv[1], Path(sys.argv[2])
-index = "https://pypi.org/simple/llama-cpp-python/"  # the simple index: the link carries the sha256
+# the simple index (pip's own, where one is set): the link carries the sha256
+index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/") + "/llama-cpp-python/"
 with urllib.request.urlopen(index, timeout=60) as answer:
     page = answer.read().decode()
 name = f"llama_cpp_python-{version}.tar.gz"

@@ -251,6 +251,12 @@ def test_a_restore_cut_short_by_a_server_restart_leaves_no_down_mark_once_the_mo
     assert not (tmp_path / "down" / "dualend").exists() and watchdog.failures == {}
     assert (tmp_path / "down" / "baseline").exists()
 
+    (tmp_path / "down" / "dualend").write_text("an operator's")  # the same restore under an operator's mark
+    stubs.pop("dualend_v1_mtp_verify")
+    watchdog.repository.replace = lambda model: None  # restored this time
+    watchdog.check_once()
+    assert watchdog.failures == {} and (tmp_path / "down" / "dualend").read_text() == "an operator's"
+
 
 def test_the_launcher_serves_where_the_builder_builds_and_keeps_its_files_under_build():
     from builder.assemble import DEFAULTS

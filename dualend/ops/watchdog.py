@@ -58,7 +58,8 @@ class Watchdog:
 
     def mark_stopped(self) -> None:
         """Marks down the deployments a stopped stub belongs to (their requests make no progress, so the
-        front ends them and refuses new ones), and unmarks them once every stub of theirs runs again."""
+        front ends them and refuses new ones); `settle_marks` lifts the mark once no stub of theirs is
+        stopped and none waits to be restored (a stub killed after 3 s is restored first)."""
         prefixes = tuple(f"{d}_v" for d in self.deployments)
         stopped_stubs = {model: pid for model, (pid, _) in stub_processes(self.server.pid).items()
                          if model.startswith(prefixes) and is_stopped(pid)}
@@ -74,28 +75,38 @@ class Watchdog:
             log.error("watchdog: a stub of %s is stopped; %s is marked down while it stays so", deployment, deployment)
             self.mark_down(deployment)
         for deployment in sorted(self.stopped - stopped):
-            log.warning("watchdog: the stubs of %s run again", deployment)
+            log.warning("watchdog: no stub of %s is stopped now", deployment)
         self.stopped = stopped
 
     def deployment_of(self, model: str) -> str:
         return next(d for d in self.deployments if model.startswith(f"{d}_v"))
 
     def mark_down(self, name: str, text: str = "") -> None:
-        """A deployment's mark, or STUCK_MARK's (the whole server); the watchdog lifts only its own."""
-        self.marked.add(name)
+        """A deployment's mark, or STUCK_MARK's (the whole server). A mark already there that the
+        watchdog did not write is an operator's: left as it is, and never lifted by the watchdog."""
         if self.down_dir:
             self.down_dir.mkdir(parents=True, exist_ok=True)
-            (self.down_dir / name).write_text(text)
+            try:
+                with open(self.down_dir / name, "w" if name in self.marked else "x") as mark:
+                    mark.write(text)
+            except FileExistsError:
+                return
+        self.marked.add(name)
+
+    def lift(self, name: str) -> None:
+        if name in self.marked:
+            self.marked.discard(name)
+            if self.down_dir:
+                (self.down_dir / name).unlink(missing_ok=True)
 
     def settle_marks(self) -> None:
         """Keeps a deployment marked down by the watchdog exactly while a stub of it is stopped or a model
         of it waits to be restored. A restore cut short (tritonserver aborting under it, then started again
-        by the launcher with every stub new) keeps its mark until the next check finds the model ready."""
-        down = self.stopped | {self.deployment_of(model) for model in self.failures} | {STUCK_MARK}  # report_stuck's
-        for deployment in self.marked - down:
-            if self.down_dir:
-                (self.down_dir / deployment).unlink(missing_ok=True)
-        self.marked &= down
+        by the launcher with every stub new) keeps its mark until the next check finds the model ready.
+        (STUCK_MARK is report_stuck's.)"""
+        down = self.stopped | {self.deployment_of(model) for model in self.failures} | {STUCK_MARK}
+        for name in sorted(self.marked - down):
+            self.lift(name)
 
     def restore(self, model: str) -> None:
         """Replaces `model` (after its backbone, if it is a decode loop: the backbone still holds the
@@ -153,6 +164,8 @@ class Watchdog:
             except Exception as error:  # noqa: BLE001 - one model's failure does not stop the others
                 self.failures[model] = self.failures.get(model, 0) + 1
                 log.warning("watchdog: restoring %s failed (retried next round): %s", model, error)
+        if self.stopping.is_set():  # a restore cut short by the stop: its mark stays to the end
+            return
         self.settle_marks()
         self.report_stuck()
 
@@ -162,10 +175,8 @@ class Watchdog:
         if stuck:
             log.error("watchdog: %s cannot be restored (%d tries); restart the server", ", ".join(stuck), STUCK_AFTER)
             self.mark_down(STUCK_MARK, ", ".join(stuck))
-        elif STUCK_MARK in self.marked:
-            self.marked.discard(STUCK_MARK)
-            if self.down_dir:
-                (self.down_dir / STUCK_MARK).unlink(missing_ok=True)
+        else:
+            self.lift(STUCK_MARK)
 
     def start(self) -> "Watchdog":
         self.thread = threading.Thread(target=self.run, daemon=True, name="watchdog")

@@ -258,6 +258,18 @@ def test_a_restore_cut_short_by_a_server_restart_leaves_no_down_mark_once_the_mo
     assert watchdog.failures == {} and (tmp_path / "down" / "dualend").read_text() == "an operator's"
 
 
+def test_the_watchdog_restores_the_variants_a_repository_serves_beside_the_public_deployments(tmp_path):
+    from dualend.ops.launch import watched_deployments
+    from dualend.serving.repository import PUBLIC_DEPLOYMENTS
+
+    assert watched_deployments(tmp_path) == PUBLIC_DEPLOYMENTS  # one may be loaded later
+    (tmp_path / "smollm2_int4").mkdir()  # a variant (builder.assemble --variant smollm2_int4=smollm2)
+    (tmp_path / "smollm2_int4" / "config.pbtxt").write_text(
+        'name: "smollm2_int4"\nplatform: "ensemble"\n'
+        'ensemble_scheduling { step [ { model_name: "smollm2_int4_v1_preprocessing" model_version: -1 } ] }\n')
+    assert watched_deployments(tmp_path) == PUBLIC_DEPLOYMENTS + ("smollm2_int4",)
+
+
 def test_the_launcher_serves_where_the_builder_builds_and_keeps_its_files_under_build():
     from builder.assemble import DEFAULTS
     from dualend.ops.gateway import DEFAULT_PREFIX

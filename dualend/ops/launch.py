@@ -46,9 +46,11 @@ from dualend.engine.manifest import verify_component
 from dualend.serving.control import drain_request
 from dualend.serving.keys import PIPELINE_SECRET_ENV, pipeline_key
 from dualend.serving.repository import (
+    PUBLIC_DEPLOYMENTS,
     pipeline_name,
     prune_generations,
     served_benchmark_notices,
+    served_deployments,
     served_generation,
 )
 
@@ -226,6 +228,12 @@ def benchmark_notices(repository: Path) -> list[str]:
         except (KeyError, ValueError):
             continue
     return lines
+
+
+def watched_deployments(repository: Path) -> tuple[str, ...]:
+    """The deployments the watchdog restores: every public one (one may be loaded later) and the variants
+    the repository serves at start."""
+    return tuple(dict.fromkeys(PUBLIC_DEPLOYMENTS + tuple(served_deployments(repository))))
 
 
 def check_repository(model_repository: Path | str) -> Path:
@@ -690,7 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  log      {server.log_file}")
         if args.model_control_mode == "explicit" and not args.no_watchdog:
             watching = Watchdog(server, gateway.prefix / "down" if gateway else None,
-                                services=(api,) if api else ()).start()
+                                watched_deployments(Path(args.model_repository)), services=(api,) if api else ()).start()
         print("Ctrl-C or SIGTERM stops it.", flush=True)
         next_rotation = time.monotonic()
         restarts: list[float] = []

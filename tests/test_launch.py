@@ -270,6 +270,15 @@ def test_the_watchdog_restores_the_variants_a_repository_serves_beside_the_publi
     assert watched_deployments(tmp_path) == PUBLIC_DEPLOYMENTS + ("smollm2_int4",)
 
 
+def test_a_negative_restart_budget_is_refused_saying_why(capsys):
+    from dualend.ops.launch import parse_args
+
+    assert parse_args(["--server-restarts", "0"]).server_restarts == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--server-restarts", "-1"])
+    assert "--server-restarts: -1: expected 0 or more" in capsys.readouterr().err
+
+
 def test_the_launcher_serves_where_the_builder_builds_and_keeps_its_files_under_build():
     from builder.assemble import DEFAULTS
     from dualend.ops.gateway import DEFAULT_PREFIX

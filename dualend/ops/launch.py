@@ -565,6 +565,13 @@ def admin_key(path: Path = DEFAULT_ADMIN_KEY_FILE, create: bool = False) -> str 
 
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: expected 0 or more")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m dualend.ops.launch", description=__doc__.split("\n\n")[0]
@@ -610,7 +617,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "step; default: %(default)s, beyond a queue wait and a long prompt's prefill)")
     parser.add_argument("--log-file", type=Path, help="server log (default: a temporary file)")
     parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
-    parser.add_argument("--server-restarts", type=int, default=SERVER_RESTARTS,
+    parser.add_argument("--server-restarts", type=_count, default=SERVER_RESTARTS,
                         help=f"a tritonserver that exits is started again up to this often in "
                              f"{SERVER_RESTART_WINDOW_S / 60:.0f} minutes; once more and the launcher exits, for its "
                              f"supervisor to act (default %(default)s)")

@@ -414,7 +414,8 @@ def launched(tmp_path_factory):
     ports = dict(zip(("http", "grpc", "metrics", "triton_http", "triton_grpc", "openai", "front_grpc", "usage_metrics"),
                      free_ports("127.0.0.1", 8)))
     repository = assemble_main(["--checkpoints", str(DEFAULTS["checkpoints"]), "--out", str(root / "repository"),
-                                "--export-dir", str(root / "export"), "--deployments", "dualend", "baseline"])
+                                "--export-dir", str(root / "export"), "--deployments", "dualend", "baseline",
+                                "--raw-context-limit", "2304", "--max-new-tokens", "2048"])
     (root / "keys").write_text(f"bob {BOB}\ncarol {CAROL} max_requests=2\n")
     flags = [f"--{name.replace('_', '-')}-port" for name in ports]
     launcher = subprocess.Popen(
@@ -522,10 +523,10 @@ def test_a_whole_answer_on_tritons_routes_is_tritonservers_own_and_a_down_mark_e
     assert len(fronted_grpc.arrivals) == len(own_grpc.arrivals) == 1 and fronted_grpc.text == own_grpc.text
     assert fronted_grpc.counters["num_output_tokens"] == own_grpc.counters["num_output_tokens"] == 12
 
-    # The baseline (one token a step) answers 1000 tokens in a few seconds here; the mark stays on until
-    # the answer is in, so it must outlive the front's 1 s for a silent request.
+    # The baseline (one token a step) answers 2000 tokens in ~6 s here; the mark stays on until the
+    # answer is in, so it must outlive the front's 1 s for a silent request.
     answers = []
-    long_body = {"text_input": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True}
+    long_body = {"text_input": PROMPTS[0], "max_tokens": 2000, "ignore_eos": True}
     thread = threading.Thread(target=lambda: answers.append(
         (whole_answer_over_http(launched.http, long_body, BOB, "baseline"), time.monotonic())))
     mark = DEFAULT_PREFIX / "down" / "baseline"
@@ -541,9 +542,9 @@ def test_a_whole_answer_on_tritons_routes_is_tritonservers_own_and_a_down_mark_e
         thread.join(60)
     finally:
         mark.unlink()
-    assert answers, "the 1000-token answer did not come within 60 s"
+    assert answers, "the 2000-token answer did not come within 60 s"
     (status, answer), ended = answers[0]
-    assert status == 200 and answer["num_output_tokens"] == 1000, answer
+    assert status == 200 and answer["num_output_tokens"] == 2000, answer
     assert ended - marked > 1.5, f"the answer took {ended - started:.1f} s: too short to show the mark changes nothing"
     # the front sees marks within a poll (0.1 s): later tests find the baseline up
     assert wait_for(lambda: whole_answer_over_http(launched.http, body, BOB, "baseline")[0] == 200, 5)

@@ -9,8 +9,8 @@ call; the portable graph's new keys copied into the cache, the fused one's writt
 every row of the batch stepping one latent (a decode step) or two (a step verifying a draft), after
 `--past` latents, the two graphs taking turns in blocks of calls so the machine's noise falls on
 both alike. Prints the median and 10th-90th percentile spread in ms and the portable/fused ratio.
-`--ops` then profiles a decode step of each graph at batch 1 with ONNX Runtime's profiler: time and
-nodes a step per operator type (the profiler's own cost inflates small nodes' share).
+`--ops` then profiles a decode step and a verifying step of each graph at batch 1 with ONNX Runtime's
+profiler: time and nodes a step per operator type (the profiler's own cost inflates small nodes' share).
 The inputs are random: what each graph costs, not what it says (tests/test_export.py checks the fused
 graph against the model code; benchmarks.weight_precision measures a quantized export's NLL on text).
 """
@@ -45,8 +45,10 @@ def optimized_nodes(path: Path, scratch: Path) -> int:
     return len(onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node)
 
 
-def operator_profile(path: Path, settings: dict, cfg, past: int, steps: int, threads: int, rng) -> tuple[Counter, Counter]:
-    """Microseconds and nodes per decode step at batch 1, by operator type (ONNX Runtime's profiler)."""
+def operator_profile(path: Path, settings: dict, cfg, past: int, steps: int, threads: int, rng,
+                     new: int = 1) -> tuple[Counter, Counter]:
+    """Microseconds and nodes per step at batch 1 (`new` latents: 1 a decode step, 2 a verifying one), by
+    operator type (ONNX Runtime's profiler)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -56,9 +58,10 @@ def operator_profile(path: Path, settings: dict, cfg, past: int, steps: int, thr
     options.log_severity_level = 3
     runner = BackboneRunner(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]),
                             kv_cache(settings, cfg.n_layers, 1), cfg.vocab_size, cfg.d_model)
-    runner.prefill(0, rng.standard_normal((past, cfg.d_model), np.float32) * 0.1, past + steps + 1)
+    runner.prefill(0, rng.standard_normal((past, cfg.d_model), np.float32) * 0.1, past + new * steps + new)
+    call = step(runner, 1, new, rng)
     for _ in range(steps):
-        runner.step([0], rng.standard_normal((1, cfg.d_model), np.float32) * 0.1)
+        call()
     events = json.loads(Path(runner.session.end_profiling()).read_text())
     runs = sorted((event["ts"], event["ts"] + event["dur"]) for event in events if event.get("name") == "model_run")
     first_step = runs[-steps][0]  # the prefill's run before it is left out
@@ -124,10 +127,11 @@ def main(argv=None) -> dict:
                         f"{graph} {m:6.2f} ({lo:.2f}-{hi:.2f})" for graph, (m, lo, hi) in medians.items())
                         + f"  portable/fused {ratio:.2f}x", flush=True)
                     figures[(precision, batch, new)] = {"ratio": ratio, **{g: medians[g] for g in GRAPHS}}
-            if args.ops:
-                profiles = {graph: operator_profile(paths[graph], settings, cfg, args.past, args.repeats, args.threads, rng)
-                            for graph in GRAPHS}
-                print(f"  a decode step at batch 1 by operator type (ONNX Runtime's profiler, {args.repeats} steps): "
+            for new in (1, 2) if args.ops else ():
+                profiles = {graph: operator_profile(paths[graph], settings, cfg, args.past, args.repeats, args.threads,
+                                                    rng, new) for graph in GRAPHS}
+                kind = "a decode step" if new == 1 else "a verifying step (two latents)"
+                print(f"  {kind} at batch 1 by operator type (ONNX Runtime's profiler, {args.repeats} steps): "
                       "us a step, nodes", flush=True)
                 for graph, (micros, nodes) in profiles.items():
                     print(f"    {graph}: {sum(micros.values()):.0f} us in {sum(nodes.values()):.0f} nodes; " + ", ".join(

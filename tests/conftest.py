@@ -1,4 +1,5 @@
 import json
+import threading
 import time
 
 import pytest
@@ -53,6 +54,17 @@ def exported(tiny_tokenizer, tmp_path_factory):
         export_checkpoint(checkpoint, root / name)
         out[name] = (checkpoint, root / name)
     return out
+
+
+def until_launcher_serves(process) -> None:
+    """Reads `python -m dualend.ops.launch`'s output up to its serving line (an AssertionError if it exits
+    first), then on in a thread of its own to the end: a full pipe would block the launcher."""
+    for line in process.stdout:
+        if "Ctrl-C or SIGTERM stops it" in line:
+            break
+    else:
+        raise AssertionError(f"the launcher exited before serving (code {process.wait()})")
+    threading.Thread(target=process.stdout.read, daemon=True).start()
 
 
 def wait_for(condition, timeout_s=10.0, poll_s=0.05) -> bool:

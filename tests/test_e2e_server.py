@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import wait_for
+from conftest import until_launcher_serves, wait_for
 
 from builder.assemble import DEFAULTS
 from builder.assemble import main as assemble_main
@@ -575,12 +575,7 @@ class Launched:
              "--triton-grpc-port", str(triton_grpc), "--api-keys", str(tmp_path / "keys"),
              "--log-file", str(tmp_path / "server.log")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in self.process.stdout:
-            if "Ctrl-C or SIGTERM stops it" in line:
-                break
-        else:
-            raise AssertionError(f"the launcher exited before serving (code {self.process.wait()})")
-        threading.Thread(target=self.process.stdout.read, daemon=True).start()  # a full pipe would block it
+        until_launcher_serves(self.process)
         self.key = (tmp_path / "keys").read_text().split()[1]
         self.server_pid = int(subprocess.check_output(["pgrep", "-P", str(self.process.pid), "tritonserver"]).split()[0])
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import openai
 import pytest
-from conftest import malformed_bodies, wait_for
+from conftest import malformed_bodies, until_launcher_serves, wait_for
 
 from builder.assemble import DEFAULTS
 from builder.assemble import main as assemble_main
@@ -424,12 +424,7 @@ def launched(tmp_path_factory):
         + [part for flag, port in zip(flags, ports.values()) for part in (flag, str(port))],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for line in launcher.stdout:
-            if "Ctrl-C or SIGTERM stops it" in line:
-                break
-        else:
-            raise AssertionError(f"the launcher exited before serving (code {launcher.wait()})")
-        threading.Thread(target=launcher.stdout.read, daemon=True).start()
+        until_launcher_serves(launcher)
         launcher.ports, launcher.root = ports, root
         launcher.http, launcher.grpc = f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['grpc']}"
         launcher.v1 = openai.OpenAI(base_url=f"http://{launcher.http}/v1", api_key=BOB, max_retries=0)

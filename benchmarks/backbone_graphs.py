@@ -9,7 +9,7 @@ call; the portable graph's new keys copied into the cache, the fused one's writt
 every row of the batch stepping one latent (a decode step) or two (a step verifying a draft), after
 `--past` latents, the two graphs taking turns in blocks of calls so the machine's noise falls on
 both alike. Prints the median and 10th-90th percentile spread in ms and the portable/fused ratio.
-`--ops` then profiles a decode step and a verifying step of each graph at batch 1 with ONNX Runtime's
+`--ops` then profiles a decode step and a verifying step of each graph at the first of `--batch-sizes` with ONNX Runtime's
 profiler: time and nodes a step per operator type (the profiler's own cost inflates small nodes' share).
 The inputs are random: what each graph costs, not what it says (tests/test_export.py checks the fused
 graph against the model code; benchmarks.weight_precision measures a quantized export's NLL on text).
@@ -46,8 +46,8 @@ def optimized_nodes(path: Path, scratch: Path) -> int:
 
 
 def operator_profile(path: Path, settings: dict, cfg, past: int, steps: int, threads: int, rng,
-                     new: int = 1) -> tuple[Counter, Counter]:
-    """Microseconds and nodes per step at batch 1 (`new` latents: 1 a decode step, 2 a verifying one), by
+                     new: int = 1, batch: int = 1) -> tuple[Counter, Counter]:
+    """Microseconds and nodes per step at `batch` rows (`new` latents: 1 a decode step, 2 a verifying one), by
     operator type (ONNX Runtime's profiler)."""
     import onnxruntime as ort
 
@@ -57,14 +57,15 @@ def operator_profile(path: Path, settings: dict, cfg, past: int, steps: int, thr
     options.profile_file_prefix = str(path.with_suffix(""))
     options.log_severity_level = 3
     runner = BackboneRunner(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]),
-                            kv_cache(settings, cfg.n_layers, 1), cfg.vocab_size, cfg.d_model)
-    runner.prefill(0, rng.standard_normal((past, cfg.d_model), np.float32) * 0.1, past + new * steps + new)
-    call = step(runner, 1, new, rng)
+                            kv_cache(settings, cfg.n_layers, batch), cfg.vocab_size, cfg.d_model)
+    for row in range(batch):
+        runner.prefill(row, rng.standard_normal((past, cfg.d_model), np.float32) * 0.1, past + new * steps + new)
+    call = step(runner, batch, new, rng)
     for _ in range(steps):
         call()
     events = json.loads(Path(runner.session.end_profiling()).read_text())
     runs = sorted((event["ts"], event["ts"] + event["dur"]) for event in events if event.get("name") == "model_run")
-    first_step = runs[-steps][0]  # the prefill's run before it is left out
+    first_step = runs[-steps][0]  # the prefills' runs before them are left out
     micros, nodes = Counter(), Counter()
     for event in events:
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] >= first_step:
@@ -89,7 +90,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--past", type=int, default=64, help="latents already in each row's cache")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--ops", action="store_true", help="also profile each graph's decode step by operator type")
+    parser.add_argument("--ops", action="store_true", help="also profile each graph's steps by operator type, at the first batch size")
     args = parser.parse_args(argv)
     checkpoint = load_checkpoint(args.checkpoint)
     model, cfg = checkpoint.model.eval(), checkpoint.config
@@ -129,9 +130,9 @@ def main(argv=None) -> dict:
                     figures[(precision, batch, new)] = {"ratio": ratio, **{g: medians[g] for g in GRAPHS}}
             for new in (1, 2) if args.ops else ():
                 profiles = {graph: operator_profile(paths[graph], settings, cfg, args.past, args.repeats, args.threads,
-                                                    rng, new) for graph in GRAPHS}
-                kind = "a decode step" if new == 1 else "a verifying step (two latents)"
-                print(f"  {kind} at batch 1 by operator type (ONNX Runtime's profiler, {args.repeats} steps): "
+                                                    rng, new, args.batch_sizes[0]) for graph in GRAPHS}
+                kind = "a decode step" if new == 1 else "a verifying step (two latents a row)"
+                print(f"  {kind} at batch {args.batch_sizes[0]} by operator type (ONNX Runtime's profiler, {args.repeats} steps): "
                       "us a step, nodes", flush=True)
                 for graph, (micros, nodes) in profiles.items():
                     print(f"    {graph}: {sum(micros.values()):.0f} us in {sum(nodes.values()):.0f} nodes; " + ", ".join(

@@ -1,4 +1,4 @@
-"""Weight precision of the backbone: the NLL cost and the size of int8 and int4 exports against fp32.
+"""Weight precision of the backbone: the NLL cost and the size of int8, int4 and w8a8 exports against fp32.
 
     nice -n 10 python -m benchmarks.weight_precision --checkpoint build/checkpoints/smollm2 --chunks 8 --tokens 256
     python -m benchmarks.weight_precision --timing      # also the per-step decode time, batch 1 and 16
@@ -85,16 +85,23 @@ def teacher_forced(directory: Path, rows: np.ndarray, threads: int) -> tuple[np.
 
 
 def graph_summary(path: Path) -> str:
-    """Quantized and fp32 constant-weight matrix products, and what computes the logits (the LM head)."""
+    """Quantized and fp32 constant-weight matrix products, and what multiplies by the LM head (the product
+    whose output has the vocabulary's width)."""
     model = onnx.load(str(path))
     graph = model.graph
     ops = Counter(node.op_type for node in graph.node)
     fp32 = len(constant_weight_matmuls(model))
-    head = next(node for node in graph.node if "logits" in node.output)
+    weights = {tensor.name: tensor for tensor in graph.initializer}
+    products = [node for node in graph.node if node.op_type in ("MatMulNBits", "MatMulInteger", "MatMul")
+                and len(node.input) > 1 and node.input[1] in weights]
+    head = max(products, key=lambda node: weights[node.input[1]].dims[0] if node.op_type == "MatMulNBits"
+               else weights[node.input[1]].dims[-1])
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in head.attribute}
-    shape = f"K={attributes['K']} N={attributes['N']} bits={attributes['bits']}" if attributes else "fp32 weight"
-    return (f"{ops['MatMulNBits']} MatMulNBits, {fp32} constant-weight MatMul/Gemm left in fp32; "
-            f"LM head: {head.op_type} ({shape})")
+    shape = (f"K={attributes['K']} N={attributes['N']} bits={attributes['bits']}" if attributes else
+             f"{onnx.helper.tensor_dtype_to_np_dtype(weights[head.input[1]].data_type)} weight "
+             f"{list(weights[head.input[1]].dims)}")
+    return (f"{ops['MatMulNBits']} MatMulNBits, {ops['MatMulInteger']} MatMulInteger, {fp32} constant-weight "
+            f"MatMul/Gemm left in fp32; LM head: {head.op_type} ({shape})")
 
 
 def sizes_mb(directory: Path) -> dict[str, float]:

@@ -33,7 +33,8 @@ checkpoints/smollm2_dualend (into --imported-checkpoints; once per adapters sha2
 whose drafts the next step verifies (the same text as smollm2; `--threshold smollm2_mtp=P`: the least
 top probability a draft needs to be fed, default DRAFT_P_MIN).
 `--variant NAME=SOURCE` (benchmarks) also builds NAME from SOURCE's checkpoint with its own settings;
-`--weight-precision [NAME=]int8|int4` exports backbone and MTP head weights as MatMulNBits.
+`--weight-precision [NAME=]int8|int4|w8a8` exports backbone and MTP head weights as MatMulNBits (int8, int4)
+or MatMulInteger (w8a8).
 
 Inputs: the checkpoints and each dual-end deployment's serving settings (checkpoints/NAME/serving.json,
 written beside the weights by `python -m builder.evaluate` for dualend and `python -m
@@ -104,16 +105,17 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
             engine_threads="ONNX Runtime intra-op threads of a deployment's backbone (N for every deployment, NAME=N "
                            "for one; repeatable; default: %(default)s)",
             weight_precision="weights of a deployment's backbone and MTP head: fp32 (the reference), int8 or int4 "
-                             "(ONNX Runtime MatMulNBits, docs/building.md#weight-precision); P for every deployment, "
+                             "(ONNX Runtime MatMulNBits), or w8a8 (8-bit weights and activations, MatMulInteger; "
+                             "docs/building.md#weight-precision); P for every deployment, "
                              "NAME=P for one (repeatable; default: %(default)s)",
             draft_max_batch="a deployment with a draft head feeds drafts only while at most this many sequences "
                             "decode (N for every deployment, NAME=N for one; repeatable; 0: however many; default: "
-                            f"{DRAFT_MAX_BATCH_IN_PLACE} where the backbone writes its keys in place (int8 and int4), "
+                            f"{DRAFT_MAX_BATCH_IN_PLACE} where the backbone writes its keys in place (int8, int4, w8a8), "
                             f"else {DRAFT_MAX_BATCH})",
             draft_min_acceptance="a sequence whose recent drafts were kept less often than this stops drafting "
                                  "for a while (decode.DraftPacer; A for every deployment, NAME=A for one; "
                                  "repeatable; 0: never); default: a draft head's break-even by weight precision "
-                                 "(fp32 0.05, int8 and int4 0.15), 0 for pair models",
+                                 "(fp32 0.05, int8, int4 and w8a8 0.15), 0 for pair models",
             fair_rows_per_client="while more than one client (API key) has requests running, each decodes at most this "
                                  "many of them per step, and a new client's first token gets a step of its own, so "
                                  "one key's flood slows another's first token only as far as this many rows do "
@@ -155,10 +157,11 @@ DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536}
 # A draft head's drafts pay above about this share kept: on SmolLM2 a fed draft costs next to nothing
 # in fp32 (reports/draft_pacing.txt), and ~0.13 of a step in int4 with the backbone writing its keys in
 # place (a verifying step 1.06x a plain one, the head 0.56 of 8.19 ms:
-# reports/fused_backbone/step_profile_smollm2_mtp_int4.txt; ~0.3 with the graph before); int8 taken as int4.
+# reports/fused_backbone/step_profile_smollm2_mtp_int4.txt; ~0.3 with the graph before); int8 taken as int4,
+# and w8a8 too (its verifying step 1.08x a plain one: reports/w8a8/).
 # Verified drafts keep the base's output whatever is drafted, so pausing them costs no quality; a
 # pair model's pause restarts its MTP head's context, so it is paused only when asked.
-DRAFT_BREAK_EVEN = {"fp32": 0.05, "int8": 0.15, "int4": 0.15}
+DRAFT_BREAK_EVEN = {"fp32": 0.05, "int8": 0.15, "int4": 0.15, "w8a8": 0.15}
 # Triton model suffix -> (source folder, components copied into its version folder)
 MODELS = {
     "": ("ensemble", ()),

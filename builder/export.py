@@ -27,16 +27,18 @@ import argparse
 import shutil
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from torch import nn
 
 from builder.fused_backbone import write_backbone_graph
-from builder.quantize import LM_HEAD_BITS, quantize_weights
+from builder.quantize import LM_HEAD_BITS, PER_CHANNEL_RULE, quantize_per_channel, quantize_weights, weight_key
 from builder.quantize import RULES as QUANT_RULES
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.manifest import write_manifest
 from dualend.engine.model import LanguageModel
+from dualend.train.data import stdlib_chunks
 from dualend.engine.onnx_engine import (
     BACKBONE_OUTPUTS,
     EXPORT_FORMAT,
@@ -51,7 +53,13 @@ from dualend.engine.onnx_engine import (
 )
 
 OPSET = 17  # ONNX Runtime 1.23 (Python 3.10, the Triton 24.10 container) runs it
-WEIGHT_BITS = {"fp32": None, "int8": 8, "int4": 4}  # weight_precision -> bits of a quantized weight
+WEIGHT_BITS = {"fp32": None, "int8": 8, "int4": 4, "w8a8": 8}  # weight_precision -> bits of a quantized weight
+# w8a8: every weight at 8 bits per output column and activations at 8 bits per row, on ONNX's MatMulInteger
+# (builder.quantize.quantize_per_channel); the others store GGUF's blocks for MatMulNBits
+PER_CHANNEL_PRECISION = "w8a8"
+# Its backbone's activations are smoothed (builder.quantize.smoothing) by the largest input of each product
+# over this calibration text, the train split's (benchmarks.weight_precision scores the report split's).
+CALIBRATION = {"text": "stdlib train split", "chunks": 8, "tokens": 256, "seed": 0, "strength": 0.6}
 QUANT_BLOCK_SIZE = 32  # weights along the input dimension that share one scale (GGUF's Q4_x and Q8_0 blocks)
 # MatMulNBits accuracy_level 4: activations are quantized to int8 per block at run time, so the CPU
 # multiplies on its integer dot-product units; ONNX Runtime's CPU kernels have no fast path on fp32
@@ -146,6 +154,10 @@ def weight_settings(weight_precision: str, head_dim: int) -> dict:
     if weight_precision == "fp32":
         return {"weight_precision": weight_precision}
     graph = {"backbone_graph": FUSED_GRAPH} if head_dim % FUSED_HEAD_MULTIPLE == 0 else {}
+    if weight_precision == PER_CHANNEL_PRECISION:
+        return {"weight_precision": weight_precision, **graph,
+                "weight_quantization": {"op": "MatMulInteger", "bits": 8, "rule": PER_CHANNEL_RULE,
+                                        "lm_head_bits": 8, "mtp_bits": 8, "calibration": CALIBRATION}}
     return {"weight_precision": weight_precision, **graph,
             "weight_quantization": {"op": "MatMulNBits", "bits": WEIGHT_BITS[weight_precision],
                                     "block_size": QUANT_BLOCK_SIZE, "rule": QUANT_RULES[WEIGHT_BITS[weight_precision]],
@@ -153,9 +165,49 @@ def weight_settings(weight_precision: str, head_dim: int) -> dict:
                                     "accuracy_level": QUANT_ACCURACY_LEVEL}}
 
 
-def quantize_graph(path: Path, quantization: dict, vocab_size: int, bits: int | None = None) -> None:
+def calibration_rows(checkpoint: Checkpoint, calibration: dict) -> torch.Tensor:
+    """[chunks, tokens] token ids of the calibration text, BOS first, `tokens` a multiple of the pair size."""
+    tokenizer, tokens = checkpoint.tokenizer, calibration["tokens"] - calibration["tokens"] % checkpoint.config.pair_size
+    stream, rows = stdlib_chunks("train", chunk_chars=6 * tokens, seed=calibration["seed"]), []
+    while len(rows) < calibration["chunks"]:
+        ids = tokenizer.encode(next(stream))
+        if len(ids) >= tokens - 1:
+            rows.append([tokenizer.bos_id, *ids[:tokens - 1]])
+    return torch.tensor(rows)
+
+
+@torch.no_grad()
+def input_peaks(model: LanguageModel, rows: torch.Tensor) -> dict[str, np.ndarray]:
+    """builder.quantize.weight_key of each backbone product's weight, as the graphs store it ([K, N]), LM
+    head included -> the largest |input| of each of its K inputs while the backbone reads `rows`."""
+    peaks: dict[str, np.ndarray] = {}
+
+    def record(weight: torch.Tensor, inputs: torch.Tensor) -> None:
+        key = weight_key(weight.T.float().numpy())
+        seen = inputs.abs().reshape(-1, inputs.shape[-1]).amax(0).float().numpy()
+        peaks[key] = np.maximum(peaks[key], seen) if key in peaks else seen
+
+    linears = [module for module in model.backbone.modules() if isinstance(module, nn.Linear)]
+    hooks = [module.register_forward_pre_hook(lambda module, args: record(module.weight, args[0])) for module in linears]
+    try:
+        pair = model.cfg.pair_size
+        latents = model.latents(rows.reshape(len(rows), -1, pair))
+        positions = torch.arange(latents.shape[1]).repeat(len(rows), 1)
+        hidden, _, _ = model.backbone(latents, positions, torch.ones(positions.shape, dtype=torch.bool))
+        record(model.output_weight, hidden)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return peaks
+
+
+def quantize_graph(path: Path, quantization: dict, vocab_size: int, bits: int | None = None,
+                   peaks: dict[str, np.ndarray] | None = None) -> None:
     """The graph at `path` with its weights stored as `quantization` (an export's settings) says, at
-    `bits` where given."""
+    `bits` where given; `peaks` (input_peaks) smooth a per-channel rule's activations."""
+    if quantization["op"] == "MatMulInteger":
+        quantize_per_channel(path, peaks, quantization["calibration"]["strength"])
+        return
     quantize_weights(path, bits or quantization["bits"], quantization["block_size"], quantization["accuracy_level"],
                      lm_head_outputs=vocab_size)
 
@@ -221,7 +273,9 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
     quantization = settings.get("weight_quantization")
     write_backbone(model, out / "backbone" / MODEL_FILE, fused=settings.get("backbone_graph") == FUSED_GRAPH)
     if quantization:
-        quantize_graph(out / "backbone" / MODEL_FILE, quantization, cfg.vocab_size)
+        peaks = (input_peaks(model, calibration_rows(checkpoint, quantization["calibration"]))
+                 if "calibration" in quantization else None)
+        quantize_graph(out / "backbone" / MODEL_FILE, quantization, cfg.vocab_size, peaks=peaks)
     write_manifest(out / "backbone", ckpt_id, "backbone", "onnx", settings)
 
     if cfg.has_mtp:

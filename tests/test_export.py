@@ -135,11 +135,11 @@ def test_an_imported_tokenizer_config_travels_with_the_export_and_its_manifest(e
 
 @pytest.fixture(scope="module")
 def quantized(exported, tmp_path_factory):
-    """The dual-end test model exported with fp32, int8 and int4 weights: {precision: directory}."""
+    """The dual-end test model exported with fp32, int8, int4 and w8a8 weights: {precision: directory}."""
     root = tmp_path_factory.mktemp("quantized")
-    for precision in ("fp32", "int8", "int4"):
+    for precision in ("fp32", "int8", "int4", "w8a8"):
         export_checkpoint(exported["dualend"][0], root / precision, weight_precision=precision)
-    return {precision: root / precision for precision in ("fp32", "int8", "int4")}
+    return {precision: root / precision for precision in ("fp32", "int8", "int4", "w8a8")}
 
 
 def relative_rms(got: np.ndarray, want: np.ndarray) -> float:
@@ -147,8 +147,8 @@ def relative_rms(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def test_quantized_backbone_and_mtp_logits_stay_near_fp32(quantized):
-    """Measured on this model: relative RMS error of the backbone's logits 0.008 (int8) and 0.08 (int4),
-    of the MTP head's 0.011 (stored at 8 bits in both: mtp_bits), the same top token everywhere. The
+    """Measured on this model: relative RMS error of the backbone's logits 0.008 (int8), 0.03-0.08 (int4)
+    and 0.008 (w8a8), of the MTP head's 0.011-0.012 (8 bits in all: mtp_bits), the same top token everywhere. The
     bounds leave a factor of two or more; the lower ones show the quantized weights are what ran."""
     engines = {precision: OnnxComponents(directory) for precision, directory in quantized.items()}
     latents = engines["fp32"].compress(np.arange(3, 3 + 60).reshape(-1, 2))
@@ -162,12 +162,13 @@ def test_quantized_backbone_and_mtp_logits_stay_near_fp32(quantized):
         # the MTP head on fp32's hidden states, so only its own weights differ
         drafts[precision] = np.stack([mtp.step(5 + i, h, 2 * i + 12)[0] for i, h in enumerate(fp32_hidden)])
     errors = {}
-    for precision, (low, high) in {"int8": (1e-3, 0.03), "int4": (0.01, 0.25)}.items():
+    for precision, (low, high) in {"int8": (1e-3, 0.03), "int4": (0.01, 0.25), "w8a8": (1e-3, 0.03)}.items():
         errors[precision] = relative_rms(logits[precision], logits["fp32"])
         assert low < errors[precision] < high
         assert (logits[precision].argmax(-1) == logits["fp32"].argmax(-1)).mean() >= 0.9
     assert errors["int4"] > errors["int8"]
     assert 1e-3 < relative_rms(drafts["int8"], drafts["fp32"]) < 0.03
+    assert 1e-3 < relative_rms(drafts["w8a8"], drafts["fp32"]) < 0.03
     np.testing.assert_array_equal(drafts["int4"], drafts["int8"])  # the same 8-bit head beside either backbone
 
 
@@ -187,6 +188,21 @@ def test_every_constant_weight_matmul_of_backbone_and_mtp_is_quantized(exported,
         assert {(a["bits"], a["block_size"], a["accuracy_level"]) for a in attributes if a["N"] != vocab} == {(bits, 32, 4)}
         # A, codes, scales (symmetric); int4 adds zero points, its block minimums added beside it (Gemm, or MatMul + Add)
         assert sorted(len(node.input) for node in nbits) == sorted([3] + [3 if bits == 8 else 4] * (count - 1))
+
+
+def test_w8a8_multiplies_every_product_on_8_bit_codes_and_smooths_the_backbones(exported, quantized):
+    for component, count in (("backbone", 2 * 4 + 1), ("mtp", 8)):
+        model = onnx.load(str(quantized["w8a8"] / component / "model.onnx"))
+        assert not constant_weight_matmuls(model) and not any(node.op_type == "MatMulNBits" for node in model.graph.node)
+        products = [node for node in model.graph.node if node.op_type == "MatMulInteger"]
+        weights = {tensor.name: tensor for tensor in model.graph.initializer}
+        assert len(products) == count and all(weights[node.input[1]].data_type == onnx.TensorProto.INT8 for node in products)
+        smoothed = [name for name in weights if name.endswith("_smoothing")]  # calibrated on the backbone's products
+        assert len(smoothed) == (count if component == "backbone" else 0)
+    w8a8 = ExportedModel.open(quantized["w8a8"])
+    assert w8a8.settings["weight_quantization"]["op"] == "MatMulInteger"
+    assert w8a8.settings["weight_quantization"]["calibration"]["text"] == "stdlib train split"
+    assert export_matches(w8a8, exported["dualend"][0], "w8a8") and not export_matches(w8a8, exported["dualend"][0], "int8")
 
 
 def test_the_manifests_name_the_weight_precision_and_an_export_matches_only_its_own(exported, quantized, tmp_path):

@@ -1,12 +1,21 @@
 """builder.quantize: GGUF's block rules reproduce weights already on their grid, and the rewritten
-graph (MatMulNBits plus the block-minimum correction) computes what the weight stands for."""
+graph (MatMulNBits plus the block-minimum correction) computes what the weight stands for; the
+per-channel rule's graph computes its 8-bit codes on each row's own 8-bit activations."""
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from builder.quantize import asymmetric_blocks, constant_weight_matmuls, dequantized, quantize_weights, symmetric_blocks
+from builder.quantize import (
+    asymmetric_blocks,
+    constant_weight_matmuls,
+    dequantized,
+    per_channel_codes,
+    quantize_per_channel,
+    quantize_weights,
+    symmetric_blocks,
+)
 
 BLOCK = 32
 
@@ -94,3 +103,49 @@ def test_an_unknown_bit_width_is_refused(tmp_path):
     path = matmul_graph(tmp_path, {"w": np.ones((32, 4), np.float32)}, 32)
     with pytest.raises(ValueError, match="3-bit weights: expected 4 or 8"):
         quantize_weights(path, 3, BLOCK, 4, lm_head_outputs=4)
+
+
+def test_per_channel_codes_give_back_a_weight_on_their_grid():
+    rng = np.random.default_rng(5)
+    codes = rng.integers(-127, 128, (48, 6))
+    codes[0] = 127  # each column's largest magnitude is 127 steps
+    weight = (codes * rng.uniform(1e-3, 1e-2, 6)).astype(np.float32)
+    stored, scales = per_channel_codes(weight)
+    assert stored.dtype == np.int8 and scales.shape == (6,)
+    np.testing.assert_allclose(stored * scales, weight, rtol=0, atol=1e-6)
+
+
+def row_quantized(x: np.ndarray) -> np.ndarray:
+    """Each row of x on its own 8-bit grid, as the per-channel rule's graph quantizes activations:
+    step max |row| / 127, rounded half to even."""
+    step = np.abs(x).max(-1, keepdims=True) / 127
+    return np.round(x / step) * step
+
+
+@pytest.mark.parametrize("rows", [("b", "s"), ("n",)], ids=["batch of sequences", "rows of tokens"])
+def test_per_channel_graph_multiplies_each_rows_own_codes(tmp_path, rows):
+    rng = np.random.default_rng(6)
+    hidden, vocab = rng.normal(0, 0.05, (64, 40)).astype(np.float32), rng.normal(0, 0.05, (40, 50)).astype(np.float32)
+    path = matmul_graph(tmp_path, {"proj": hidden, "head": vocab}, 64, rows=rows)
+    quantize_per_channel(path)
+    model = onnx.load(str(path))
+    assert not constant_weight_matmuls(model)
+    assert sum(node.op_type == "MatMulInteger" for node in model.graph.node) == 2
+    x = rng.normal(size=(2, 3, 64)[-len(rows) - 1:]).astype(np.float32)
+    x[..., 0, :] *= 100  # rows of very different size: each keeps a grid of its own
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    (hidden_codes, hidden_scales), (head_codes, head_scales) = per_channel_codes(hidden), per_channel_codes(vocab)
+    want = row_quantized(row_quantized(x) @ (hidden_codes * hidden_scales)) @ (head_codes * head_scales)
+    row_size = np.abs(want).max(-1, keepdims=True)
+    np.testing.assert_allclose(got / row_size, want / row_size, rtol=0, atol=1e-4)
+    one_row = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x[..., :1, :]})[0]
+    np.testing.assert_array_equal(one_row, got[..., :1, :])  # a row's result does not depend on the others
+
+
+def test_a_row_of_zeros_gives_zeros(tmp_path):
+    path = matmul_graph(tmp_path, {"w": np.ones((32, 4), np.float32)}, 32, rows=("n",))
+    quantize_per_channel(path)
+    x = np.zeros((2, 32), np.float32)
+    x[1] = 1
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, [[0] * 4, [32] * 4], rtol=1e-6)

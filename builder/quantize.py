@@ -101,7 +101,6 @@ class _Rewriter:
         inferred = onnx.shape_inference.infer_shapes(model)
         self.ranks = {value.name: len(value.type.tensor_type.shape.dim)
                       for value in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
-        self.weights = {tensor.name: tensor for tensor in model.graph.initializer}
         self.new_weights: dict[str, onnx.TensorProto] = {}
 
     def weight(self, name: str, array: np.ndarray) -> str:
@@ -140,8 +139,8 @@ class _Rewriter:
                                          name=f"{name}_minimum_term"),
                         helper.make_node("Add", [partial, f"{name}_minimum_term"], [node.output[0]])]
 
-    def replace(self, node: onnx.NodeProto, bits: int) -> list[onnx.NodeProto]:
-        weight = numpy_helper.to_array(self.weights[node.input[1]]).astype(np.float32)  # [K, N]
+    def replace(self, node: onnx.NodeProto, weight: np.ndarray, bits: int) -> list[onnx.NodeProto]:
+        """`node` (a MatMul by `weight` [K, N]) as MatMulNBits at `bits`, with its correction at 4 bits."""
         k = weight.shape[0]
         if bits == SYMMETRIC_BITS:
             codes, scales = symmetric_blocks(weight, self.block_size)
@@ -153,6 +152,34 @@ class _Rewriter:
                 *self.minimum_correction(node, minimums, k, partial)]
 
 
+def _rewrite_products(model: onnx.ModelProto, path: Path, replace, new_weights: dict[str, onnx.TensorProto]) -> None:
+    """Replaces every constant-weight MatMul of `model` (loaded from `path`) by `replace(node, weight [K, N])`'s
+    nodes, whose new initializers `replace` puts in `new_weights`; drops the replaced weights no longer
+    read. Raises if a Gemm by a stored weight would stay in fp32."""
+    targets = constant_weight_matmuls(model)
+    gemms = [node.name for node in targets if node.op_type == "Gemm"]
+    if gemms:
+        raise ValueError(f"{path}: Gemm by a stored weight is not quantized: {gemms}")
+    weights = {tensor.name: tensor for tensor in model.graph.initializer}
+    replaced, nodes, used = {id(node) for node in targets}, [], set()  # used: weights of the replaced MatMuls
+    for node in model.graph.node:
+        if id(node) in replaced:
+            used.add(node.input[1])
+            nodes += replace(node, numpy_helper.to_array(weights[node.input[1]]).astype(np.float32))
+        else:
+            nodes.append(node)
+    still_read = {name for node in nodes for name in node.input}
+    kept = [tensor for tensor in model.graph.initializer if tensor.name not in used or tensor.name in still_read]
+    del model.graph.node[:], model.graph.initializer[:]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(kept + list(new_weights.values()))
+
+
+def _save_checked(model: onnx.ModelProto, path: Path) -> None:
+    onnx.save(model, str(path))
+    onnx.checker.check_model(str(path))
+
+
 def quantize_weights(path: Path, bits: int, block_size: int, accuracy_level: int, lm_head_outputs: int) -> None:
     """Rewrites the graph at `path` with every constant-weight MatMul as MatMulNBits: `bits` 4 or 8, and
     LM_HEAD_BITS for a weight with `lm_head_outputs` (the vocabulary size) columns. Raises if a
@@ -160,29 +187,12 @@ def quantize_weights(path: Path, bits: int, block_size: int, accuracy_level: int
     if bits not in (ASYMMETRIC_BITS, SYMMETRIC_BITS):
         raise ValueError(f"{bits}-bit weights: expected {ASYMMETRIC_BITS} or {SYMMETRIC_BITS}")
     model = onnx.load(str(path))
-    targets = constant_weight_matmuls(model)
-    gemms = [node.name for node in targets if node.op_type == "Gemm"]
-    if gemms:
-        raise ValueError(f"{path}: Gemm by a stored weight is not quantized: {gemms}")
     rewriter = _Rewriter(model, block_size, accuracy_level)
-    replaced = {id(node) for node in targets}
-    nodes, used = [], set()  # used: weights of the replaced MatMuls
-    for node in model.graph.node:
-        if id(node) not in replaced:
-            nodes.append(node)
-            continue
-        used.add(node.input[1])
-        lm_head = rewriter.weights[node.input[1]].dims[-1] == lm_head_outputs
-        nodes += rewriter.replace(node, LM_HEAD_BITS if lm_head else bits)
-    still_read = {name for node in nodes for name in node.input}
-    kept = [tensor for tensor in model.graph.initializer if tensor.name not in used or tensor.name in still_read]
-    del model.graph.node[:], model.graph.initializer[:]
-    model.graph.node.extend(nodes)
-    model.graph.initializer.extend(kept + list(rewriter.new_weights.values()))
+    _rewrite_products(model, path, lambda node, weight: rewriter.replace(
+        node, weight, LM_HEAD_BITS if weight.shape[-1] == lm_head_outputs else bits), rewriter.new_weights)
     if not any(opset.domain == "com.microsoft" for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    onnx.save(model, str(path))
-    onnx.checker.check_model(str(path))
+    _save_checked(model, path)
 
 
 def per_channel_codes(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -264,22 +274,6 @@ def quantize_per_channel(path: Path, input_peaks: dict[str, np.ndarray] | None =
     one scale per output column, its activations quantized per row at run time (the module's third
     rule). `input_peaks` (weight_key -> the largest |activation| of each input seen in calibration) smooths
     those products' activations by `smoothing`. Raises if a Gemm by a stored weight would stay in fp32."""
-    model = onnx.load(str(path))
-    targets = constant_weight_matmuls(model)
-    gemms = [node.name for node in targets if node.op_type == "Gemm"]
-    if gemms:
-        raise ValueError(f"{path}: Gemm by a stored weight is not quantized: {gemms}")
-    weights = {tensor.name: tensor for tensor in model.graph.initializer}
-    rewriter, replaced, nodes = _PerChannelRewriter(input_peaks or {}, strength), {id(node) for node in targets}, []
-    for node in model.graph.node:
-        if id(node) in replaced:
-            nodes += rewriter.replace(node, numpy_helper.to_array(weights[node.input[1]]).astype(np.float32))
-        else:
-            nodes.append(node)
-    still_read = {name for node in nodes for name in node.input}
-    kept = [tensor for tensor in model.graph.initializer if tensor.name in still_read]
-    del model.graph.node[:], model.graph.initializer[:]
-    model.graph.node.extend(nodes)
-    model.graph.initializer.extend(kept + list(rewriter.new_weights.values()))
-    onnx.save(model, str(path))
-    onnx.checker.check_model(str(path))
+    model, rewriter = onnx.load(str(path)), _PerChannelRewriter(input_peaks or {}, strength)
+    _rewrite_products(model, path, rewriter.replace, rewriter.new_weights)
+    _save_checked(model, path)

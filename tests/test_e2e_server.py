@@ -885,8 +885,9 @@ def test_a_malformed_grpc_request_is_refused_naming_the_problem(server, case, ch
     assert stream_grpc(server.grpc_url, "dualend", PROMPTS[0], 4).output_tokens > 0  # the server stays up
 
 
-def test_an_int4_deployment_writes_its_keys_in_place_and_serves_the_engines_text(tmp_path):
-    """int4 weights: the backbone is the fused graph, whose GroupQueryAttention writes each step's keys
+@pytest.mark.parametrize("precision", ["int4", "w8a8"])
+def test_a_quantized_deployment_writes_its_keys_in_place_and_serves_the_engines_text(tmp_path, precision):
+    """int4 or w8a8 weights: the backbone is the fused graph, whose GroupQueryAttention writes each step's keys
     into the KV buffers in place. Served one request at a time (prompts prefilled in chunks) its text
     equals the in-process engine's on the same export; eight at once (rows stepping together, prompts
     prefilled between the steps) all run to their length and free their KV."""
@@ -894,9 +895,9 @@ def test_an_int4_deployment_writes_its_keys_in_place_and_serves_the_engines_text
 
     repository = assemble_main(["--checkpoints", str(CHECKPOINTS), "--out", str(tmp_path / "repository"),
                                 "--export-dir", str(tmp_path / "export"), "--deployments", "baseline",
-                                "--variant", "quantized=baseline", "--weight-precision", "quantized=int4",
+                                "--variant", "quantized=baseline", "--weight-precision", f"quantized={precision}",
                                 "--prefill-chunk-tokens", "16", "--max-concurrent-requests", "8"])
-    engine = OnnxComponents(tmp_path / "export" / "baseline_int4")
+    engine = OnnxComponents(tmp_path / "export" / f"baseline_{precision}")
     assert engine.exported.settings["backbone_graph"] == FUSED_GRAPH and engine.backbone.writes_in_place
     tokenizer = engine.exported.tokenizer()
     with TritonServer(repository, log_file=tmp_path / "server.log") as triton, ThreadPoolExecutor(8) as pool:

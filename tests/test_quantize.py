@@ -15,6 +15,7 @@ from builder.quantize import (
     quantize_per_channel,
     quantize_weights,
     symmetric_blocks,
+    weight_key,
 )
 
 BLOCK = 32
@@ -149,3 +150,22 @@ def test_a_row_of_zeros_gives_zeros(tmp_path):
     x[1] = 1
     got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, [[0] * 4, [32] * 4], rtol=1e-6)
+
+
+def test_smoothing_by_calibrated_peaks_keeps_an_outlier_channel_from_coarsening_every_row(tmp_path):
+    """One input channel 50x the others (as some of a language model's are): quantized per row, it sets
+    every row's step, and the other channels lose their precision; divided out by the calibrated
+    smoothing factors (and multiplied into the weight), it does not."""
+    rng = np.random.default_rng(7)
+    weight = rng.normal(0, 0.05, (64, 48)).astype(np.float32)
+    x = rng.normal(size=(8, 64)).astype(np.float32)
+    x[:, 5] *= 50
+    exact = x @ weight
+    errors = {}
+    for smoothed in (False, True):
+        path = matmul_graph(tmp_path, {"w": weight}, 64, rows=("n",))
+        quantize_per_channel(path, {weight_key(weight): np.abs(x).max(0)} if smoothed else None, strength=0.6)
+        got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        errors[smoothed] = float(np.sqrt(((got - exact) ** 2).mean() / (exact ** 2).mean()))
+    assert errors[True] < errors[False] / 2
+    assert errors[True] < 0.008  # measured 0.004, against 0.017 unsmoothed

@@ -30,8 +30,10 @@ def variants(exported: ExportedModel, batch: int, threads: int, spinning_on: boo
     settings = exported.settings
     width, rng = settings["d_model"], np.random.default_rng(0)
     calls = {}
+    verify_path = None if spinning_on else exported.verify_path()
     backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning_on),
-                              kv_cache(settings, settings["n_layers"], batch), settings["vocab_size"], width)
+                              kv_cache(settings, settings["n_layers"], batch), settings["vocab_size"], width,
+                              ort_session(verify_path, threads) if verify_path else None)
     for seq_id in range(batch):
         backbone.prefill(seq_id, rng.standard_normal((PAST_LATENTS, width), np.float32) * 0.02, 4096)
     latents = rng.standard_normal((batch, width), np.float32) * 0.02
@@ -41,7 +43,8 @@ def variants(exported: ExportedModel, batch: int, threads: int, spinning_on: boo
     if spinning_on:
         return {f"backbone, {threads} threads, spinning between calls": step}
     calls[f"backbone, {threads} threads"] = step
-    # as served: a step that verifies a draft: two latents a row, both dropped again after
+    # as served: a step that verifies a draft (on the verifying graph where the export has one): two
+    # latents a row, both dropped again after
     verify = BackboneBatch(list(range(batch)), np.repeat(latents, 2, axis=0), [2] * batch, [0] * batch, [],
                            discard=[2] * batch, verify=True)
     calls[f"backbone verifying, {threads} threads"] = lambda: backbone.run_batch(verify)

@@ -93,9 +93,9 @@ DEFAULTS = dict(
     draft_min_acceptance=None, fair_rows_per_client=4, fair_linger_s=2.0,
 )
 # Verified drafts while at most this many sequences decode (reports/fused_backbone/: at 16 a verifying
-# step cost 80 against 58 ms). A backbone that writes its keys in place (ONNX Runtime's GroupQueryAttention)
-# verifies one sequence per call, so there two sequences' drafts cost two calls: drafts only for one.
-DRAFT_MAX_BATCH, DRAFT_MAX_BATCH_IN_PLACE = 4, 1
+# step cost 80 against 58 ms). A backbone that writes its keys in place verifies them on its verifying graph,
+# every row in one call (w8a8 at 4 rows 1.21x a plain step: reports/w8a8/step_profile_w8a8.txt).
+DRAFT_MAX_BATCH = 4
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
                         "requests are admitted while their reservations (fp32 keys and values of prompt + max_tokens) "
                         "fit in it; memory is taken as they write their slots (default: %(default)s; smollm2 1536)",
@@ -110,8 +110,7 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
                              "NAME=P for one (repeatable; default: %(default)s)",
             draft_max_batch="a deployment with a draft head feeds drafts only while at most this many sequences "
                             "decode (N for every deployment, NAME=N for one; repeatable; 0: however many; default: "
-                            f"{DRAFT_MAX_BATCH_IN_PLACE} where the backbone writes its keys in place (int8, int4, w8a8), "
-                            f"else {DRAFT_MAX_BATCH})",
+                            f"{DRAFT_MAX_BATCH})",
             draft_min_acceptance="a sequence whose recent drafts were kept less often than this stops drafting "
                                  "for a while (decode.DraftPacer; A for every deployment, NAME=A for one; "
                                  "repeatable; 0: never); default: a draft head's break-even by weight precision "
@@ -290,11 +289,9 @@ def draft_min_acceptance(args, deployment: str, source: str, precision: str, ver
     return DRAFT_BREAK_EVEN[precision] if verifies else 0.0
 
 
-def draft_max_batch(args, deployment: str, source: str, settings: dict) -> int:
+def draft_max_batch(args, deployment: str, source: str) -> int:
     given = setting(args, "draft_max_batch", deployment, source)
-    if given is not None:
-        return given
-    return DRAFT_MAX_BATCH_IN_PLACE if settings.get("backbone_graph") == FUSED_GRAPH else DRAFT_MAX_BATCH
+    return DRAFT_MAX_BATCH if given is None else given
 
 
 def synthetic_rate(text: str) -> tuple[str | None, float]:
@@ -543,7 +540,7 @@ def assemble(args) -> Path:
                                    draft_min_acceptance(args, name, source, precision,
                                                         pair_size == 1 and "mtp" in exported.manifests),
                                    setting(args, "engine_threads", name, source),
-                                   draft_max_batch(args, name, source, exported.settings))
+                                   draft_max_batch(args, name, source))
         render_deployment(name, exported, staging, values)
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
         print(f"{name}: checkpoint {exported.checkpoint_id}" + (f" (a variant of {source})" if name != source else "")

@@ -38,7 +38,6 @@ from builder.quantize import RULES as QUANT_RULES
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.manifest import write_manifest
 from dualend.engine.model import LanguageModel
-from dualend.train.data import stdlib_chunks
 from dualend.engine.onnx_engine import (
     BACKBONE_OUTPUTS,
     EXPORT_FORMAT,
@@ -48,9 +47,11 @@ from dualend.engine.onnx_engine import (
     OUTPUT_POSITIONS,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    VERIFY_FILE,
     ExportedModel,
     backbone_inputs,
 )
+from dualend.train.data import stdlib_chunks
 
 OPSET = 17  # ONNX Runtime 1.23 (Python 3.10, the Triton 24.10 container) runs it
 WEIGHT_BITS = {"fp32": None, "int8": 8, "int4": 4, "w8a8": 8}  # weight_precision -> bits of a quantized weight
@@ -69,9 +70,10 @@ QUANT_ACCURACY_LEVEL = 4
 # 4-bit blocks cost SmolLM2's draft head 0.032 of its kept drafts (0.469 -> 0.437) for no time its
 # step could show (~1.0 ms either way; reports/draft_head_records/).
 MTP_BITS = 8
-# settings' backbone_graph of an export whose backbone is builder.fused_backbone's (its keys written in place;
-# "onnxruntime-fused", the graph before it, took the portable graph's tensors: such exports are redone)
-FUSED_GRAPH = "onnxruntime-kv-in-place"
+# settings' backbone_graph of an export whose backbone is builder.fused_backbone's (its keys written in place)
+# with its verifying graph beside it; "onnxruntime-kv-in-place" had no verifying graph, and "onnxruntime-fused",
+# the graph before it, took the portable graph's tensors: such exports are redone)
+FUSED_GRAPH = "onnxruntime-kv-in-place-with-verify"
 FUSED_HEAD_MULTIPLE = 16  # ONNX Runtime's GroupQueryAttention (its rotary) takes heads of a multiple of 16; else the portable graph
 
 
@@ -270,12 +272,16 @@ def export_checkpoint(checkpoint: Checkpoint, out: Path, weight_precision: str =
     _weights_beside(out / "compressor" / MODEL_FILE)
     write_manifest(out / "compressor", ckpt_id, "compressor", "onnx", settings)
 
-    quantization = settings.get("weight_quantization")
-    write_backbone(model, out / "backbone" / MODEL_FILE, fused=settings.get("backbone_graph") == FUSED_GRAPH)
+    quantization, fused = settings.get("weight_quantization"), settings.get("backbone_graph") == FUSED_GRAPH
+    backbone_graphs = [out / "backbone" / MODEL_FILE] + ([out / "backbone" / VERIFY_FILE] if fused else [])
+    write_backbone(model, backbone_graphs[0], fused=fused)
+    if fused:
+        write_backbone_graph(model, backbone_graphs[1], verify=True)
     if quantization:
         peaks = (input_peaks(model, calibration_rows(checkpoint, quantization["calibration"]))
                  if "calibration" in quantization else None)
-        quantize_graph(out / "backbone" / MODEL_FILE, quantization, cfg.vocab_size, peaks=peaks)
+        for path in backbone_graphs:
+            quantize_graph(path, quantization, cfg.vocab_size, peaks=peaks)
     write_manifest(out / "backbone", ckpt_id, "backbone", "onnx", settings)
 
     if cfg.has_mtp:

@@ -26,7 +26,13 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from dualend.engine.model import LanguageModel, rotary
-from dualend.engine.onnx_engine import OUTPUT_POSITIONS, in_place_backbone_inputs, in_place_backbone_outputs
+from dualend.engine.onnx_engine import (
+    OUTPUT_POSITIONS,
+    VERIFY_LATENTS,
+    in_place_backbone_inputs,
+    in_place_backbone_outputs,
+    in_place_verify_outputs,
+)
 
 # RoPE angles are a table indexed by position (pair index): this many rows (8 MB for SmolLM2's head
 # size). A deployment whose sequences could go further is refused when assembled.
@@ -77,15 +83,18 @@ def _rms_norm(g: _Graph, source: str, weight: np.ndarray, eps: float, name: str)
     return g.node("Mul", [normed, g.weight(f"{name}.weight", weight)], [g.activation(name, len(weight))])
 
 
-def write_backbone_graph(model: LanguageModel, path: Path) -> None:
+def write_backbone_graph(model: LanguageModel, path: Path, verify: bool = False) -> None:
     """The backbone of `model` (its LM head included) as a graph for ONNX Runtime at `path`, with the
-    inputs and outputs of `dualend.engine.onnx_engine.in_place_backbone_inputs` / `_outputs`."""
+    inputs and outputs of `dualend.engine.onnx_engine.in_place_backbone_inputs` / `_outputs`; with
+    `verify`, the verifying graph (VERIFY_LATENTS latents a row, `in_place_verify_outputs`)."""
     cfg = model.cfg
     state = {name: tensor.detach().float().numpy() for name, tensor in model.state_dict().items()}
     dim, heads, kv_heads, head_dim, layers = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.n_layers
-    inputs, outputs = in_place_backbone_inputs(layers), in_place_backbone_outputs(layers)
+    inputs = in_place_backbone_inputs(layers)
+    outputs = in_place_verify_outputs(layers) if verify else in_place_backbone_outputs(layers)
     past_keys, past_values = inputs[3:3 + layers], inputs[3 + layers:]
-    present_keys, present_values = outputs[2:2 + layers], outputs[2 + layers:]
+    present_keys, present_values = outputs[2:2 + layers], outputs[2 + layers:2 + 2 * layers]
+    verified_keys, verified_values = outputs[2 + 2 * layers:2 + 3 * layers], outputs[2 + 3 * layers:]
     g = _Graph()
     with torch.no_grad():  # model.rotary's angles for every position index: [1, 1, positions, Dh/2]
         cos, sin = rotary(torch.arange(ROTARY_POSITIONS)[None], cfg)
@@ -103,15 +112,30 @@ def write_backbone_graph(model: LanguageModel, path: Path) -> None:
     attention_rows = g.weight("attention_rows", np.array([-1, heads * head_dim], np.int64))
     stream = g.node("Reshape", ["latents", rows], [g.activation("latent_rows", dim)])  # the residual stream between layers
     normed = _rms_norm(g, stream, state["backbone.layers.0.attn_norm.weight"], cfg.norm_eps, "layer0_attn_norm")
+    def attention(qkv: str, past: tuple[str, str], present: tuple[str, str], seqlens: str, total: str, name: str) -> str:
+        return g.node("GroupQueryAttention", [qkv, "", "", *past, seqlens, total, "cos_table", "sin_table"],
+                      [name, *present], domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads,
+                      do_rotary=1, rotary_interleaved=0, scale=float(head_dim ** -0.5))[0]
+
+    if verify:  # the first latent's attention: one slot less in every row, the longest row one shorter
+        one = g.weight("one_int32", np.array(1, np.int32))
+        first_seqlens = g.node("Sub", ["seqlens_k", one], ["first_seqlens_k"])
+        first_total = g.node("Sub", ["total_sequence_length", one], ["first_total_sequence_length"])
     for i in range(layers):
         p, n = f"backbone.layers.{i}.", f"layer{i}"
         qkv = g.linear(normed, state[p + "attn.qkv.weight"], f"{n}_qkv", state.get(p + "attn.qkv.bias"))
         qkv = g.node("Reshape", [qkv, per_sequence], [g.activation(f"{n}_qkv_sequences", qkv_width, ("batch", "new"))])
-        attended = g.node("GroupQueryAttention", [qkv, "", "", past_keys[i], past_values[i], "seqlens_k",
-                                                  "total_sequence_length", "cos_table", "sin_table"],
-                          [f"{n}_attended", present_keys[i], present_values[i]],
-                          domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads, do_rotary=1,
-                          rotary_interleaved=0, scale=float(head_dim ** -0.5))[0]
+        if verify:
+            latent_qkv = g.node("Split", [qkv], [f"{n}_qkv_latent{j}" for j in range(VERIFY_LATENTS)], axis=1)
+            first = attention(latent_qkv[0], (past_keys[i], past_values[i]), (present_keys[i], present_values[i]),
+                              first_seqlens, first_total, f"{n}_attended_first")
+            second = attention(latent_qkv[1], (present_keys[i], present_values[i]),
+                               (verified_keys[i], verified_values[i]), "seqlens_k", "total_sequence_length",
+                               f"{n}_attended_second")
+            attended = g.node("Concat", [first, second], [f"{n}_attended"], axis=1)
+        else:
+            attended = attention(qkv, (past_keys[i], past_values[i]), (present_keys[i], present_values[i]),
+                                 "seqlens_k", "total_sequence_length", f"{n}_attended")
         attended = g.node("Reshape", [attended, attention_rows], [g.activation(f"{n}_attention", heads * head_dim)])
         out = g.linear(attended, state[p + "attn.out.weight"], f"{n}_attn_out")
         ffn_in, mid = g.activation(f"{n}_ffn_norm", dim), g.activation(f"{n}_mid", dim)  # mid: stream + attention
@@ -149,7 +173,8 @@ def write_backbone_graph(model: LanguageModel, path: Path) -> None:
     graph_inputs += [tensor(name, TensorProto.FLOAT, cache) for name in past_keys + past_values]
     graph_outputs = [tensor("logits", TensorProto.FLOAT, ["batch", "outputs", cfg.vocab_size]),
                      tensor("hidden", TensorProto.FLOAT, ["batch", "outputs", dim])]
-    graph_outputs += [tensor(name, TensorProto.FLOAT, cache) for name in present_keys + present_values]
+    graph_outputs += [tensor(name, TensorProto.FLOAT, cache)
+                      for name in present_keys + present_values + verified_keys + verified_values]
     graph = helper.make_graph(g.nodes, "backbone", graph_inputs, graph_outputs, g.weights, value_info=g.shapes)
     model_proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                           helper.make_opsetid("com.microsoft", 1)])

@@ -16,7 +16,13 @@ from dualend.engine.checkpoint import Checkpoint
 from dualend.engine.decode import CapacityError, SamplingParams
 from dualend.engine.kv_pool import AlreadyStarted, EvictedSequence, KVCache, NoRoom, UnknownSequence
 from dualend.engine.manifest import ManifestError
-from dualend.engine.onnx_engine import MTP_THREADED_FROM_WEIGHTS, ExportedModel, OnnxComponents, mtp_threads
+from dualend.engine.onnx_engine import (
+    MTP_THREADED_FROM_WEIGHTS,
+    BackboneBatch,
+    ExportedModel,
+    OnnxComponents,
+    mtp_threads,
+)
 from dualend.engine.reference import TorchComponents, reference_text
 from dualend.serving.offline import generate_text
 
@@ -190,6 +196,39 @@ def test_every_constant_weight_matmul_of_backbone_and_mtp_is_quantized(exported,
         assert sorted(len(node.input) for node in nbits) == sorted([3] + [3 if bits == 8 else 4] * (count - 1))
 
 
+@pytest.mark.parametrize("precision", ["w8a8", "int4"])
+def test_a_verifying_step_of_many_rows_computes_what_one_latent_steps_compute(quantized, precision):
+    """The verifying graph: three sequences of different lengths verify in one call, and each row's two
+    latents come out as two one-latent steps of the same rows compute them, keys and values included:
+    the same to the last bit in w8a8 (integer products, each row quantized alone), within int4's own
+    rounding in int4 (ONNX Runtime's MatMulNBits computes two rows apart from one in the last bits)."""
+    engine = OnnxComponents(quantized[precision], max_sequences=8)
+    runner = engine.backbone
+    assert runner.verify_session is not None
+    latents = engine.compress(np.arange(3, 3 + 40).reshape(-1, 2))  # 20 latents
+    lengths, stepped, verified = [5, 9, 7], [1, 2, 3], [4, 5, 6]
+    for seq_ids in (stepped, verified):
+        for seq_id, length in zip(seq_ids, lengths):
+            runner.prefill(seq_id, latents[:length], 16)
+    new = np.stack([latents[length:length + 2] for length in lengths])  # [3, 2, D]
+    first, second = runner.step(stepped, new[:, 0]), runner.step(stepped, new[:, 1])
+    calls, run = [], runner.verify_session.run_with_iobinding
+    runner.verify_session.run_with_iobinding = lambda *args: calls.append(args) or run(*args)
+    result = runner.run_batch(BackboneBatch(verified, new.reshape(-1, new.shape[-1]), [2] * 3, [0] * 3, [], verify=True))
+    assert not any(result.failed(i) for i in range(3)) and len(calls) == 1  # the three rows in one call
+    compare = (np.testing.assert_array_equal if precision == "w8a8"
+               else lambda got, want: np.testing.assert_allclose(got, want, rtol=0, atol=0.05 * np.abs(want).max()))
+    for index in range(3):
+        compare(result.verify_logits[index], first[index].logits)
+        compare(result.logits[index], second[index].logits)
+    cache = runner.cache
+    for stepped_id, verified_id, length in zip(stepped, verified, lengths):
+        rows = cache.row(stepped_id), cache.row(verified_id)
+        assert cache.length(stepped_id) == cache.length(verified_id) == length + 2
+        for layer in cache.keys + cache.values:
+            compare(layer[rows[1], :, :length + 2], layer[rows[0], :, :length + 2])
+
+
 def test_w8a8_multiplies_every_product_on_8_bit_codes_and_smooths_the_backbones(exported, quantized):
     for component, count in (("backbone", 2 * 4 + 1), ("mtp", 8)):
         model = onnx.load(str(quantized["w8a8"] / component / "model.onnx"))
@@ -216,12 +255,15 @@ def test_the_manifests_name_the_weight_precision_and_an_export_matches_only_its_
     assert int4.settings["weight_quantization"] == {"op": "MatMulNBits", "bits": 4, "block_size": 32,
                                                     "rule": "asymmetric, float block minimum",
                                                     "lm_head_bits": 8, "mtp_bits": 8, "accuracy_level": 4}
-    assert int4.settings["backbone_graph"] == "onnxruntime-kv-in-place" and "backbone_graph" not in fp32.settings
+    assert int4.settings["backbone_graph"] == "onnxruntime-kv-in-place-with-verify" and "backbone_graph" not in fp32.settings
+    assert int4.verify_path() is not None and fp32.verify_path() is None
     assert any(node.domain == "com.microsoft" and node.op_type == "GroupQueryAttention"
                for node in onnx.load(str(int4.path("backbone")), load_external_data=False).graph.node)
     assert "backbone_graph" not in weight_settings("int4", head_dim=24)  # GroupQueryAttention cannot: the portable graph
-    for before in ("onnxruntime-fused", None):  # quantized exports from before the graph took its keys in place, or
-        int4 = ExportedModel.open(quantized["int4"])  # before the fused graph: assemble exports them again
+    # quantized exports from before the verifying graph, before the graph took its keys in place, or before
+    # the fused graph: assemble exports them again
+    for before in ("onnxruntime-kv-in-place", "onnxruntime-fused", None):
+        int4 = ExportedModel.open(quantized["int4"])
         int4.manifests["tokenizer"].settings.pop("backbone_graph")
         if before:
             int4.manifests["tokenizer"].settings["backbone_graph"] = before

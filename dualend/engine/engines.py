@@ -18,3 +18,10 @@ def open_engine(exported: ExportedModel, component: str, engine: str, threads: i
 
         return TensorRTSession.open(exported.directory / component)
     raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+
+
+def open_verify_engine(exported: ExportedModel, engine: str, threads: int | None = None):
+    """The backbone's verifying graph on ONNX Runtime, where the export has one; else None (the runner
+    then verifies one sequence a call)."""
+    path = exported.verify_path()
+    return ort_session(path, threads) if engine == "onnxruntime" and path else None

@@ -63,6 +63,19 @@ def in_place_backbone_outputs(layers: int) -> list[str]:
             + [f"present_values_{i}" for i in range(layers)])
 
 
+# Beside it, the verifying graph (VERIFY_FILE, same inputs): two latents a row, each layer's attention one
+# GroupQueryAttention a latent, the second reading what the first wrote, so every row's latent goes the
+# way a one-latent step's goes (the same in the last bits) and any number of rows verify in one call.
+# Its extra outputs, the buffers after the second attention, are bound to the same buffers.
+VERIFY_FILE = "verify.onnx"
+VERIFY_LATENTS = 2
+
+
+def in_place_verify_outputs(layers: int) -> list[str]:
+    return (in_place_backbone_outputs(layers) + [f"verified_keys_{i}" for i in range(layers)]
+            + [f"verified_values_{i}" for i in range(layers)])
+
+
 def ort_session(path: Path, threads: int | None = None, spin_between_runs: bool = False):
     import onnxruntime as ort
 
@@ -107,12 +120,17 @@ class ExportedModel:
 
     @property
     def weight_precision(self) -> str:
-        """How the backbone's weights are stored: fp32, int8 or int4 (older exports: fp32); a quantized
+        """How the backbone's weights are stored: fp32, int8, int4 or w8a8 (older exports: fp32); a quantized
         export's MTP head is at `weight_quantization["mtp_bits"]`."""
         return self.settings.get("weight_precision", "fp32")
 
     def path(self, component: str) -> Path:
         return self.directory / component / (TOKENIZER_FILE if component == "tokenizer" else MODEL_FILE)
+
+    def verify_path(self) -> Path | None:
+        """The backbone's verifying graph (VERIFY_FILE), where the export has one (verified with the rest)."""
+        listed = "backbone" in self.manifests and VERIFY_FILE in self.manifests["backbone"].files
+        return self.directory / "backbone" / VERIFY_FILE if listed else None
 
     def tokenizer(self) -> TextTokenizer:
         """With its tokenizer_config.json when the manifest lists one (so it was verified with the rest)."""
@@ -196,13 +214,13 @@ class BackboneRunner:
     ONNX Runtime (its run is told to stop between two nodes) or before it starts; its sequences then
     come back PREEMPTED, their keys and values unwritten."""
 
-    def __init__(self, session, cache: KVCache, vocab_size: int, d_model: int):
-        self.session, self.cache = session, cache
+    def __init__(self, session, cache: KVCache, vocab_size: int, d_model: int, verify_session=None):
+        self.session, self.cache, self.verify_session = session, cache, verify_session
         self.vocab_size, self.d_model = vocab_size, d_model
         self.input_names = backbone_inputs(cache.layers)
         graph_inputs = {value.name for value in session.get_inputs()} if hasattr(session, "get_inputs") else set()
         self.writes_in_place = "seqlens_k" in graph_inputs  # see in_place_backbone_inputs
-        self._binding, self._bound = None, None  # _cache_binding's
+        self._bindings = {}  # _cache_binding's: per session, (binding, the buffers it binds)
         self._preempting = threading.Lock()
         self._running_id, self._run_options, self._given_up = 0, None, 0  # the preemptible run now, one given up early
 
@@ -326,7 +344,8 @@ class BackboneRunner:
         or, when at most half the rows in use step (steps shared between clients), over theirs alone,
         from a copy of their past unless they are consecutive rows: cheaper than the others' rows on the CPU."""
         cache, new = self.cache, len(segments[0])
-        if self.writes_in_place and new > 1 and len(rows) > 1:  # GroupQueryAttention: S > 1 after a past for one row only
+        verifying = self.verify_session is not None and new == VERIFY_LATENTS
+        if self.writes_in_place and new > 1 and len(rows) > 1 and not verifying:  # GroupQueryAttention: S > 1 after a past for one row only
             return [output for row, segment in zip(rows, segments) for output in self._decode([row], [segment], run_options)]
         cache.make_room(rows, new)
         if 2 * len(rows) <= len(cache.row_owner):
@@ -383,35 +402,41 @@ class BackboneRunner:
 
     def _run_in_place(self, latents: np.ndarray, past: Past, run_options) -> tuple[np.ndarray, np.ndarray]:
         new = latents.shape[1]
-        binding = self._cache_binding(past)
+        session = self.verify_session if self.verify_session is not None and new == VERIFY_LATENTS else self.session
+        binding = self._cache_binding(session, past)
         binding.bind_output("logits")  # again: a bound output keeps the first run's shape
         binding.bind_output("hidden")
         binding.bind_cpu_input("latents", latents)
         binding.bind_cpu_input("seqlens_k", (past.lengths + new - 1).astype(np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(past.lengths.max() + new, np.int32))
-        self.session.run_with_iobinding(binding, run_options)
+        session.run_with_iobinding(binding, run_options)
         logits, hidden = binding.get_outputs()[:2]
         return logits.numpy(), hidden.numpy()
 
-    def _cache_binding(self, past: Past):
-        """An IO binding with each layer's past buffer bound as its present too (ONNX Runtime reads
-        and writes the memory itself), kept while the cache rows it binds stay where they are (binding
-        60 buffers costs ~0.5 ms, a tenth of a step)."""
+    def _cache_binding(self, session, past: Past):
+        """An IO binding of `session` with each layer's past buffer bound as its present too (and as the
+        verifying graph's buffers after its second attention: ONNX Runtime reads and writes the memory
+        itself), kept while the cache rows it binds stay where they are (binding 60 buffers costs ~0.5 ms,
+        a tenth of a step)."""
         import onnxruntime as ort
 
         where = (past.keys[0].ctypes.data, past.keys[0].shape, past.values[-1].ctypes.data)
-        if not past.copied and self._bound == where:
-            return self._binding
-        binding = self.session.io_binding()
+        kept = self._bindings.get(id(session))
+        if not past.copied and kept is not None and kept[1] == where:
+            return kept[0]
+        binding = session.io_binding()
         binding.bind_output("logits")  # outputs come back in the order they were bound
         binding.bind_output("hidden")
+        outputs = {value.name for value in session.get_outputs()}
         for kind, buffers in (("keys", past.keys), ("values", past.values)):
             for layer, buffer in enumerate(buffers):
                 value = ort.OrtValue.ortvalue_from_numpy(buffer)  # the buffer's own memory, no copy
                 binding.bind_ortvalue_input(f"past_{kind}_{layer}", value)
-                binding.bind_ortvalue_output(f"present_{kind}_{layer}", value)
+                for name in (f"present_{kind}_{layer}", f"verified_{kind}_{layer}"):
+                    if name in outputs:
+                        binding.bind_ortvalue_output(name, value)
         if not past.copied:
-            self._binding, self._bound = binding, where
+            self._bindings[id(session)] = binding, where
         return binding
 
 
@@ -531,9 +556,12 @@ class OnnxComponents(MTPComponent):
         self.exported = exported
         settings = exported.settings
         cache = kv_cache(settings, settings["n_layers"], max_sequences)
-        # The only multi-threaded session in this process, so its threads may spin between steps.
-        self.backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spin_between_runs=True), cache,
-                                       settings["vocab_size"], settings["d_model"])
+        # The only multi-threaded session in this process, so its threads may spin between steps; not
+        # beside a verifying graph's session, whose steps alternate with its own.
+        verify_path = exported.verify_path()
+        verify = ort_session(verify_path, threads) if verify_path else None
+        self.backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spin_between_runs=verify is None),
+                                       cache, settings["vocab_size"], settings["d_model"], verify)
 
     def open_backbone(self) -> _BackboneSession:
         return _BackboneSession(self.backbone, next(self._ids))

@@ -12,7 +12,7 @@ heard here on a thread of its own).
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dualend.engine.engines import open_engine
+from dualend.engine.engines import open_engine, open_verify_engine
 from dualend.engine.onnx_engine import BackboneBatch, BackboneRunner, kv_cache
 from dualend.serving.keys import PipelineGuard
 from dualend.serving.metrics import PoolMetrics
@@ -31,7 +31,8 @@ class TritonPythonModel:
         self.pool = kv_cache(settings, settings["n_layers"], config.max_concurrent_requests + 1,  # + warm-up
                              **config.kv_cache_options())
         engine = open_engine(exported, "backbone", config.engine, config.engine_threads)
-        self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"])
+        verify = open_verify_engine(exported, config.engine, config.engine_threads)
+        self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"], verify)
         self.guard = PipelineGuard(args, exported.checkpoint_id, config.deployment)
         self._warm_up(settings["d_model"])
         self.preemption = PreemptListener(args["model_name"], self.guard.secret, self.runner.preempt,
@@ -43,8 +44,9 @@ class TritonPythonModel:
                                  f"{config.engine}, KV pool {capacity} blocks of {block_size} pair slots")
 
     def _warm_up(self, d_model):
-        latents = np.zeros((9, d_model), np.float32)
-        for batch in (BackboneBatch([-1], latents[:8], [8], [9], []), BackboneBatch([-1], latents[:1], [1], [0], [])):
+        latents = np.zeros((11, d_model), np.float32)
+        for batch in (BackboneBatch([-1], latents[:8], [8], [11], []), BackboneBatch([-1], latents[:1], [1], [0], []),
+                      BackboneBatch([-1], latents[:2], [2], [0], [], verify=True)):
             result = self.runner.run_batch(batch)
             if result.failed(0):
                 raise RuntimeError(f"backbone warm-up failed: {result.status[0].name}: {result.messages[0]}")

@@ -93,9 +93,11 @@ DEFAULTS = dict(
     draft_min_acceptance=None, fair_rows_per_client=4, fair_linger_s=2.0,
 )
 # Verified drafts while at most this many sequences decode (reports/fused_backbone/: at 16 a verifying
-# step cost 80 against 58 ms). A backbone that writes its keys in place verifies them on its verifying graph,
-# every row in one call (w8a8 at 4 rows 1.21x a plain step: reports/w8a8/step_profile_w8a8.txt).
-DRAFT_MAX_BATCH = 4
+# step cost 80 against 58 ms). A backbone that writes its keys in place verifies every row's draft in one
+# call of its verifying graph (w8a8 at 4 rows 1.21x a plain step: reports/w8a8/step_profile_w8a8.txt), but
+# rows whose drafts are paused or not fed step in a second call beside it: served at 4 streams, w8a8 drafts
+# gave 0.76x the w8a8 base's tokens/s (reports/w8a8/served_verify/). So there, drafts for one sequence only.
+DRAFT_MAX_BATCH, DRAFT_MAX_BATCH_IN_PLACE = 4, 1
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
                         "requests are admitted while their reservations (fp32 keys and values of prompt + max_tokens) "
                         "fit in it; memory is taken as they write their slots (default: %(default)s; smollm2 1536)",
@@ -110,7 +112,8 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
                              "NAME=P for one (repeatable; default: %(default)s)",
             draft_max_batch="a deployment with a draft head feeds drafts only while at most this many sequences "
                             "decode (N for every deployment, NAME=N for one; repeatable; 0: however many; default: "
-                            f"{DRAFT_MAX_BATCH})",
+                            f"{DRAFT_MAX_BATCH_IN_PLACE} where the backbone writes its keys in place (int8, int4, w8a8), "
+                            f"else {DRAFT_MAX_BATCH})",
             draft_min_acceptance="a sequence whose recent drafts were kept less often than this stops drafting "
                                  "for a while (decode.DraftPacer; A for every deployment, NAME=A for one; "
                                  "repeatable; 0: never); default: a draft head's break-even by weight precision "
@@ -289,9 +292,11 @@ def draft_min_acceptance(args, deployment: str, source: str, precision: str, ver
     return DRAFT_BREAK_EVEN[precision] if verifies else 0.0
 
 
-def draft_max_batch(args, deployment: str, source: str) -> int:
+def draft_max_batch(args, deployment: str, source: str, settings: dict) -> int:
     given = setting(args, "draft_max_batch", deployment, source)
-    return DRAFT_MAX_BATCH if given is None else given
+    if given is not None:
+        return given
+    return DRAFT_MAX_BATCH_IN_PLACE if settings.get("backbone_graph") == FUSED_GRAPH else DRAFT_MAX_BATCH
 
 
 def synthetic_rate(text: str) -> tuple[str | None, float]:
@@ -540,7 +545,7 @@ def assemble(args) -> Path:
                                    draft_min_acceptance(args, name, source, precision,
                                                         pair_size == 1 and "mtp" in exported.manifests),
                                    setting(args, "engine_threads", name, source),
-                                   draft_max_batch(args, name, source))
+                                   draft_max_batch(args, name, source, exported.settings))
         render_deployment(name, exported, staging, values)
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
         print(f"{name}: checkpoint {exported.checkpoint_id}" + (f" (a variant of {source})" if name != source else "")

@@ -13,8 +13,10 @@ against the portable graph's 2,501 (reports/fused_backbone/).
 
 Only ONNX Runtime runs it (com.microsoft operators); quantized exports, which only ONNX Runtime runs
 anyway, use it where GroupQueryAttention takes the head size (builder.export.FUSED_HEAD_MULTIPLE).
-GroupQueryAttention takes several new latents after a past for one sequence a call only; the runner
-splits such calls (`BackboneRunner._decode`).
+GroupQueryAttention takes several new latents after a past for one sequence a call only, and rounds
+the first of two latents otherwise than a one-latent call does; the verifying graph (`verify=True`, beside
+the export's backbone as VERIFY_FILE) therefore runs one GroupQueryAttention a latent, the second reading
+what the first wrote, for any number of rows (`BackboneRunner` uses it for every two-latent call).
 """
 from __future__ import annotations
 

@@ -213,13 +213,18 @@ def test_a_draft_heads_pacing_floor_defaults_to_its_precisions_break_even_and_pa
     assert draft_min_acceptance(given, "dualend", "dualend", "fp32", False) == 0.1
 
 
-def test_drafts_are_fed_while_at_most_draft_max_batch_sequences_decode_unless_a_deployment_says_otherwise():
+def test_drafts_are_verified_for_one_sequence_at_a_time_where_the_backbone_writes_its_keys_in_place():
+    """There rows without a draft step in a call beside the verifying graph's: served, drafts at four
+    streams cost more than they gave."""
     from argparse import Namespace
 
     from builder.assemble import DRAFT_MAX_BATCH, draft_max_batch
+    from builder.export import weight_settings
 
-    assert draft_max_batch(Namespace(draft_max_batch=[]), "smollm2_mtp", "smollm2_mtp") == DRAFT_MAX_BATCH == 4
+    none_given = Namespace(draft_max_batch=[])
+    for precision in ("int4", "w8a8"):
+        assert draft_max_batch(none_given, "smollm2_mtp", "smollm2_mtp", weight_settings(precision, 64)) == 1
+    assert draft_max_batch(none_given, "smollm2_mtp", "smollm2_mtp", weight_settings("fp32", 64)) == DRAFT_MAX_BATCH == 4
     given = Namespace(draft_max_batch=[("smollm2_mtp", 3)])
-    assert draft_max_batch(given, "smollm2_mtp", "smollm2_mtp") == 3
-    assert draft_max_batch(given, "smollm2_mtp_w8a8", "smollm2_mtp") == 4  # a variant is named for itself
-    assert draft_max_batch(Namespace(draft_max_batch=[(None, 0)]), "smollm2_mtp_w8a8", "smollm2_mtp") == 0
+    assert draft_max_batch(given, "smollm2_mtp", "smollm2_mtp", weight_settings("int4", 64)) == 3
+    assert draft_max_batch(given, "smollm2_mtp_w8a8", "smollm2_mtp", weight_settings("w8a8", 64)) == 1  # named for itself

@@ -115,6 +115,8 @@ def base_and_head(tiny_tokenizer, tmp_path_factory):
     draft_head.write_head(model, base.id, {"steps": 150}, root / "head")
     with_head = draft_head.checkpoint_with_head(base, root / "head")
     export_checkpoint(with_head, root / "with_head")
+    export_checkpoint(base, root / "base_w8a8", weight_precision="w8a8")
+    export_checkpoint(with_head, root / "with_head_w8a8", weight_precision="w8a8")
     ids = draft_head.frequent_tokens(rows, 16, always=[tiny_tokenizer.eos_id])
     draft_head.write_head(draft_head.restricted(model, ids), base.id, {"steps": 150}, root / "narrow_head",
                           dtype=torch.bfloat16)
@@ -139,6 +141,19 @@ def test_greedy_output_with_verified_drafts_is_the_bases_token_for_token(base_an
         assert drafted > 0 and kept > drafted / 2
     else:  # an untrained head's drafts are mostly wrong: each is dropped, the output is still the base's
         assert drafted > 0 and kept < drafted / 2
+
+
+def test_w8a8_verified_drafts_are_the_w8a8_bases_text_token_for_token_alone_and_side_by_side(base_and_head, tiny_tokenizer):
+    """8-bit products are integer and each row's activations are quantized alone, so a step verifying a
+    draft computes what one-latent steps compute, bit for bit: no near-tie of the base's flips."""
+    root, prompts, _ = base_and_head
+    base, with_head = OnnxComponents(root / "base_w8a8"), OnnxComponents(root / "with_head_w8a8")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = [generate_text(base, tiny_tokenizer, prompt, params, 1.0).tokens for prompt in prompts]
+    alone = [generate_text(with_head, tiny_tokenizer, prompt, params, 0.0) for prompt in prompts]
+    assert [got.tokens for got in alone] == expected and sum(got.accepted for got in alone) > 0
+    together = run_together(OnnxComponents(root / "with_head_w8a8"), tiny_tokenizer, prompts, params, 0.0)
+    assert [tokens for tokens, _ in together] == expected
 
 
 def test_a_narrowed_head_drafts_only_its_frequent_tokens_and_ships_them(base_and_head, tiny_tokenizer):

@@ -208,7 +208,9 @@ class BackboneResult:
 
 
 class BackboneRunner:
-    """Prefill chunks and batched decode steps over the backbone engine; KV lives in `cache`.
+    """Prefill chunks and batched decode steps over the backbone engine; KV lives in `cache`. An export
+    whose backbone writes its keys in place may bring its verifying graph (`verify_session`): every
+    two-latent call then runs there, all its rows at once.
 
     A batch with a `preempt_id` may be given up from another thread (`preempt`) while it runs, on
     ONNX Runtime (its run is told to stop between two nodes) or before it starts; its sequences then
@@ -345,7 +347,7 @@ class BackboneRunner:
         from a copy of their past unless they are consecutive rows: cheaper than the others' rows on the CPU."""
         cache, new = self.cache, len(segments[0])
         verifying = self.verify_session is not None and new == VERIFY_LATENTS
-        if self.writes_in_place and new > 1 and len(rows) > 1 and not verifying:  # GroupQueryAttention: S > 1 after a past for one row only
+        if self.writes_in_place and new > 1 and len(rows) > 1 and not verifying:  # GroupQueryAttention: S > 1 after a past for one row a call
             return [output for row, segment in zip(rows, segments) for output in self._decode([row], [segment], run_options)]
         cache.make_room(rows, new)
         if 2 * len(rows) <= len(cache.row_owner):

@@ -346,8 +346,7 @@ class BackboneRunner:
         or, when at most half the rows in use step (steps shared between clients), over theirs alone,
         from a copy of their past unless they are consecutive rows: cheaper than the others' rows on the CPU."""
         cache, new = self.cache, len(segments[0])
-        verifying = self.verify_session is not None and new == VERIFY_LATENTS
-        if self.writes_in_place and new > 1 and len(rows) > 1 and not verifying:  # GroupQueryAttention: S > 1 after a past for one row a call
+        if self.writes_in_place and new > 1 and len(rows) > 1 and self._session_for(new) is self.session:  # GroupQueryAttention: S > 1 after a past for one row a call
             return [output for row, segment in zip(rows, segments) for output in self._decode([row], [segment], run_options)]
         cache.make_room(rows, new)
         if 2 * len(rows) <= len(cache.row_owner):
@@ -404,7 +403,7 @@ class BackboneRunner:
 
     def _run_in_place(self, latents: np.ndarray, past: Past, run_options) -> tuple[np.ndarray, np.ndarray]:
         new = latents.shape[1]
-        session = self.verify_session if self.verify_session is not None and new == VERIFY_LATENTS else self.session
+        session = self._session_for(new)
         binding = self._cache_binding(session, past)
         binding.bind_output("logits")  # again: a bound output keeps the first run's shape
         binding.bind_output("hidden")
@@ -414,6 +413,10 @@ class BackboneRunner:
         session.run_with_iobinding(binding, run_options)
         logits, hidden = binding.get_outputs()[:2]
         return logits.numpy(), hidden.numpy()
+
+    def _session_for(self, new: int):
+        """The verifying graph's session for a call of VERIFY_LATENTS latents a row, where there is one."""
+        return self.verify_session if self.verify_session is not None and new == VERIFY_LATENTS else self.session
 
     def _cache_binding(self, session, past: Past):
         """An IO binding of `session` with each layer's past buffer bound as its present too (and as the

@@ -6,7 +6,8 @@ For each precision, writes both graphs of the checkpoint's backbone (quantized a
 does) into a scratch folder, counts their nodes after ONNX Runtime's own optimizations and times
 steps as served (`BackboneRunner` over `ort_session` on `--threads`, threads spinning only within a
 call; the portable graph's new keys copied into the cache, the fused one's written there in place):
-every row of the batch stepping one latent (a decode step) or two (a step verifying a draft), after
+every row of the batch stepping one latent (a decode step) or two (a step verifying a draft: the fused
+graph's on its verifying graph, as exports hold it beside the backbone), after
 `--past` latents, the two graphs taking turns in blocks of calls so the machine's noise falls on
 both alike. Prints the median and 10th-90th percentile spread in ms and the portable/fused ratio.
 `--ops` then profiles a decode step and a verifying step of each graph at the first of `--batch-sizes` with ONNX Runtime's
@@ -26,6 +27,7 @@ import numpy as np
 import onnx
 
 from builder.export import WEIGHT_BITS, quantize_graph, weight_settings, write_backbone
+from builder.fused_backbone import write_backbone_graph
 from benchmarks.step_profile import measure
 from client.api import median_and_spread
 from dualend.engine.checkpoint import load_checkpoint
@@ -46,24 +48,26 @@ def optimized_nodes(path: Path, scratch: Path) -> int:
 
 
 def operator_profile(path: Path, settings: dict, cfg, past: int, steps: int, threads: int, rng,
-                     new: int = 1, batch: int = 1) -> tuple[Counter, Counter]:
-    """Microseconds and nodes per step at `batch` rows (`new` latents: 1 a decode step, 2 a verifying one), by
-    operator type (ONNX Runtime's profiler)."""
+                     new: int = 1, batch: int = 1, verify_path: Path | None = None) -> tuple[Counter, Counter]:
+    """Microseconds and nodes per step at `batch` rows (`new` latents: 1 a decode step, 2 a verifying one,
+    on the graph at `verify_path` where given), by operator type (ONNX Runtime's profiler)."""
     import onnxruntime as ort
 
+    profiled = verify_path if verify_path is not None and new == 2 else path
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     options.enable_profiling = True
-    options.profile_file_prefix = str(path.with_suffix(""))
+    options.profile_file_prefix = str(profiled.with_suffix(""))
     options.log_severity_level = 3
-    runner = BackboneRunner(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]),
-                            kv_cache(settings, cfg.n_layers, batch), cfg.vocab_size, cfg.d_model)
+    session = ort.InferenceSession(str(profiled), options, providers=["CPUExecutionProvider"])
+    main, verify = (ort_session(path, threads), session) if profiled != path else (session, None)
+    runner = BackboneRunner(main, kv_cache(settings, cfg.n_layers, batch), cfg.vocab_size, cfg.d_model, verify)
     for row in range(batch):
         runner.prefill(row, rng.standard_normal((past, cfg.d_model), np.float32) * 0.1, past + new * steps + new)
     call = step(runner, batch, new, rng)
     for _ in range(steps):
         call()
-    events = json.loads(Path(runner.session.end_profiling()).read_text())
+    events = json.loads(Path(session.end_profiling()).read_text())
     runs = sorted((event["ts"], event["ts"] + event["dur"]) for event in events if event.get("name") == "model_run")
     first_step = runs[-steps][0]  # the prefills' runs before them are left out
     micros, nodes = Counter(), Counter()
@@ -100,12 +104,14 @@ def main(argv=None) -> dict:
         scratch = Path(scratch_dir)
         for precision in args.precisions:
             quantization = weight_settings(precision, cfg.head_dim).get("weight_quantization")
-            paths, nodes = {}, {}
+            paths, nodes, verify_paths = {}, {}, {"fused": scratch / f"{precision}_fused_verify.onnx"}
+            write_backbone_graph(model, verify_paths["fused"], verify=True)  # as exports hold beside the fused graph
             for graph in GRAPHS:
                 paths[graph] = scratch / f"{precision}_{graph}.onnx"
                 write_backbone(model, paths[graph], fused=graph == "fused")
-                if quantization:
-                    quantize_graph(paths[graph], quantization, cfg.vocab_size)
+                for path in [paths[graph]] + [verify_paths[graph]] * (graph in verify_paths):
+                    if quantization:
+                        quantize_graph(path, quantization, cfg.vocab_size)
                 nodes[graph] = optimized_nodes(paths[graph], scratch)
             print(f"\n{args.checkpoint} backbone, {precision} weights: nodes after ONNX Runtime's optimizations: "
                   f"portable {nodes['portable']}, fused {nodes['fused']}; ms per call, median (p10-p90) of "
@@ -114,8 +120,10 @@ def main(argv=None) -> dict:
             for batch in args.batch_sizes:
                 runners = {}
                 for graph in GRAPHS:
+                    verify = ort_session(verify_paths[graph], args.threads) if graph in verify_paths else None
                     runners[graph] = BackboneRunner(ort_session(paths[graph], args.threads),
-                                                    kv_cache(settings, cfg.n_layers, batch), cfg.vocab_size, cfg.d_model)
+                                                    kv_cache(settings, cfg.n_layers, batch), cfg.vocab_size, cfg.d_model,
+                                                    verify)
                     for row in range(batch):
                         runners[graph].prefill(row, rng.standard_normal((args.past, cfg.d_model), np.float32) * 0.1,
                                                args.past + 4 * args.repeats + 64)
@@ -130,7 +138,8 @@ def main(argv=None) -> dict:
                     figures[(precision, batch, new)] = {"ratio": ratio, **{g: medians[g] for g in GRAPHS}}
             for new in (1, 2) if args.ops else ():
                 profiles = {graph: operator_profile(paths[graph], settings, cfg, args.past, args.repeats, args.threads,
-                                                    rng, new, args.batch_sizes[0]) for graph in GRAPHS}
+                                                    rng, new, args.batch_sizes[0], verify_paths.get(graph))
+                            for graph in GRAPHS}
                 kind = "a decode step" if new == 1 else "a verifying step (two latents a row)"
                 print(f"  {kind} at batch {args.batch_sizes[0]} by operator type (ONNX Runtime's profiler, {args.repeats} steps): "
                       "us a step, nodes", flush=True)

@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
             for graph in GRAPHS:
                 paths[graph] = scratch / f"{precision}_{graph}.onnx"
                 write_backbone(model, paths[graph], fused=graph == "fused")
-                for path in [paths[graph]] + [verify_paths[graph]] * (graph in verify_paths):
+                for path in [paths[graph]] + ([verify_paths[graph]] if graph in verify_paths else []):
                     if quantization:
                         quantize_graph(path, quantization, cfg.vocab_size)
                 nodes[graph] = optimized_nodes(paths[graph], scratch)

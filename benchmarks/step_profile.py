@@ -19,7 +19,15 @@ from pathlib import Path
 import numpy as np
 
 from client.api import median_and_spread
-from dualend.engine.onnx_engine import BackboneBatch, BackboneRunner, ExportedModel, MTPRunner, kv_cache, ort_session
+from dualend.engine.onnx_engine import (
+    BackboneBatch,
+    BackboneRunner,
+    ExportedModel,
+    MTPRunner,
+    kv_cache,
+    ort_session,
+    verify_session,
+)
 
 PAST_LATENTS = 64
 
@@ -30,10 +38,9 @@ def variants(exported: ExportedModel, batch: int, threads: int, spinning_on: boo
     settings = exported.settings
     width, rng = settings["d_model"], np.random.default_rng(0)
     calls = {}
-    verify_path = None if spinning_on else exported.verify_path()
     backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spinning_on),
                               kv_cache(settings, settings["n_layers"], batch), settings["vocab_size"], width,
-                              ort_session(verify_path, threads) if verify_path else None)
+                              None if spinning_on else verify_session(exported, threads))
     for seq_id in range(batch):
         backbone.prefill(seq_id, rng.standard_normal((PAST_LATENTS, width), np.float32) * 0.02, 4096)
     latents = rng.standard_normal((batch, width), np.float32) * 0.02

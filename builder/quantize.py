@@ -216,7 +216,7 @@ def smoothing(input_peaks: np.ndarray, weight: np.ndarray, strength: float) -> n
 
 
 class _PerChannelRewriter:
-    def __init__(self, input_peaks: dict[str, np.ndarray], strength: float):
+    def __init__(self, input_peaks: dict[str, np.ndarray], strength: float | None):
         self.input_peaks, self.strength = input_peaks, strength
         self.new_weights: dict[str, onnx.TensorProto] = {}
         self.quantized_rows: dict[str, tuple[str, str]] = {}  # activations -> their 8-bit codes, row scales
@@ -269,11 +269,15 @@ class _PerChannelRewriter:
                              [node.output[0]])]
 
 
-def quantize_per_channel(path: Path, input_peaks: dict[str, np.ndarray] | None = None, strength: float = 0.5) -> None:
+def quantize_per_channel(path: Path, input_peaks: dict[str, np.ndarray] | None = None,
+                         strength: float | None = None) -> None:
     """Rewrites the graph at `path` with every constant-weight MatMul as MatMulInteger by 8-bit codes,
     one scale per output column, its activations quantized per row at run time (the module's third
     rule). `input_peaks` (weight_key -> the largest |activation| of each input seen in calibration) smooths
-    those products' activations by `smoothing`. Raises if a Gemm by a stored weight would stay in fp32."""
+    those products' activations by `smoothing` at `strength`. Raises if a Gemm by a stored weight would
+    stay in fp32."""
+    if input_peaks and strength is None:
+        raise ValueError("smoothing by input peaks needs a strength")
     model, rewriter = onnx.load(str(path)), _PerChannelRewriter(input_peaks or {}, strength)
     _rewrite_products(model, path, rewriter.replace, rewriter.new_weights)
     _save_checked(model, path)

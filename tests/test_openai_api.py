@@ -559,6 +559,11 @@ def serves_every_route(launched, api_key: str = BOB) -> bool:
         return False
 
 
+def serves_again(launched) -> bool:
+    """Every route serves within a minute, whatever the test before left (a restore, a restart)."""
+    return wait_for(lambda: serves_every_route(launched), 60, poll_s=0.5)
+
+
 def test_one_cap_per_key_counts_requests_on_every_route(launched):
     """carol (max_requests=2) holds two requests on one gRPC stream: a third on the same stream, one over
     HTTP and one over /v1 are refused with the cap's code; bob is served meanwhile; once carol's
@@ -606,7 +611,7 @@ def test_a_dead_or_stopped_step_ends_streams_on_every_route(launched, step, how,
     from dualend.ops.processes import stub_processes
     from dualend.serving.outcomes import disposition
 
-    assert wait_for(lambda: serves_every_route(launched), 60, poll_s=0.5)  # whatever the test before left
+    assert serves_again(launched)
     ended = []
 
     def stream(route):
@@ -652,7 +657,7 @@ def test_tritonserver_aborting_while_a_dead_stub_is_restored_is_started_again_an
     from dualend.ops.gateway import DEFAULT_PREFIX
     from dualend.ops.processes import stub_processes
 
-    assert wait_for(lambda: serves_every_route(launched), 60, poll_s=0.5)  # whatever the test before left
+    assert serves_again(launched)
     server_pid = tritonserver_pid(launched)
     os.kill(stub_processes(server_pid)["dualend_v1_mtp_verify"][0], signal.SIGKILL)
     assert wait_for(lambda: (DEFAULT_PREFIX / "down" / "dualend").exists(), 5, poll_s=0.02)  # restoring
@@ -680,7 +685,7 @@ def test_the_service_in_front_and_tritonserver_are_started_again_when_they_die(l
     import os
     import signal
 
-    assert wait_for(lambda: serves_every_route(launched), 60, poll_s=0.5)  # whatever the test before left
+    assert serves_again(launched)
     pid = int(subprocess.check_output(["pgrep", "-P", str(launched.pid), "-f", process]).split()[0])
     os.kill(pid, signal.SIGKILL)
     assert wait_for(lambda: serves_every_route(launched), 60, poll_s=0.3)

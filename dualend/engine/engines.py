@@ -5,7 +5,7 @@ care which engine is underneath. TensorRT is imported only when asked for.
 """
 from __future__ import annotations
 
-from .onnx_engine import ExportedModel, ort_session
+from .onnx_engine import ExportedModel, ort_session, verify_session
 
 ENGINES = ("onnxruntime", "tensorrt")
 
@@ -23,5 +23,4 @@ def open_engine(exported: ExportedModel, component: str, engine: str, threads: i
 def open_verify_engine(exported: ExportedModel, engine: str, threads: int | None = None):
     """The backbone's verifying graph on ONNX Runtime, where the export has one; else None (the runner
     then verifies one sequence a call)."""
-    path = exported.verify_path()
-    return ort_session(path, threads) if engine == "onnxruntime" and path else None
+    return verify_session(exported, threads) if engine == "onnxruntime" else None

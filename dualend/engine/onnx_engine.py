@@ -94,6 +94,12 @@ def ort_session(path: Path, threads: int | None = None, spin_between_runs: bool 
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+def verify_session(exported: "ExportedModel", threads: int | None = None):
+    """ONNX Runtime's session of the export's verifying graph (VERIFY_FILE), or None where it has none."""
+    path = exported.verify_path()
+    return ort_session(path, threads) if path else None
+
+
 @dataclass
 class ExportedModel:
     """A verified set of exported components from one checkpoint."""
@@ -346,7 +352,7 @@ class BackboneRunner:
         or, when at most half the rows in use step (steps shared between clients), over theirs alone,
         from a copy of their past unless they are consecutive rows: cheaper than the others' rows on the CPU."""
         cache, new = self.cache, len(segments[0])
-        if self.writes_in_place and new > 1 and len(rows) > 1 and self._session_for(new) is self.session:  # GroupQueryAttention: S > 1 after a past for one row a call
+        if self.writes_in_place and new > 1 and len(rows) > 1 and not self._verifies(new):  # GroupQueryAttention: S > 1 after a past for one row a call
             return [output for row, segment in zip(rows, segments) for output in self._decode([row], [segment], run_options)]
         cache.make_room(rows, new)
         if 2 * len(rows) <= len(cache.row_owner):
@@ -403,7 +409,7 @@ class BackboneRunner:
 
     def _run_in_place(self, latents: np.ndarray, past: Past, run_options) -> tuple[np.ndarray, np.ndarray]:
         new = latents.shape[1]
-        session = self._session_for(new)
+        session = self.verify_session if self._verifies(new) else self.session
         binding = self._cache_binding(session, past)
         binding.bind_output("logits")  # again: a bound output keeps the first run's shape
         binding.bind_output("hidden")
@@ -414,9 +420,9 @@ class BackboneRunner:
         logits, hidden = binding.get_outputs()[:2]
         return logits.numpy(), hidden.numpy()
 
-    def _session_for(self, new: int):
-        """The verifying graph's session for a call of VERIFY_LATENTS latents a row, where there is one."""
-        return self.verify_session if self.verify_session is not None and new == VERIFY_LATENTS else self.session
+    def _verifies(self, new: int) -> bool:
+        """Whether a call of `new` latents a row runs on the verifying graph."""
+        return self.verify_session is not None and new == VERIFY_LATENTS
 
     def _cache_binding(self, session, past: Past):
         """An IO binding of `session` with each layer's past buffer bound as its present too (and as the
@@ -432,14 +438,13 @@ class BackboneRunner:
         binding = session.io_binding()
         binding.bind_output("logits")  # outputs come back in the order they were bound
         binding.bind_output("hidden")
-        outputs = {value.name for value in session.get_outputs()}
+        presents = ("present", "verified") if session is self.verify_session else ("present",)  # in_place_verify_outputs
         for kind, buffers in (("keys", past.keys), ("values", past.values)):
             for layer, buffer in enumerate(buffers):
                 value = ort.OrtValue.ortvalue_from_numpy(buffer)  # the buffer's own memory, no copy
                 binding.bind_ortvalue_input(f"past_{kind}_{layer}", value)
-                for name in (f"present_{kind}_{layer}", f"verified_{kind}_{layer}"):
-                    if name in outputs:
-                        binding.bind_ortvalue_output(name, value)
+                for present in presents:
+                    binding.bind_ortvalue_output(f"{present}_{kind}_{layer}", value)
         if not past.copied:
             self._bindings[id(session)] = binding, where
         return binding
@@ -563,8 +568,7 @@ class OnnxComponents(MTPComponent):
         cache = kv_cache(settings, settings["n_layers"], max_sequences)
         # The only multi-threaded session in this process, so its threads may spin between steps; not
         # beside a verifying graph's session, whose steps alternate with its own.
-        verify_path = exported.verify_path()
-        verify = ort_session(verify_path, threads) if verify_path else None
+        verify = verify_session(exported, threads)
         self.backbone = BackboneRunner(ort_session(exported.path("backbone"), threads, spin_between_runs=verify is None),
                                        cache, settings["vocab_size"], settings["d_model"], verify)
 

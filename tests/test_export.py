@@ -227,6 +227,37 @@ def test_a_verifying_step_of_many_rows_computes_what_one_latent_steps_compute(qu
             compare(layer[rows[1], :, :length + 2], layer[rows[0], :, :length + 2])
 
 
+def test_one_latent_steps_ride_in_the_verifying_call_with_the_bits_of_a_step_alone(quantized):
+    """Rows stepping one latent beside rows verifying a draft go into the verifying call with a dummy
+    second latent: one call, outputs and keys to the last bit as their step alone computes them, the
+    dummy's slot dropped. A row whose reservation has no room for the dummy steps in a call of its own."""
+    engine = OnnxComponents(quantized["w8a8"], max_sequences=8)
+    runner, cache = engine.backbone, engine.backbone.cache
+    latents = engine.compress(np.arange(3, 3 + 40).reshape(-1, 2))  # 20 latents
+    alone, verifying, riding, full = [1, 2], 3, [4, 5], 6
+    for seq_id, length in zip(alone + [verifying] + riding, [5, 9, 7, 5, 9]):
+        runner.prefill(seq_id, latents[:length], 16)
+    runner.prefill(full, latents[:15], 16)  # one slot left: no room for a dummy
+    new = latents[15:18]  # the two riding rows' latents, then the full row's
+    reference = runner.step(alone, new[:2])
+    calls, run = [], runner._run_in_place
+    runner._run_in_place = lambda latents, *args: calls.append(latents.shape[:2]) or run(latents, *args)
+    batch = BackboneBatch([riding[0], verifying, riding[1], full], np.vstack([new[:1], latents[7:9], new[1:]]),
+                          [1, 2, 1, 1], [0] * 4, [], verify=True)
+    result = runner.run_batch(batch)
+    assert not any(result.failed(i) for i in range(4)), result.messages
+    assert sorted(calls) == [(1, 1), (3, 2)]  # the riding rows with the verifying one; the full row apart
+    for index, step in zip((0, 2), reference):
+        np.testing.assert_array_equal(result.logits[index], step.logits)
+        np.testing.assert_array_equal(result.hidden[index], step.hidden)
+    for alone_id, riding_id, length in zip(alone, riding, [5, 9]):
+        assert cache.length(riding_id) == cache.length(alone_id) == length + 1
+        for layer in cache.keys + cache.values:
+            np.testing.assert_array_equal(layer[cache.row(riding_id), :, :length + 1],
+                                          layer[cache.row(alone_id), :, :length + 1])
+    assert cache.length(verifying) == 9 and cache.length(full) == 16
+
+
 def test_w8a8_multiplies_every_product_on_8_bit_codes_and_smooths_the_backbones(exported, quantized):
     for component, count in (("backbone", 2 * 4 + 1), ("mtp", 8)):
         model = onnx.load(str(quantized["w8a8"] / component / "model.onnx"))

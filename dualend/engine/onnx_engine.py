@@ -264,9 +264,9 @@ class BackboneRunner:
 
     def run_batch(self, batch: BackboneBatch) -> BackboneResult:
         """Every single-latent segment in one engine call (over all cache rows, or over its own when
-        they are at most half of them); each longer prefill
-        chunk in its own. A sequence that fails (unknown, evicted, no room) fails alone, with its
-        status and message."""
+        they are at most half of them), or in the verifying call where drafts are verified beside
+        them (`_ride_along`); each longer prefill chunk in its own. A sequence that fails (unknown,
+        evicted, no room) fails alone, with its status and message."""
         for seq_id in batch.keeps:
             self.cache.keep(seq_id)
         for seq_id in batch.releases:
@@ -325,10 +325,13 @@ class BackboneRunner:
             else:
                 chunks.append(index)
         latents = np.asarray(batch.latents, np.float32)
+        riding = self._ride_along(steps, rows)
         groups = [steps[count] for count in sorted(steps)] + [[index] for index in chunks]
         for indices in groups:
             try:
                 segments = [latents[starts[i]:starts[i + 1]] for i in indices]
+                segments = [np.vstack([segment, np.zeros_like(segment)]) if i in riding else segment
+                            for i, segment in zip(indices, segments)]
                 outputs = (self._decode([rows[i] for i in indices], segments, run_options)
                            if len(segments[0]) <= OUTPUT_POSITIONS else [self._chunk(rows[indices[0]], segments[0])])
             except Exception as error:  # noqa: BLE001 - the group fails, the other groups run
@@ -338,6 +341,10 @@ class BackboneRunner:
                                          (SequenceStatus.ENGINE_FAILED, f"backbone engine failed: {error}")))
                 continue
             for index, (logits, hidden) in zip(indices, outputs):  # [n, V], [n, D]: the last n positions
+                if index in riding:  # its own latent's outputs; the dummy's slot goes
+                    result.logits[index], result.hidden[index] = logits[-2], hidden[-2]
+                    self.cache.discard(rows[index], 1)
+                    continue
                 result.logits[index], result.hidden[index] = logits[-1], hidden[-1]
                 if batch.verify and len(logits) > 1:
                     result.verify_logits[index], result.verify_hidden[index] = logits[-2], hidden[-2]
@@ -345,6 +352,27 @@ class BackboneRunner:
             if result.failed(index):
                 self.cache.release(batch.sequence_ids[index])
         return result
+
+    def _ride_along(self, steps: dict[int, list[int]], rows: dict[int, int]) -> set[int]:
+        """Moves the one-latent steps of a batch that also verifies drafts into the verifying call, each
+        with a dummy second latent whose slot is dropped after: one engine call instead of two, and the
+        same bits for them (the verifying graph's first latent is computed as a one-latent step's). A
+        row with no room for the dummy's slot in its reservation steps apart. Returns the batch indices
+        moved."""
+        if not (self._verifies(VERIFY_LATENTS) and 1 in steps and VERIFY_LATENTS in steps):
+            return set()
+        riding = set()
+        for index in steps[1]:
+            try:
+                self.cache.check_room(rows[index], VERIFY_LATENTS)
+            except NoRoom:
+                continue
+            riding.add(index)
+        steps[1] = [index for index in steps[1] if index not in riding]
+        if not steps[1]:
+            del steps[1]
+        steps[VERIFY_LATENTS] = sorted(steps[VERIFY_LATENTS] + sorted(riding))
+        return riding
 
     def _decode(self, rows: list[int], segments: list[np.ndarray], run_options=None):
         """S new latents (the same S, at most OUTPUT_POSITIONS) for each of `rows`, in one call over

@@ -93,10 +93,10 @@ DEFAULTS = dict(
     draft_min_acceptance=None, fair_rows_per_client=4, fair_linger_s=2.0,
 )
 # Verified drafts while at most this many sequences decode (reports/fused_backbone/: at 16 a verifying
-# step cost 80 against 58 ms). A backbone that writes its keys in place verifies every row's draft in one
-# call of its verifying graph (w8a8 at 4 rows 1.21x a plain step: reports/w8a8/step_profile_w8a8.txt), but
-# rows whose drafts are paused or not fed step in a second call beside it: served at 4 streams, w8a8 drafts
-# gave 0.76x the w8a8 base's tokens/s (reports/w8a8/served_verify/). So there, drafts for one sequence only.
+# step cost 80 against 58 ms). A backbone that writes its keys in place verifies every row in one call of
+# its verifying graph, rows without a draft riding along (w8a8 at 4 rows 1.21x a plain step:
+# reports/w8a8/step_profile_w8a8.txt); served at 4 streams w8a8 drafts still gave 0.94-0.97x the w8a8
+# base's tokens/s (reports/draft_head_records/w8a8_records/). So there, drafts for one sequence only.
 DRAFT_MAX_BATCH, DRAFT_MAX_BATCH_IN_PLACE = 4, 1
 HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every deployment, NAME=N for one; repeatable): "
                         "requests are admitted while their reservations (fp32 keys and values of prompt + max_tokens) "

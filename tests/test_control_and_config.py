@@ -214,8 +214,7 @@ def test_a_draft_heads_pacing_floor_defaults_to_its_precisions_break_even_and_pa
 
 
 def test_drafts_are_verified_for_one_sequence_at_a_time_where_the_backbone_writes_its_keys_in_place():
-    """There rows without a draft step in a call beside the verifying graph's: served, drafts at four
-    streams cost more than they gave."""
+    """There drafts at four streams, served, cost a little more than they gave (0.94-0.97x the base)."""
     from argparse import Namespace
 
     from builder.assemble import DRAFT_MAX_BATCH, draft_max_batch

@@ -371,7 +371,7 @@ class BackboneRunner:
         steps[1] = [index for index in steps[1] if index not in riding]
         if not steps[1]:
             del steps[1]
-        steps[VERIFY_LATENTS] = sorted(steps[VERIFY_LATENTS] + sorted(riding))
+        steps[VERIFY_LATENTS] = sorted(steps[VERIFY_LATENTS] + list(riding))
         return riding
 
     def _decode(self, rows: list[int], segments: list[np.ndarray], run_options=None):

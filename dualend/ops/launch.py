@@ -253,10 +253,6 @@ def check_repository(model_repository: Path | str) -> Path:
     return model_repository
 
 
-
-
-
-
 def _answers(url: str) -> bool:
     """Whether GET `url` answers 200 within a second."""
     try:

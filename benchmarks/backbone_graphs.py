@@ -109,8 +109,8 @@ def main(argv=None) -> dict:
             for graph in GRAPHS:
                 paths[graph] = scratch / f"{precision}_{graph}.onnx"
                 write_backbone(model, paths[graph], fused=graph == "fused")
-                for path in [paths[graph]] + ([verify_paths[graph]] if graph in verify_paths else []):
-                    if quantization:
+                if quantization:
+                    for path in [paths[graph]] + ([verify_paths[graph]] if graph in verify_paths else []):
                         quantize_graph(path, quantization, cfg.vocab_size)
                 nodes[graph] = optimized_nodes(paths[graph], scratch)
             print(f"\n{args.checkpoint} backbone, {precision} weights: nodes after ONNX Runtime's optimizations: "

@@ -326,12 +326,15 @@ class BackboneRunner:
                 chunks.append(index)
         latents = np.asarray(batch.latents, np.float32)
         riding = self._ride_along(steps, rows)
+
+        def segment(index: int) -> np.ndarray:
+            own = latents[starts[index]:starts[index + 1]]
+            return np.vstack([own, np.zeros_like(own)]) if index in riding else own  # a rider's dummy latent
+
         groups = [steps[count] for count in sorted(steps)] + [[index] for index in chunks]
         for indices in groups:
             try:
-                segments = [latents[starts[i]:starts[i + 1]] for i in indices]
-                segments = [np.vstack([segment, np.zeros_like(segment)]) if i in riding else segment
-                            for i, segment in zip(indices, segments)]
+                segments = [segment(i) for i in indices]
                 outputs = (self._decode([rows[i] for i in indices], segments, run_options)
                            if len(segments[0]) <= OUTPUT_POSITIONS else [self._chunk(rows[indices[0]], segments[0])])
             except Exception as error:  # noqa: BLE001 - the group fails, the other groups run
@@ -354,11 +357,11 @@ class BackboneRunner:
         return result
 
     def _ride_along(self, steps: dict[int, list[int]], rows: dict[int, int]) -> set[int]:
-        """Moves the one-latent steps of a batch that also verifies drafts into the verifying call, each
-        with a dummy second latent whose slot is dropped after: one engine call instead of two, and the
-        same bits for them (the verifying graph's first latent is computed as a one-latent step's). A
-        row with no room for the dummy's slot in its reservation steps apart. Returns the batch indices
-        moved."""
+        """Moves the one-latent steps of a batch that also runs two-latent ones (drafts verified, or a
+        two-latent prompt's start) into their call on the verifying graph, each with a dummy second
+        latent whose slot is dropped after: one engine call instead of two, and the same bits for them
+        (the verifying graph's first latent is computed as a one-latent step's). A row with no room for
+        the dummy's slot in its reservation steps apart. Returns the batch indices moved."""
         if not (self._verifies(VERIFY_LATENTS) and 1 in steps and VERIFY_LATENTS in steps):
             return set()
         riding = set()

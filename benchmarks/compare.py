@@ -1,7 +1,7 @@
 """One benchmark, one run, interleaved: serving stacks on the same model, measured by one client.
 
     python -m benchmarks.compare --openai smollm2=http://127.0.0.1:8000/v1@smollm2 --llama-server --ortgenai \\
-        --in-process engine=build/export/smollm2 --reference smollm2
+        --in-process engine=build/export/smollm2_w8a8 --reference smollm2
     python -m benchmarks.compare --openai smollm2=http://127.0.0.1:8000/v1@smollm2 --smoke
 
 Workloads: held-out standard-library source cut to exact SmolLM2 token counts, or held-out chat requests

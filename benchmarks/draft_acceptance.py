@@ -1,6 +1,6 @@
 """Verified drafts in-process: acceptance, tokens per step, and speed against the base, one run.
 
-    python -m benchmarks.draft_acceptance --base build/export/smollm2 --drafting build/export/smollm2_mtp
+    python -m benchmarks.draft_acceptance --base build/export/smollm2_w8a8 --drafting build/export/smollm2_mtp_w8a8
     python -m benchmarks.draft_acceptance --base build/export/smollm2_int4 --drafting build/export/smollm2_mtp_int4 \
         --thresholds 0 0.3 0.5
     python -m benchmarks.draft_acceptance ... --prompt-set text --min-acceptance 0 0.3

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Verified drafts on SmolLM2 in one run (docs/benchmarks.md#verified-drafts-on-smollm2): builds a benchmark
-# repository with smollm2 and smollm2_mtp in fp32 and int4, serves it behind the gateway, and runs
+# repository with smollm2 and smollm2_mtp at their default precision (w8a8) and in int4, serves it behind the gateway, and runs
 # benchmarks.compare (decode-heavy, one and 16 streams; llama.cpp's llama-server too once
 # scripts/install_peers.sh built it), then benchmarks.draft_acceptance in-process on held-out chat prompts.
 # Nothing else may run meanwhile (benchmarks.compare refuses a load average above 0.5).
@@ -26,7 +26,7 @@ peers=()
     "${targets[@]}" "${peers[@]}" --workloads decode-heavy chat --concurrency 1 16 --out "$out/throughput"
 kill -TERM $server; wait $server 2>/dev/null || true
 trap - EXIT
-for precision in "" _int4; do
+for precision in _w8a8 _int4; do
     .venv/bin/python -m benchmarks.draft_acceptance --base "build/export/smollm2$precision" \
         --drafting "build/export/smollm2_mtp$precision" --prompts 16 --thresholds 0 0.3 | tee "$out/acceptance$precision.txt"
 done

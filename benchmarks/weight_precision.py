@@ -10,10 +10,14 @@ decode step per latent, all chunks together. Reports the mean NLL of the tokens 
 (for a dual-end model, the first token after each pair; the MTP head's drafts are not scored), its
 change from fp32, how often the top token equals fp32's, the quantized nodes and the file sizes.
 `--timing` then times decode steps of all precisions, taking turns, after `--timing-context` latents.
+`--task-check` also asks each export the conversion gate's short chat questions
+(builder/data/chat_questions.json, under the chat template, greedy, `--task-tokens` at most): how many it
+answers right, and how many of its answers are fp32's word for word.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,19 +26,23 @@ import numpy as np
 import onnx
 from tqdm import tqdm
 
+from builder.evaluate_conversion import DEFAULTS as GATE_DEFAULTS
+from builder.evaluate_conversion import answered_right
 from builder.export import WEIGHT_BITS, export_checkpoint, export_matches
 from builder.quantize import constant_weight_matmuls
 from client.api import median_and_spread
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
+from dualend.engine.decode import SamplingParams
 from dualend.engine.manifest import ManifestError
 from dualend.engine.onnx_engine import ExportedModel, OnnxComponents
+from dualend.serving.offline import generate_text
 from dualend.train.data import stdlib_chunks
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(checkpoint=ROOT / "build" / "checkpoints" / "smollm2",
                 export_dir=ROOT / "build" / "export" / "weight_precision", precisions=list(WEIGHT_BITS),
                 chunks=8, tokens=256, seed=0, threads=2, timing_batches=[1, 16], timing_context=128,
-                timing_steps=32)
+                timing_steps=32, task_tokens=GATE_DEFAULTS["task_tokens"])
 
 
 def matching_export(checkpoint: Checkpoint, directory: Path, precision: str) -> Path:
@@ -138,6 +146,27 @@ def step_times(directories: dict[str, Path], rows: np.ndarray, batch: int, conte
     return times
 
 
+def task_answers(directory: Path, questions: list, max_tokens: int, threads: int) -> list[str]:
+    """Greedy answers of the export to each question under its chat template."""
+    engine = OnnxComponents(directory, threads, max_sequences=1)
+    tokenizer = engine.exported.tokenizer()
+    return [generate_text(engine, tokenizer, tokenizer.user_turn(question), SamplingParams(max_tokens=max_tokens),
+                          1.0).text for question, _ in questions]
+
+
+def print_task_check(directories: dict[str, Path], max_tokens: int, threads: int) -> None:
+    questions = json.loads(Path(GATE_DEFAULTS["questions"]).read_text(encoding="utf-8"))["questions"]
+    answers = {p: task_answers(d, questions, max_tokens, threads) for p, d in directories.items()}
+    reference = answers.get("fp32")
+    print(f"\ntask check: {len(questions)} short chat questions ({Path(GATE_DEFAULTS['questions']).name}), greedy, "
+          f"at most {max_tokens} tokens")
+    print(" weights | right | answers identical to fp32's")
+    for precision, texts in answers.items():
+        right = sum(answered_right(text, accepted) for text, (_, accepted) in zip(texts, questions))
+        same = f"{sum(a == b for a, b in zip(texts, reference))}/{len(texts)}" if reference else "-"
+        print(f" {precision:>7} | {right:5} | {same}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=str(DEFAULTS["checkpoint"]))
@@ -151,6 +180,8 @@ def main(argv=None) -> None:
     parser.add_argument("--timing-batches", type=int, nargs="+", default=DEFAULTS["timing_batches"])
     parser.add_argument("--timing-context", type=int, default=DEFAULTS["timing_context"], help="latents")
     parser.add_argument("--timing-steps", type=int, default=DEFAULTS["timing_steps"])
+    parser.add_argument("--task-check", action="store_true", help="also ask each export the task check's questions")
+    parser.add_argument("--task-tokens", type=int, default=DEFAULTS["task_tokens"])
     args = parser.parse_args(argv)
     checkpoint = load_checkpoint(args.checkpoint)
     name = Path(args.checkpoint).name
@@ -174,6 +205,8 @@ def main(argv=None) -> None:
         print(f" {precision} backbone: {graph_summary(directory / 'backbone' / 'model.onnx')}; "
               f"weight_quantization {quantization}")
 
+    if args.task_check:
+        print_task_check(directories, args.task_tokens, args.threads)
     if args.timing:
         print(f"\ndecode step, ms, median (p10-p90) of {args.timing_steps}, after {args.timing_context} latents, "
               f"precisions taking turns in 4 runs of consecutive steps")

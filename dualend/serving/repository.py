@@ -13,10 +13,10 @@ from dualend.engine.tokenizer import TextTokenizer
 
 from .model_config import shared_model_config
 
-# The deployments the builder assembles by default and the gateway serves by name: the shipped pair
-# (the canary splits between them) and SmolLM2, imported from its package at build time, alone, converted
-# to pairs, and with a draft head whose drafts are verified.
-PUBLIC_DEPLOYMENTS = ("dualend", "baseline", "smollm2", "smollm2_dualend", "smollm2_mtp")
+# The deployments the builder assembles and the gateway serves by name: the shipped pair (the canary
+# splits between them) and SmolLM2, imported from its package at build time, alone (8-bit), converted to
+# pairs, with a draft head whose drafts are verified, and in fp32 (transformers' text).
+PUBLIC_DEPLOYMENTS = ("dualend", "baseline", "smollm2", "smollm2_dualend", "smollm2_mtp", "smollm2_exact")
 
 
 def max_sequence_latents(raw_context_limit: int, max_new_tokens: int, pair_size: int) -> int:

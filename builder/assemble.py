@@ -90,7 +90,7 @@ DEFAULTS = dict(
     raw_context_limit=0, max_new_tokens=0, kv_block_size=64, kv_cache_mb=512,
     max_concurrent_requests=32, max_queue_size=64, queue_wait_s=30.0, prefill_chunk_tokens=256, idle_timeout_s=60.0,
     prefix_cache_entries=16, prefix_cache_ttl_s=600.0,
-    engine_threads=2, engine_spin=1, preprocessing_instances=1, weight_precision="fp32", draft_max_batch=None,
+    engine_threads=2, preprocessing_instances=1, weight_precision="fp32", draft_max_batch=None,
     draft_min_acceptance=None, fair_rows_per_client=4, fair_linger_s=2.0,
 )
 # Verified drafts while at most this many sequences decode (reports/fused_backbone/: at 16 a verifying
@@ -107,9 +107,6 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
             imported_checkpoints="where packaged models are imported to (default: %(default)s)",
             engine_threads="ONNX Runtime intra-op threads of a deployment's backbone (N for every deployment, NAME=N "
                            "for one; repeatable; default: %(default)s)",
-            engine_spin="1: a deployment's backbone threads keep spinning between decode steps, so each step starts "
-                        "on awake threads (the MTP head then runs on one thread beside them); 0: they sleep at once "
-                        "(N for every deployment, NAME=N for one; repeatable; default: %(default)s)",
             weight_precision="weights of a deployment's backbone and MTP head: fp32 (the reference), int8 or int4 "
                              "(ONNX Runtime MatMulNBits), or w8a8 (8-bit weights and activations, MatMulInteger; "
                              "docs/building.md#weight-precision); P for every deployment, "
@@ -159,7 +156,7 @@ SERVING_SETTINGS = {"dualend": (ROOT / "checkpoints" / "dualend", CHECKPOINT_WEI
 # tokens (its checkpoint says 8192) keep a request's reservation at 90 MiB, so 1536 MiB admits
 # 16 requests at the limits and far more of ordinary length.
 PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefix_cache_entries", "draft_min_acceptance",
-                  "engine_threads", "engine_spin", "draft_max_batch")
+                  "engine_threads", "draft_max_batch")
 EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for precision in WEIGHT_BITS}
 # SmolLM2 is served at 8-bit weights and activations: at one stream as fast as llama.cpp on its 4-bit GGUF,
 # +0.008 nats/token against fp32 (docs/benchmarks.md#8-bit-weights-and-activations-w8a8), but its greedy text
@@ -475,7 +472,7 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
                       raw_context_limit: int, kv_cache_mb: int, synthetic_acceptance: float = -1.0,
                       weights: str = "trained", prefix_cache_entries: int = DEFAULTS["prefix_cache_entries"],
                       draft_min_acceptance: float = 0.0, engine_threads: int = DEFAULTS["engine_threads"],
-                      draft_max_batch: int = DRAFT_MAX_BATCH, engine_spin: int = DEFAULTS["engine_spin"]) -> dict:
+                      draft_max_batch: int = DRAFT_MAX_BATCH) -> dict:
     """Template values: the deployment config (each field, and all of them as `parameters` lines)
     and the tensor dims. max_new_tokens defaults to the whole limit (prompt + max_tokens <=
     raw_context_limit is checked per request)."""
@@ -498,7 +495,7 @@ def deployment_values(name: str, pipeline: str, exported: ExportedModel, args, t
         kv_capacity_blocks=kv_budget_blocks(settings, kv_cache_mb, args.kv_block_size, sequence_slots),
         idle_timeout_s=args.idle_timeout_s,
         prefix_cache_entries=prefix_cache_entries, prefix_cache_ttl_s=args.prefix_cache_ttl_s,
-        engine=args.engine, engine_threads=engine_threads, engine_spin=engine_spin,
+        engine=args.engine, engine_threads=engine_threads,
         compressor_engine="onnxruntime", compressor_threads=1,  # only the backbone is compiled to TensorRT
         synthetic_acceptance=synthetic_acceptance, weights=weights,
         draft_max_batch=draft_max_batch,
@@ -560,8 +557,7 @@ def assemble(args) -> Path:
                                    draft_min_acceptance(args, name, source, precision,
                                                         pair_size == 1 and "mtp" in exported.manifests),
                                    setting(args, "engine_threads", name, source),
-                                   draft_max_batch(args, name, source, exported.settings),
-                                   setting(args, "engine_spin", name, source))
+                                   draft_max_batch(args, name, source, exported.settings))
         render_deployment(name, exported, staging, values)
         write_hf_tokenizer(exported, Path(args.hf_tokenizer) / name)
         print(f"{name}: checkpoint {exported.checkpoint_id}" + (f" (a variant of {source})" if name != source else "")

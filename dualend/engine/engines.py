@@ -10,10 +10,9 @@ from .onnx_engine import ExportedModel, ort_session, verify_session
 ENGINES = ("onnxruntime", "tensorrt")
 
 
-def open_engine(exported: ExportedModel, component: str, engine: str, threads: int | None = None,
-                spin_between_runs: bool = False):
+def open_engine(exported: ExportedModel, component: str, engine: str, threads: int | None = None):
     if engine == "onnxruntime":
-        return ort_session(exported.path(component), threads, spin_between_runs)
+        return ort_session(exported.path(component), threads)
     if engine == "tensorrt":
         from .tensorrt_engine import TensorRTSession
 
@@ -21,8 +20,7 @@ def open_engine(exported: ExportedModel, component: str, engine: str, threads: i
     raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
 
 
-def open_verify_engine(exported: ExportedModel, engine: str, threads: int | None = None,
-                       spin_between_runs: bool = False):
+def open_verify_engine(exported: ExportedModel, engine: str, threads: int | None = None):
     """The backbone's verifying graph on ONNX Runtime, where the export has one; else None (the runner
     then verifies one sequence a call)."""
-    return verify_session(exported, threads, spin_between_runs) if engine == "onnxruntime" else None
+    return verify_session(exported, threads) if engine == "onnxruntime" else None

@@ -86,19 +86,18 @@ def ort_session(path: Path, threads: int | None = None, spin_between_runs: bool 
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # Within a run the worker threads spin between the step's many small parallel sections (woken
     # from sleep each time, one served stream was ~8% slower in int4: reports/backbone_spinning/). After it they
-    # stop at once unless `spin_between_runs`: several sessions of one process taking turns every step
-    # would each keep a core from the one running (measured: decode steps 2x slower on 2 cores). The
-    # in-process engine's backbone, alone, keeps spinning, and so does a served backbone, the one
-    # multi-threaded session of its process, by default (DeploymentConfig.engine_spin).
+    # stop at once unless `spin_between_runs`: several sessions and processes take turns every step,
+    # and threads spinning in an idle one steal the cores from the one running (measured: decode
+    # steps 2x slower on 2 cores). Only the in-process engine's backbone, alone, keeps spinning.
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
     options.add_session_config_entry("session.force_spinning_stop", "0" if spin_between_runs else "1")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def verify_session(exported: "ExportedModel", threads: int | None = None, spin_between_runs: bool = False):
+def verify_session(exported: "ExportedModel", threads: int | None = None):
     """ONNX Runtime's session of the export's verifying graph (VERIFY_FILE), or None where it has none."""
     path = exported.verify_path()
-    return ort_session(path, threads, spin_between_runs) if path else None
+    return ort_session(path, threads) if path else None
 
 
 @dataclass

@@ -65,9 +65,6 @@ class DeploymentConfig:
     # each decodes at most this many of them per step (scheduler.Scheduler; 0: every row, always).
     fair_rows_per_client: int = 0
     fair_linger_s: float = 0.0
-    # The backbone's ONNX Runtime threads keep spinning between decode steps (1) instead of sleeping at
-    # once (0): a step then starts on awake threads (onnx_engine.ort_session).
-    engine_spin: int = 0
 
     def __post_init__(self):
         if self.synthetic_acceptance != -1.0 and not (self.pair_size == 2 and 0 <= self.synthetic_acceptance <= 1):
@@ -76,9 +73,6 @@ class DeploymentConfig:
         if self.fair_rows_per_client < 0 or self.fair_linger_s < 0:
             raise ValueError(f"{self.deployment}: fair_rows_per_client {self.fair_rows_per_client} and fair_linger_s "
                              f"{self.fair_linger_s:g} must be >= 0 (0 rows: steps never shared)")
-        if self.engine_spin not in (0, 1):
-            raise ValueError(f"{self.deployment}: engine_spin {self.engine_spin}: 1 (the backbone's threads spin "
-                             f"between steps) or 0 (they sleep at once)")
         if self.weights not in WEIGHTS:
             raise ValueError(f"{self.deployment}: weights {self.weights!r}, not one of {', '.join(WEIGHTS)}")
 

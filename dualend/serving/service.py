@@ -38,10 +38,7 @@ INPUTS = ("prompt_latents", "request_params", "pipeline_key", "control", "cancel
 class DecodeService:
     def __init__(self, config: DeploymentConfig, exported: ExportedModel, backbone: Backbone, guard: PipelineGuard,
                  metrics: PhaseMetrics, log_warning):
-        # Beside a backbone whose threads spin between steps (one of them holding a core), the MTP head
-        # runs on one thread.
-        local = MTPComponent(exported, max_sequences=config.max_concurrent_requests,
-                             engine_threads=1 if config.engine_spin else config.engine_threads,
+        local = MTPComponent(exported, max_sequences=config.max_concurrent_requests, engine_threads=config.engine_threads,
                              **config.kv_cache_options())
         self.scheduler = Scheduler(
             max_running=config.max_concurrent_requests, max_queue=config.max_queue_size, wait_s=config.queue_wait_s,

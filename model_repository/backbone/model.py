@@ -30,9 +30,8 @@ class TritonPythonModel:
         settings = exported.settings
         self.pool = kv_cache(settings, settings["n_layers"], config.max_concurrent_requests + 1,  # + warm-up
                              **config.kv_cache_options())
-        spin = bool(config.engine_spin)
-        engine = open_engine(exported, "backbone", config.engine, config.engine_threads, spin)
-        verify = open_verify_engine(exported, config.engine, config.engine_threads, spin)
+        engine = open_engine(exported, "backbone", config.engine, config.engine_threads)
+        verify = open_verify_engine(exported, config.engine, config.engine_threads)
         self.runner = BackboneRunner(engine, self.pool, settings["vocab_size"], settings["d_model"], verify)
         self.guard = PipelineGuard(args, exported.checkpoint_id, config.deployment)
         self._warm_up(settings["d_model"])

@@ -11,9 +11,10 @@ build/checkpoints/smollm2 (`--imported-checkpoints`; skipped when already import
 the same sha256; never in git) and served at 8-bit weights and activations (w8a8); `smollm2_exact`
 (built when named) serves the same checkpoint in fp32, transformers' greedy text. Without that
 package the default build leaves smollm2 out and says so. For each deployment it exports the
-checkpoint (skipped when the export already matches the checkpoint id), then writes the six Triton models with their artifacts and manifests and
-configs rendered from model_repository/*/config.pbtxt.template. The repository is written beside
-the target and swapped in whole, so a server never sees half of it.
+checkpoint (skipped when the export already matches the checkpoint id), then writes the six Triton
+models with their artifacts and manifests and configs rendered from
+model_repository/*/config.pbtxt.template. The repository is written beside the target and swapped
+in whole, so a server never sees half of it.
 
 Per-deployment settings (`--raw-context-limit`, `--kv-cache-mb`): `N` sets every deployment's,
 `NAME=N` one deployment's (repeatable; `NAME=N` wins over `N`). Unset, smollm2 serves 2048 tokens

@@ -7,7 +7,7 @@
 #   ROUNDS=1 CONVERSATIONS=2 bash benchmarks/multi_turn_smollm2.sh   # a quicker look
 #   SOAK_S=300 bash benchmarks/multi_turn_smollm2.sh  # then a 5-minute soak of 16 conversations (SOAK_CONVERSATIONS), cancellations mixed in
 # Served deployments (build/bench_multi_turn), through the same gateway and /v1 routes:
-#   smollm2                  the token-level model, fp32, the prefix cache on (16 entries, the default)
+#   smollm2                  the token-level model (w8a8 since 2026-12-05), the prefix cache on (16 entries, the default)
 #   smollm2_nocache          the same, --prefix-cache-entries 0
 #   smollm2_dualend(_nocache) the converted pair model at its calibrated threshold, likewise
 set -euo pipefail

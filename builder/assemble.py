@@ -35,8 +35,8 @@ checkpoints/smollm2_dualend (into --imported-checkpoints; once per adapters sha2
 whose drafts the next step verifies (the same text as smollm2; `--threshold smollm2_mtp=P`: the least
 top probability a draft needs to be fed, default DRAFT_P_MIN).
 `--variant NAME=SOURCE` (benchmarks) also builds NAME from SOURCE's checkpoint with its own settings;
-`--weight-precision [NAME=]int8|int4|w8a8` exports backbone and MTP head weights as MatMulNBits (int8, int4)
-or MatMulInteger (w8a8).
+`--weight-precision [NAME=]fp32|int8|int4|w8a8` exports backbone and MTP head weights as MatMulNBits (int8,
+int4) or MatMulInteger (w8a8); smollm2 is w8a8 unless told otherwise, smollm2_mtp its base's, smollm2_exact fp32.
 
 Inputs: the checkpoints and each dual-end deployment's serving settings (checkpoints/NAME/serving.json,
 written beside the weights by `python -m builder.evaluate` for dualend and `python -m
@@ -111,7 +111,8 @@ HELP = dict(kv_cache_mb="a deployment's KV memory budget in MiB (N for every dep
             weight_precision="weights of a deployment's backbone and MTP head: fp32 (the reference), int8 or int4 "
                              "(ONNX Runtime MatMulNBits), or w8a8 (8-bit weights and activations, MatMulInteger; "
                              "docs/building.md#weight-precision); P for every deployment, "
-                             "NAME=P for one (repeatable; default: %(default)s; smollm2 and smollm2_mtp w8a8)",
+                             "NAME=P for one (repeatable; default: %(default)s; smollm2 w8a8 on ONNX Runtime, smollm2_mtp its "
+                             "base's, smollm2_exact fp32 only)",
             draft_max_batch="a deployment with a draft head feeds drafts only while at most this many sequences "
                             "decode (N for every deployment, NAME=N for one; repeatable; 0: however many; default: "
                             f"{DRAFT_MAX_BATCH_IN_PLACE} where the backbone writes its keys in place (int8, int4, w8a8), "
@@ -144,8 +145,9 @@ CONVERTED = {"smollm2_dualend": ("smollm2", ROOT / "checkpoints" / "smollm2_dual
 # Deployments that are another plus a committed draft head (builder.train draft-head): name -> (base, head folder).
 # Their drafts are verified, so they answer exactly as the base: no quality gate.
 WITH_DRAFT_HEAD = {"smollm2_mtp": ("smollm2", ROOT / "checkpoints" / "smollm2_mtp")}
-# Deployments that serve another's checkpoint with defaults of their own: name -> that deployment.
-SAME_CHECKPOINT = {"smollm2_exact": "smollm2"}
+# Deployments that serve another's checkpoint at a weight precision of their own: name -> (that deployment,
+# the precision; any other is refused).
+SAME_CHECKPOINT = {"smollm2_exact": ("smollm2", "fp32")}
 # A draft head's threshold: the least top probability a draft needs to be fed (decode.VerifyingDecoder).
 DRAFT_P_MIN = 0.0
 # Each dual-end deployment's serving settings (builder.serving_settings: its calibrated
@@ -159,12 +161,13 @@ SERVING_SETTINGS = {"dualend": (ROOT / "checkpoints" / "dualend", CHECKPOINT_WEI
 PER_DEPLOYMENT = ("raw_context_limit", "kv_cache_mb", "weight_precision", "prefix_cache_entries", "draft_min_acceptance",
                   "engine_threads", "draft_max_batch")
 EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for precision in WEIGHT_BITS}
-# SmolLM2 is served at 8-bit weights and activations: at one stream as fast as llama.cpp on its 4-bit GGUF
+# SmolLM2 is served at 8-bit weights and activations (and smollm2_mtp with it: `weight_precision`): on an
+# Intel Xeon with 8-bit matrix units as fast as llama.cpp on its 4-bit GGUF at one stream
 # (reports/default_smollm2/), +0.008 nats/token against fp32, but its greedy text is not transformers' (13 of
 # 44 task answers word for word: reports/weight_precision_task_check.txt); smollm2_exact serves the fp32 weights.
 DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536}
-                       | ({"weight_precision": "w8a8"} if name in ("smollm2", "smollm2_mtp") else {})
                        for name in ("smollm2", "smollm2_dualend", "smollm2_mtp", "smollm2_exact")}
+DEPLOYMENT_DEFAULTS["smollm2"]["weight_precision"] = "w8a8"
 # A draft head's drafts pay above about this share kept: on SmolLM2 a fed draft costs next to nothing
 # in fp32 (reports/draft_pacing.txt), and ~0.13 of a step in int4 with the backbone writing its keys in
 # place (a verifying step 1.06x a plain one, the head 0.56 of 8.19 ms:
@@ -281,8 +284,33 @@ def checkpoint_folder(args, name: str) -> Path:
         return derived_checkpoint(checkpoint_folder(args, base), head, Path(args.imported_checkpoints) / name,
                                   "draft_head")
     if name in SAME_CHECKPOINT:
-        return checkpoint_folder(args, SAME_CHECKPOINT[name])
+        return checkpoint_folder(args, SAME_CHECKPOINT[name][0])
     return Path(args.checkpoints) / name
+
+
+def weight_precision(args, name: str, source: str) -> str:
+    """`setting`'s, except: a deployment with a draft head answers as its base does, so unless a precision
+    is named for it, it takes its base's; one of SAME_CHECKPOINT has its own, and refuses another named;
+    for TensorRT (fp32 only) the defaults are fp32."""
+    given = dict(args.weight_precision)
+    if source in SAME_CHECKPOINT:
+        fixed = SAME_CHECKPOINT[source][1]
+        if given.get(name, fixed) != fixed:
+            raise SystemExit(f"{name}: --weight-precision {name}={given[name]}: {name} serves {fixed} weights only; "
+                             f"build a variant of {SAME_CHECKPOINT[source][0]} for other weights")
+        return fixed
+    if source in WITH_DRAFT_HEAD and name not in given:
+        base = WITH_DRAFT_HEAD[source][0]
+        return weight_precision(args, base, base)
+    if args.engine == "tensorrt" and name not in given and None not in given:
+        return "fp32"
+    return setting(args, "weight_precision", name, source)
+
+
+def export_folder(args, source: str, precision: str) -> Path:
+    """Where a deployment's export lives: one folder per checkpoint and precision (`build/export/smollm2_w8a8`)."""
+    checkpoint = SAME_CHECKPOINT[source][0] if source in SAME_CHECKPOINT else source
+    return Path(args.export_dir) / (checkpoint + EXPORT_SUFFIX[precision])
 
 
 def setting(args, key: str, deployment: str, source: str | None = None):
@@ -380,7 +408,7 @@ def variant(text: str) -> tuple[str, str]:
 def missing_part(name: str) -> str | None:
     """Why deployment `name` cannot be built here (its package not installed), or None."""
     if name in SAME_CHECKPOINT:
-        return missing_part(SAME_CHECKPOINT[name])
+        return missing_part(SAME_CHECKPOINT[name][0])
     if name in CONVERTED:
         base, adapters = CONVERTED[name]
         return missing_part(base) or (None if (adapters / ADAPTERS_CONFIG).exists()
@@ -538,9 +566,11 @@ def assemble(args) -> Path:
     staging.mkdir(parents=True)
     for name, source in deployments.items():
         checkpoint_dir = checkpoint_folder(args, source)
-        precision = setting(args, "weight_precision", name, source)
-        exported = up_to_date_export(checkpoint_dir, Path(args.export_dir) / (SAME_CHECKPOINT.get(source, source)
-                                                                             + EXPORT_SUFFIX[precision]), precision)
+        precision = weight_precision(args, name, source)
+        if args.engine == "tensorrt" and precision != "fp32":
+            raise SystemExit(f"{name}: TensorRT takes fp32 weights only, and {name} would serve {precision}: pass "
+                             f"--weight-precision {name}=fp32")
+        exported = up_to_date_export(checkpoint_dir, export_folder(args, source, precision), precision)
         if args.engine == "tensorrt" and not (exported.directory / "backbone" / "model.plan").exists():
             raise SystemExit(f"{name}: no TensorRT engine; run `python -m builder.tensorrt_build` first")
         # raw_context_limit defaults to the context the checkpoint was trained at

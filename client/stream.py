@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", help="the text; \\n is read as a newline")
     parser.add_argument("--model", default=DEFAULTS["model"],
-                        help="deployment: dualend, baseline, smollm2, or llm (the canary between the first two)")
+                        help="deployment: dualend, baseline, smollm2 (smollm2_mtp, smollm2_exact where built), or llm (the "
+                             "canary between the first two)")
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--url", default=None, help="host:port (default 8001 for gRPC, 8000 for HTTP)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"])

@@ -232,22 +232,34 @@ def test_per_deployment_settings_a_name_wins_over_every_deployment_which_wins_ov
     assert setting(given, "raw_context_limit", "smollm2") == 4096
 
 
-def test_smollm2_and_its_draft_model_are_8_bit_by_default_and_smollm2_exact_is_fp32_from_the_same_checkpoint(
+def test_smollm2_is_8_bit_by_default_its_draft_model_follows_it_and_smollm2_exact_is_fp32_from_its_checkpoint(
         monkeypatch, tmp_path):
     import argparse
 
     import builder.assemble as assemble
 
-    unset = argparse.Namespace(weight_precision=[])
-    assert [assemble.setting(unset, "weight_precision", name) for name in (
-        "smollm2", "smollm2_mtp", "smollm2_exact", "smollm2_dualend", "dualend")] == ["w8a8", "w8a8", "fp32", "fp32",
-                                                                                    "fp32"]
-    assert assemble.setting(unset, "weight_precision", "fast", "smollm2") == "w8a8"  # a variant takes its source's
-    given = argparse.Namespace(weight_precision=[(None, "fp32")])
-    assert assemble.setting(given, "weight_precision", "smollm2") == "fp32"  # a precision given for all wins
+    def precisions(*given, engine="onnxruntime", names=("smollm2", "smollm2_mtp", "smollm2_exact", "dualend")):
+        args = argparse.Namespace(weight_precision=list(given), engine=engine)
+        return [assemble.weight_precision(args, name, name) for name in names]
+
+    assert precisions() == ["w8a8", "w8a8", "fp32", "fp32"]
+    assert precisions(("smollm2", "int4")) == ["int4", "int4", "fp32", "fp32"]  # the draft model answers as its base
+    assert precisions(("smollm2_mtp", "fp32")) == ["w8a8", "fp32", "fp32", "fp32"]  # unless named itself
+    assert precisions((None, "int8")) == ["int8", "int8", "fp32", "int8"]  # exact stays exact
+    assert precisions(engine="tensorrt") == ["fp32"] * 4  # TensorRT builds from fp32 only
+    args = argparse.Namespace(weight_precision=[], engine="onnxruntime")
+    assert assemble.weight_precision(args, "fast", "smollm2") == "w8a8"  # a variant takes its source's
+    assert assemble.weight_precision(args, "fast", "smollm2_mtp") == "w8a8"
+    with pytest.raises(SystemExit, match="smollm2_exact: --weight-precision smollm2_exact=int4: smollm2_exact "
+                                         "serves fp32 weights only"):
+        precisions(("smollm2_exact", "int4"))
+    args = argparse.Namespace(imported_checkpoints=str(tmp_path / "imported"), checkpoints=str(tmp_path / "committed"),
+                              export_dir=str(tmp_path / "export"))
+    assert [assemble.export_folder(args, source, precision).name for source, precision in (
+        ("smollm2", "w8a8"), ("smollm2_exact", "fp32"), ("smollm2", "fp32"), ("smollm2_mtp", "w8a8"))] == [
+        "smollm2_w8a8", "smollm2", "smollm2", "smollm2_mtp_w8a8"]  # one export per checkpoint and precision
     monkeypatch.setattr(assemble, "packaged_source", lambda name: tmp_path / "model.gguf")
     monkeypatch.setattr(assemble, "imported_checkpoint", lambda source, folder: folder)
-    args = argparse.Namespace(imported_checkpoints=str(tmp_path / "imported"), checkpoints=str(tmp_path / "committed"))
     assert assemble.checkpoint_folder(args, "smollm2_exact") == tmp_path / "imported" / "smollm2"
 
 

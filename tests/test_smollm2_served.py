@@ -56,7 +56,7 @@ def served_precision(server, deployment: str) -> str:
 
 
 def test_served_greedy_text_equals_the_in_process_engine(server):
-    """20 prompts x 64 tokens; the in-process engine's equal transformers' (tests/test_import_model.py)."""
+    """20 prompts x 64 tokens, the in-process engine on the same (w8a8) export the reference."""
     differing = []
     for prompt in SMOLLM2_PROMPTS:
         served = stream_grpc(server.grpc_url, "smollm2", prompt, 64, exclude_input_in_output=True)
@@ -70,7 +70,8 @@ def test_served_greedy_text_equals_the_in_process_engine(server):
 def test_smollm2_serves_8_bit_weights_and_smollm2_exact_the_fp32_ones_whose_text_is_transformers(server):
     """The default `smollm2` is the fast build; `smollm2_exact` serves the same checkpoint in fp32, the
     in-process fp32 engine's greedy text (itself transformers': tests/test_import_model.py), 20 x 64."""
-    assert (served_precision(server, "smollm2"), served_precision(server, "smollm2_exact")) == ("w8a8", "fp32")
+    assert [served_precision(server, name) for name in ("smollm2", "smollm2_mtp", "smollm2_exact")] == [
+        "w8a8", "w8a8", "fp32"]
     differing = [prompt for prompt in SMOLLM2_PROMPTS
                  if stream_grpc(server.grpc_url, "smollm2_exact", prompt, 64, exclude_input_in_output=True).text
                  != in_process_text(server, prompt, 64, server.exact_engine)]

@@ -145,9 +145,10 @@ CONVERTED = {"smollm2_dualend": ("smollm2", ROOT / "checkpoints" / "smollm2_dual
 # Deployments that are another plus a committed draft head (builder.train draft-head): name -> (base, head folder).
 # Their drafts are verified, so they answer exactly as the base: no quality gate.
 WITH_DRAFT_HEAD = {"smollm2_mtp": ("smollm2", ROOT / "checkpoints" / "smollm2_mtp")}
-# Deployments that serve another's checkpoint at a weight precision of their own: name -> (that deployment,
-# the precision; any other is refused).
-SAME_CHECKPOINT = {"smollm2_exact": ("smollm2", "fp32")}
+# Variants built in, built when named: name -> the deployment they are built from (as `--variant NAME=SOURCE`).
+BUILT_IN_VARIANTS = {"smollm2_exact": "smollm2"}
+# Deployments whose weights have one precision only (any other named is refused).
+FIXED_PRECISION = {"smollm2_exact": "fp32"}
 # A draft head's threshold: the least top probability a draft needs to be fed (decode.VerifyingDecoder).
 DRAFT_P_MIN = 0.0
 # Each dual-end deployment's serving settings (builder.serving_settings: its calibrated
@@ -166,7 +167,7 @@ EXPORT_SUFFIX = {precision: "" if precision == "fp32" else f"_{precision}" for p
 # (reports/default_smollm2/), +0.008 nats/token against fp32, but its greedy text is not transformers' (13 of
 # 44 task answers word for word: reports/weight_precision_task_check.txt); smollm2_exact serves the fp32 weights.
 DEPLOYMENT_DEFAULTS = {name: {"raw_context_limit": 2048, "kv_cache_mb": 1536}
-                       for name in ("smollm2", "smollm2_dualend", "smollm2_mtp", "smollm2_exact")}
+                       for name in ("smollm2", "smollm2_dualend", "smollm2_mtp")}
 DEPLOYMENT_DEFAULTS["smollm2"]["weight_precision"] = "w8a8"
 # A draft head's drafts pay above about this share kept: on SmolLM2 a fed draft costs next to nothing
 # in fp32 (reports/draft_pacing.txt), and ~0.13 of a step in int4 with the backbone writing its keys in
@@ -283,21 +284,19 @@ def checkpoint_folder(args, name: str) -> Path:
         base, head = WITH_DRAFT_HEAD[name]
         return derived_checkpoint(checkpoint_folder(args, base), head, Path(args.imported_checkpoints) / name,
                                   "draft_head")
-    if name in SAME_CHECKPOINT:
-        return checkpoint_folder(args, SAME_CHECKPOINT[name][0])
     return Path(args.checkpoints) / name
 
 
 def weight_precision(args, name: str, source: str) -> str:
     """`setting`'s, except: a deployment with a draft head answers as its base does, so unless a precision
-    is named for it, it takes its base's; one of SAME_CHECKPOINT has its own, and refuses another named;
+    is named for it, it takes its base's; one of FIXED_PRECISION has its own, and refuses another named;
     for TensorRT (fp32 only) the defaults are fp32."""
     given = dict(args.weight_precision)
-    if source in SAME_CHECKPOINT:
-        fixed = SAME_CHECKPOINT[source][1]
+    if name in FIXED_PRECISION:
+        fixed = FIXED_PRECISION[name]
         if given.get(name, fixed) != fixed:
             raise SystemExit(f"{name}: --weight-precision {name}={given[name]}: {name} serves {fixed} weights only; "
-                             f"build a variant of {SAME_CHECKPOINT[source][0]} for other weights")
+                             f"build a variant of {source} for other weights")
         return fixed
     if source in WITH_DRAFT_HEAD and name not in given:
         base = WITH_DRAFT_HEAD[source][0]
@@ -305,12 +304,6 @@ def weight_precision(args, name: str, source: str) -> str:
     if args.engine == "tensorrt" and name not in given and None not in given:
         return "fp32"
     return setting(args, "weight_precision", name, source)
-
-
-def export_folder(args, source: str, precision: str) -> Path:
-    """Where a deployment's export lives: one folder per checkpoint and precision (`build/export/smollm2_w8a8`)."""
-    checkpoint = SAME_CHECKPOINT[source][0] if source in SAME_CHECKPOINT else source
-    return Path(args.export_dir) / (checkpoint + EXPORT_SUFFIX[precision])
 
 
 def setting(args, key: str, deployment: str, source: str | None = None):
@@ -407,8 +400,6 @@ def variant(text: str) -> tuple[str, str]:
 
 def missing_part(name: str) -> str | None:
     """Why deployment `name` cannot be built here (its package not installed), or None."""
-    if name in SAME_CHECKPOINT:
-        return missing_part(SAME_CHECKPOINT[name][0])
     if name in CONVERTED:
         base, adapters = CONVERTED[name]
         return missing_part(base) or (None if (adapters / ADAPTERS_CONFIG).exists()
@@ -447,7 +438,7 @@ def chosen_deployments(asked: list[str] | None, variants: dict[str, str] | None 
     source): those asked for and the variants, or the defaults less those whose package is not
     installed or whose quality gate did not pass (each said in one line). One asked for that cannot
     be built is refused."""
-    deployments = {name: name for name in asked or DEPLOYMENTS} | dict(variants or {})
+    deployments = {name: BUILT_IN_VARIANTS.get(name, name) for name in asked or DEPLOYMENTS} | dict(variants or {})
     for name, source in list(deployments.items()):
         reason = missing_part(source) or (None if asked or name != source else failed_gate(name))
         if reason is None:
@@ -570,7 +561,8 @@ def assemble(args) -> Path:
         if args.engine == "tensorrt" and precision != "fp32":
             raise SystemExit(f"{name}: TensorRT takes fp32 weights only, and {name} would serve {precision}: pass "
                              f"--weight-precision {name}=fp32")
-        exported = up_to_date_export(checkpoint_dir, export_folder(args, source, precision), precision)
+        exported = up_to_date_export(checkpoint_dir, Path(args.export_dir) / (source + EXPORT_SUFFIX[precision]),
+                                     precision)
         if args.engine == "tensorrt" and not (exported.directory / "backbone" / "model.plan").exists():
             raise SystemExit(f"{name}: no TensorRT engine; run `python -m builder.tensorrt_build` first")
         # raw_context_limit defaults to the context the checkpoint was trained at

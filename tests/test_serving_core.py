@@ -233,14 +233,14 @@ def test_per_deployment_settings_a_name_wins_over_every_deployment_which_wins_ov
 
 
 def test_smollm2_is_8_bit_by_default_its_draft_model_follows_it_and_smollm2_exact_is_fp32_from_its_checkpoint(
-        monkeypatch, tmp_path):
+        monkeypatch):
     import argparse
 
     import builder.assemble as assemble
 
     def precisions(*given, engine="onnxruntime", names=("smollm2", "smollm2_mtp", "smollm2_exact", "dualend")):
         args = argparse.Namespace(weight_precision=list(given), engine=engine)
-        return [assemble.weight_precision(args, name, name) for name in names]
+        return [assemble.weight_precision(args, name, assemble.BUILT_IN_VARIANTS.get(name, name)) for name in names]
 
     assert precisions() == ["w8a8", "w8a8", "fp32", "fp32"]
     assert precisions(("smollm2", "int4")) == ["int4", "int4", "fp32", "fp32"]  # the draft model answers as its base
@@ -253,14 +253,10 @@ def test_smollm2_is_8_bit_by_default_its_draft_model_follows_it_and_smollm2_exac
     with pytest.raises(SystemExit, match="smollm2_exact: --weight-precision smollm2_exact=int4: smollm2_exact "
                                          "serves fp32 weights only"):
         precisions(("smollm2_exact", "int4"))
-    args = argparse.Namespace(imported_checkpoints=str(tmp_path / "imported"), checkpoints=str(tmp_path / "committed"),
-                              export_dir=str(tmp_path / "export"))
-    assert [assemble.export_folder(args, source, precision).name for source, precision in (
-        ("smollm2", "w8a8"), ("smollm2_exact", "fp32"), ("smollm2", "fp32"), ("smollm2_mtp", "w8a8"))] == [
-        "smollm2_w8a8", "smollm2", "smollm2", "smollm2_mtp_w8a8"]  # one export per checkpoint and precision
-    monkeypatch.setattr(assemble, "packaged_source", lambda name: tmp_path / "model.gguf")
-    monkeypatch.setattr(assemble, "imported_checkpoint", lambda source, folder: folder)
-    assert assemble.checkpoint_folder(args, "smollm2_exact") == tmp_path / "imported" / "smollm2"
+    monkeypatch.setattr(assemble, "missing_part", lambda name: None)
+    # built from smollm2's checkpoint into smollm2's export folder of its precision (build/export/smollm2)
+    assert assemble.chosen_deployments(["smollm2", "smollm2_exact"]) == {"smollm2": "smollm2",
+                                                                        "smollm2_exact": "smollm2"}
 
 
 def test_assemble_leaves_a_packaged_model_out_of_the_default_build_without_its_package(monkeypatch, capsys):

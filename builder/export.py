@@ -60,7 +60,8 @@ WEIGHT_BITS = {"fp32": None, "int8": 8, "int4": 4, "w8a8": 8}  # weight_precisio
 PER_CHANNEL_PRECISION = "w8a8"
 # Its backbone's activations are smoothed (builder.quantize.smoothing) by the largest input of each product
 # over this calibration text, the train split's (benchmarks.weight_precision scores the report split's).
-CALIBRATION = {"text": "stdlib train split", "chunks": 8, "tokens": 256, "seed": 0, "strength": 0.6}
+CALIBRATION_SPLIT = "train"
+CALIBRATION = {"text": f"stdlib {CALIBRATION_SPLIT} split", "chunks": 8, "tokens": 256, "seed": 0, "strength": 0.6}
 QUANT_BLOCK_SIZE = 32  # weights along the input dimension that share one scale (GGUF's Q4_x and Q8_0 blocks)
 # MatMulNBits accuracy_level 4: activations are quantized to int8 per block at run time, so the CPU
 # multiplies on its integer dot-product units; ONNX Runtime's CPU kernels have no fast path on fp32
@@ -170,7 +171,7 @@ def weight_settings(weight_precision: str, head_dim: int) -> dict:
 def calibration_rows(checkpoint: Checkpoint, calibration: dict) -> torch.Tensor:
     """[chunks, tokens] token ids of the calibration text, BOS first, `tokens` a multiple of the pair size."""
     tokenizer, tokens = checkpoint.tokenizer, calibration["tokens"] - calibration["tokens"] % checkpoint.config.pair_size
-    stream, rows = stdlib_chunks("train", chunk_chars=6 * tokens, seed=calibration["seed"]), []
+    stream, rows = stdlib_chunks(CALIBRATION_SPLIT, chunk_chars=6 * tokens, seed=calibration["seed"]), []
     while len(rows) < calibration["chunks"]:
         ids = tokenizer.encode(next(stream))
         if len(ids) >= tokens - 1:

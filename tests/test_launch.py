@@ -190,6 +190,21 @@ def test_a_repository_built_from_other_adapter_sources_is_refused(tmp_path):
         check_repository(tmp_path / "missing")
 
 
+def test_a_repository_whose_ensemble_config_tritonserver_cannot_read_is_refused_before_the_start(tmp_path):
+    """The watchdog and the API list the ensembles from their configs: a variant's broken config.pbtxt
+    stops the launcher with its path, before tritonserver starts, not with a traceback once it runs."""
+    from dualend.ops.launch import RepositoryMissingError, check_repository
+
+    (tmp_path / "dualend_int4").mkdir()
+    (tmp_path / "dualend_int4" / "config.pbtxt").write_text('platform: "ensemble"\nensemble_scheduling { step [ {\n')
+    with pytest.raises(RepositoryMissingError, match=r"cannot read, .*dualend_int4/config.pbtxt.*mend or remove"):
+        check_repository(tmp_path)
+    (tmp_path / "dualend_int4" / "config.pbtxt").write_text(
+        'platform: "ensemble"\nensemble_scheduling { step [ { model_name: "dualend_int4_v2_preprocessing" '
+        'model_version: -1 } ] }\n')
+    assert check_repository(tmp_path) == tmp_path
+
+
 def test_the_watchdog_marks_the_server_not_live_after_repeated_failed_restores_and_clears_it_after(tmp_path):
     from types import SimpleNamespace
 

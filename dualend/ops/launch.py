@@ -45,6 +45,7 @@ from typing import Sequence
 from dualend.engine.manifest import verify_component
 from dualend.serving.control import drain_request
 from dualend.serving.keys import PIPELINE_SECRET_ENV, pipeline_key
+from dualend.serving.model_config import ModelConfigError
 from dualend.serving.repository import (
     PUBLIC_DEPLOYMENTS,
     pipeline_name,
@@ -250,6 +251,11 @@ def check_repository(model_repository: Path | str) -> Path:
             f"({', '.join(stale[:3])}{' ...' if len(stale) > 3 else ''}: model.py differs from model_repository/); "
             f"serving it would run the old code. Rebuild it: rm -rf {model_repository} build/export && "
             f"{BUILD_COMMAND} (with the flags you built it with)")
+    try:  # the watchdog and the API read every ensemble's config: a broken one is refused before anything starts
+        served_deployments(model_repository)
+    except ModelConfigError as error:
+        raise RepositoryMissingError(f"model repository {model_repository} holds a model config tritonserver "
+                                     f"cannot read, {error}; mend or remove that folder") from None
     return model_repository
 
 

@@ -91,8 +91,10 @@ CONVERT_DEFAULTS = dict(
 DRAFT_HEAD_DEFAULTS = dict(
     batch_size=8, seq_tokens=192, lr=1e-3, warmup=20, time_limit_minutes=10.0, eval_every=25, eval_rows=32,
     chat_prompts=384, chat_fraction=0.6, chat_tokens=96, seed=0, threads=2, draft_vocab=8192,
-    decay_tokens=0, decay_minutes=0.0, steps=0,
+    decay_tokens=0, decay_minutes=0.0, steps=0, greedy_weight=0.0,
 )
+DRAFT_HEAD_HELP = {"greedy_weight": "add this weight x the head's cross-entropy against the base's top token to the "
+                                    "KL (greedy requests keep a draft only when it is that token; 0: KL alone)"}
 
 RECORD_SOURCES = {"open": "open-ended chat requests (dualend.train.open_prompts)",
                   "task": "the project's task questions under the chat template",
@@ -569,7 +571,7 @@ class BaseRunDraftData:
         """The loss of the next batch, its figures, and the tokens it read."""
         tokens, valid, start = token_rows([next(self.stream) for _ in range(self.args.batch_size)],
                                           self.base.config.pad_id, self.args.seq_tokens)
-        return *draft_head.draft_loss(model, tokens, valid, start), int(valid.sum())
+        return *draft_head.draft_loss(model, tokens, valid, start, self.args.greedy_weight), int(valid.sum())
 
     def held_out_figures(self, model: LanguageModel) -> dict:
         _, figures = draft_head.draft_loss(model, *self.held_out)
@@ -613,7 +615,7 @@ class RecordDraftData:
     def train_loss(self, model: LanguageModel) -> tuple[torch.Tensor, dict, int]:
         """The loss of the next batch, its figures, and the tokens it read."""
         records = self.rng.sample(self.train, self.args.batch_size)
-        return *draft_head.record_loss(model, draft_head.record_rows(records), self.ids), \
+        return *draft_head.record_loss(model, draft_head.record_rows(records), self.ids, self.args.greedy_weight), \
             sum(len(r["tokens"]) for r in records)
 
     def held_out_figures(self, model: LanguageModel) -> dict:
@@ -876,7 +878,7 @@ def main(argv=None) -> None:
                          help="the run folder (under torchrun write --run-dir: torchrun reads --run as its --run-path)")
     head = sub.add_parser("draft-head", help="an MTP draft head on a frozen token-level checkpoint")
     for key, value in DRAFT_HEAD_DEFAULTS.items():
-        head.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+        head.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value, help=DRAFT_HEAD_HELP.get(key))
     head.add_argument("--baseline", required=True, help="the token-level checkpoint (frozen; the teacher)")
     head.add_argument("--run", required=True)
     head.add_argument("--records", nargs="+", help="train from these teacher records folders (draft-head-records; "

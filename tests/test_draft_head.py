@@ -404,6 +404,19 @@ def test_the_loss_on_records_is_the_loss_with_the_base_run_on_the_same_text(tiny
     assert narrow_kl.item() == pytest.approx((p.exp() * (p - q)).sum(-1).mean().item(), rel=2e-2)
     drafted = ids[head_logits[scored][:, ids].argmax(-1)]
     assert narrow["top1"] == pytest.approx((drafted == base_logits[scored].argmax(-1)).float().mean().item())
+    # --greedy-weight: the head's cross-entropy against the base's top token added to the KL, which the
+    # figures still report alone; both ways of training take it alike
+    with torch.no_grad():
+        weighted, figures = draft_head.record_loss(model, draft_head.record_rows(records), ids, greedy_weight=0.5)
+        weighted_on_base_run, _ = draft_head.draft_loss(model, tokens, valid, start, greedy_weight=0.5)
+        wide_weighted, _ = draft_head.record_loss(model, draft_head.record_rows(records),
+                                                  torch.arange(base.cfg.vocab_size), greedy_weight=0.5)
+    head_ids = head_logits[scored][:, ids]
+    cross_entropy = -head_ids.log_softmax(-1)[torch.arange(len(head_ids)), base_logits[scored][:, ids].argmax(-1)]
+    assert weighted.item() == pytest.approx(narrow_kl.item() + 0.5 * cross_entropy.mean().item(), rel=2e-2)
+    assert figures["kl"] == pytest.approx(narrow["kl"]) and figures["top1"] == narrow["top1"]
+    assert cross_entropy.mean().item() > 0.1  # the untrained head's drafts are not yet the base's: the term counts
+    assert wide_weighted.item() == pytest.approx(weighted_on_base_run.item(), rel=2e-2)
 
 
 def test_records_from_an_export_are_what_its_engine_chooses(tiny_tokenizer, tmp_path, monkeypatch, exported):

@@ -69,14 +69,24 @@ def head_state(model: LanguageModel) -> dict[str, torch.Tensor]:
     return {f"mtp.{name}": t.detach().contiguous() for name, t in model.mtp.state_dict().items()}
 
 
+def distillation_loss(target: torch.Tensor, drafted: torch.Tensor, greedy_weight: float = 0.0) -> torch.Tensor:
+    """KL(base || head) over rows [N, V] of logits, plus `greedy_weight` x the head's cross-entropy
+    against the base's top token: a greedy request keeps a draft only when it is that token, which the
+    KL alone weighs no more than the shape of the distribution's tail."""
+    loss = _kl(target, drafted)
+    if greedy_weight and len(target):
+        loss = loss + greedy_weight * torch.nn.functional.cross_entropy(drafted.float(), target.argmax(-1))
+    return loss
+
+
 def draft_loss(model: LanguageModel, tokens: torch.Tensor, valid: torch.Tensor,
-               start: torch.Tensor) -> tuple[torch.Tensor, dict]:
+               start: torch.Tensor, greedy_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
     """tokens, valid: [B, T]; start: [B], each row's first drafting position (its prompt's last).
 
     The head at p reads (h[p], x[p+1]) and is scored against the base at p+1, from `start` on, as
     served: its attention sees the positions from `start` only (its cache begins with the first
-    decode step). KL(base || head) over positions whose p+1 and p+2 are real tokens of the row, and
-    the head's top-1 agreement with the base's (the greedy acceptance)."""
+    decode step). `distillation_loss` over positions whose p+1 and p+2 are real tokens of the row; the
+    figures: its KL part and the head's top-1 agreement with the base's (the greedy acceptance)."""
     with torch.no_grad():
         hidden = teacher_hidden(model, tokens)  # [B, T, D]
     batch, length = tokens.shape
@@ -87,9 +97,9 @@ def draft_loss(model: LanguageModel, tokens: torch.Tensor, valid: torch.Tensor,
     with torch.no_grad():
         target = model.lm_head(hidden[:, 1:][keep])
     drafted = draft_logits[keep]
-    kl = _kl(target, drafted)
     agree = (drafted.argmax(-1) == target.argmax(-1)).float().mean().item() if len(target) else 0.0
-    return kl, {"kl": kl.item(), "top1": agree, "positions": int(keep.sum())}
+    return (distillation_loss(target, drafted, greedy_weight),
+            {"kl": _kl(target, drafted).item(), "top1": agree, "positions": int(keep.sum())})
 
 
 # Teacher records: the base's continuations with the hidden states that gave them, so that
@@ -154,19 +164,20 @@ def record_rows(records: list[dict]) -> dict[str, torch.Tensor]:
     return rows
 
 
-def record_loss(model: LanguageModel, rows: dict[str, torch.Tensor], draft_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """KL(base || head) over the `draft_ids` tokens (both renormalised over them: what a head drafting
-    from them can learn) and the share of positions where the head's draft is the base's greedy
-    choice (the greedy first-draft acceptance), on record rows."""
+def record_loss(model: LanguageModel, rows: dict[str, torch.Tensor], draft_ids: torch.Tensor,
+                greedy_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """`distillation_loss` over the `draft_ids` tokens (both distributions renormalised over them: what
+    a head drafting from them can learn); the figures: its KL part and the share of positions where the
+    head's draft is the base's recorded choice (greedy records: the greedy first-draft acceptance)."""
     valid = rows["valid"]
     mtp_hidden, _, _ = model.mtp(model.embedding(rows["next_tokens"]), rows["hidden"], rows["positions"], valid)
     output = model.output_weight[draft_ids]
     drafted = mtp_hidden[valid] @ output.T
     with torch.no_grad():
         target = rows["target_hidden"][valid] @ output.T
-    kl = _kl(target, drafted)
     agree = (draft_ids[drafted.argmax(-1)] == rows["target_tokens"][valid]).float().mean().item() if len(target) else 0.0
-    return kl, {"kl": kl.item(), "top1": agree, "positions": int(valid.sum())}
+    return (distillation_loss(target, drafted, greedy_weight),
+            {"kl": _kl(target, drafted).item(), "top1": agree, "positions": int(valid.sum())})
 
 
 def weights_sha256(directory: str | Path) -> str:

@@ -103,8 +103,8 @@ RECORD_SOURCES = {"open": "open-ended chat requests (dualend.train.open_prompts)
 RECORDS_HELP = {"temperature": "0: greedy training continuations; above: sampled at this temperature (other text after "
                                 "the same prompts); held-out ones are always greedy"}
 RECORDS_DEFAULTS = dict(
-    open=1633, task=384, text=600, held_out_open=64, held_out_task=32, held_out_text=32, max_tokens=192,
-    text_tokens=64, rows=48, temperature=0.0, time_limit_minutes=0.0, seed=0, threads=2,
+    open=len(open_prompts("train")), task=384, text=600, held_out_open=64, held_out_task=32, held_out_text=32,
+    max_tokens=192, text_tokens=64, rows=48, temperature=0.0, time_limit_minutes=0.0, seed=0, threads=2,
 )
 
 

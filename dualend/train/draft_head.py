@@ -69,14 +69,15 @@ def head_state(model: LanguageModel) -> dict[str, torch.Tensor]:
     return {f"mtp.{name}": t.detach().contiguous() for name, t in model.mtp.state_dict().items()}
 
 
-def distillation_loss(target: torch.Tensor, drafted: torch.Tensor, greedy_weight: float = 0.0) -> torch.Tensor:
-    """KL(base || head) over rows [N, V] of logits, plus `greedy_weight` x the head's cross-entropy
-    against the base's top token: a greedy request keeps a draft only when it is that token, which the
-    KL alone weighs no more than the shape of the distribution's tail."""
-    loss = _kl(target, drafted)
+def distillation_loss(target: torch.Tensor, drafted: torch.Tensor,
+                      greedy_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, its KL part): KL(base || head) over rows [N, V] of logits, plus `greedy_weight` x the
+    head's cross-entropy against the base's top token: a greedy request keeps a draft only when it is
+    that token, which the KL alone weighs no more than the shape of the distribution's tail."""
+    kl = _kl(target, drafted)
     if greedy_weight and len(target):
-        loss = loss + greedy_weight * torch.nn.functional.cross_entropy(drafted.float(), target.argmax(-1))
-    return loss
+        return kl + greedy_weight * torch.nn.functional.cross_entropy(drafted.float(), target.argmax(-1)), kl
+    return kl, kl
 
 
 def draft_loss(model: LanguageModel, tokens: torch.Tensor, valid: torch.Tensor,
@@ -98,8 +99,8 @@ def draft_loss(model: LanguageModel, tokens: torch.Tensor, valid: torch.Tensor,
         target = model.lm_head(hidden[:, 1:][keep])
     drafted = draft_logits[keep]
     agree = (drafted.argmax(-1) == target.argmax(-1)).float().mean().item() if len(target) else 0.0
-    return (distillation_loss(target, drafted, greedy_weight),
-            {"kl": _kl(target, drafted).item(), "top1": agree, "positions": int(keep.sum())})
+    loss, kl = distillation_loss(target, drafted, greedy_weight)
+    return loss, {"kl": kl.item(), "top1": agree, "positions": int(keep.sum())}
 
 
 # Teacher records: the base's continuations with the hidden states that gave them, so that
@@ -176,8 +177,8 @@ def record_loss(model: LanguageModel, rows: dict[str, torch.Tensor], draft_ids: 
     with torch.no_grad():
         target = rows["target_hidden"][valid] @ output.T
     agree = (draft_ids[drafted.argmax(-1)] == rows["target_tokens"][valid]).float().mean().item() if len(target) else 0.0
-    return (distillation_loss(target, drafted, greedy_weight),
-            {"kl": _kl(target, drafted).item(), "top1": agree, "positions": int(valid.sum())})
+    loss, kl = distillation_loss(target, drafted, greedy_weight)
+    return loss, {"kl": kl.item(), "top1": agree, "positions": int(valid.sum())}
 
 
 def weights_sha256(directory: str | Path) -> str:

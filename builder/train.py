@@ -101,9 +101,12 @@ RECORD_SOURCES = {"open": "open-ended chat requests (dualend.train.open_prompts)
                   "text": "standard-library text windows continued as raw text"}
 # `draft-head-records`: prompts per source (RECORD_SOURCES) for training and for the held-out shard.
 RECORDS_HELP = {"temperature": "0: greedy training continuations; above: sampled at this temperature (other text after "
-                                "the same prompts); held-out ones are always greedy"}
+                                "the same prompts); held-out ones are always greedy",
+                "open_from": "skip the first N training open requests (an earlier folder's --open N: a list keeps "
+                             "its order when topics are added, so from N on is what that folder lacks)"}
 RECORDS_DEFAULTS = dict(
-    open=len(open_prompts("train")), task=384, text=600, held_out_open=64, held_out_task=32, held_out_text=32,
+    open=len(open_prompts("train")), open_from=0, task=384, text=600,
+    held_out_open=64, held_out_task=32, held_out_text=32,
     max_tokens=192, text_tokens=64, rows=48, temperature=0.0, time_limit_minutes=0.0, seed=0, threads=2,
 )
 
@@ -727,15 +730,15 @@ def cmd_draft_head(args) -> None:
 
 
 def record_prompts(tokenizer: TextTokenizer, split: str, counts: dict[str, int], text_tokens: int,
-                   seed: int) -> list[tuple[str, list[int]]]:
+                   seed: int, open_from: int = 0) -> list[tuple[str, list[int]]]:
     """(source, prompt tokens) for each source's first `counts[source]` prompts of `split` ("train" or
-    "held_out"), shuffled together; a question is a user turn under the chat template (as it is, for a
-    tokenizer without one)."""
+    "held_out"), the open requests from the `open_from`th, shuffled together; a question is a user turn
+    under the chat template (as it is, for a tokenizer without one)."""
     def chat(question: str) -> list[int]:
         return tokenizer.encode_prompt(tokenizer.user_turn(question)
                                        if tokenizer.chat_template else question)
 
-    made = [("open", chat(q)) for q in open_prompts(split, seed)[:counts["open"]]]
+    made = [("open", chat(q)) for q in open_prompts(split, seed)[open_from:open_from + counts["open"]]]
     made += [("task", chat(q)) for q in conversion.chat_prompts("train" if split == "train" else "calibration",
                                                                  counts["task"], seed)]
     windows = stdlib_chunks("train" if split == "train" else "calibration", 8 * text_tokens, seed)
@@ -766,18 +769,18 @@ def cmd_draft_head_records(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"base": base.id, "max_tokens": args.max_tokens, "text_tokens": args.text_tokens, "seed": args.seed,
             "rows": args.rows, "temperature": args.temperature, "engine": engine_label,
-            "train": {"open": args.open, "task": args.task, "text": args.text},
+            "open_from": args.open_from, "train": {"open": args.open, "task": args.task, "text": args.text},
             "held_out": {"open": args.held_out_open, "task": args.held_out_task, "text": args.held_out_text}}
     meta_path = out / "records.json"
-    # (a folder written before --temperature and --engine existed holds greedy records made by torch)
-    if meta_path.exists() and {"temperature": 0.0, "engine": "torch",
+    # (a folder written before --temperature, --engine and --open-from: greedy records made by torch, from the first)
+    if meta_path.exists() and {"temperature": 0.0, "engine": "torch", "open_from": 0,
                                **json.loads(meta_path.read_text(encoding="utf-8"))} != meta:
         sys.exit(f"{out} holds records made otherwise ({meta_path}); choose another --out")
     meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     deadline = time.time() + 60 * args.time_limit_minutes if args.time_limit_minutes else float("inf")
     shards = ([("held_out", record_prompts(base.tokenizer, "held_out", meta["held_out"], args.text_tokens, args.seed))]
               if any(meta["held_out"].values()) else [])
-    train = record_prompts(base.tokenizer, "train", meta["train"], args.text_tokens, args.seed)
+    train = record_prompts(base.tokenizer, "train", meta["train"], args.text_tokens, args.seed, args.open_from)
     shards += [(f"train_{i // args.rows:04d}", train[i:i + args.rows]) for i in range(0, len(train), args.rows)]
     for name, prompts in shards:
         path = out / f"{name}.pt"

@@ -456,6 +456,32 @@ def test_records_from_an_export_are_what_its_engine_chooses(tiny_tokenizer, tmp_
         train.main(command[:-2] + ["--out", str(tmp_path / "other"), "--engine", str(exported["baseline"][1])])
 
 
+def test_records_from_the_nth_open_request_are_those_an_earlier_folder_of_n_lacks(tiny_tokenizer, monkeypatch):
+    from builder import train
+    monkeypatch.setattr(train, "open_prompts", lambda split, seed: [f"Q: {i}+{i}\nA:" for i in range(9)])
+    counts = {"open": 9, "task": 0, "text": 2}
+    every = train.record_prompts(tiny_tokenizer, "train", counts, 12, seed=0)
+    earlier = train.record_prompts(tiny_tokenizer, "train", {**counts, "open": 6}, 12, seed=0)
+    rest = train.record_prompts(tiny_tokenizer, "train", {**counts, "text": 0}, 12, seed=0, open_from=6)
+    assert len(rest) == 3 and sorted(earlier + rest) == sorted(every)
+
+
+def test_topics_added_in_a_new_edition_come_after_every_earlier_request(monkeypatch):
+    from dualend.train import open_prompts as module
+    before = {split: module.open_prompts(split, seed=3) for split in ("train", "held_out")}
+    edition = {"food": ("cornbread", "gazpacho", "poutine", "shakshuka", "jollof rice", "borscht", "ceviche"),
+               "animal": ("axolotls", "capybaras", "pangolins", "narwhals", "meerkats", "puffins", "tapirs")}
+    monkeypatch.setattr(module, "TOPIC_EDITIONS", module.TOPIC_EDITIONS + (edition,))
+    new_topics = [topic for topics in edition.values() for topic in topics]
+    added = 0
+    for split, earlier in before.items():
+        after = module.open_prompts(split, seed=3)
+        assert after[:len(earlier)] == earlier
+        assert all(sum(topic in request for topic in new_topics) == 1 for request in after[len(earlier):])
+        added += len(after) - len(earlier)
+    assert added == sum(len(module.TEMPLATES[kind]) * len(topics) for kind, topics in edition.items())
+
+
 def test_a_head_trained_from_records_learns_the_bases_held_out_continuations(tiny_tokenizer, tmp_path, monkeypatch):
     """draft-head-records then draft-head --records, as a user runs them, on a tiny base."""
     from builder import train

@@ -3,7 +3,9 @@ the answers users ask for, beside the project's short task questions (`data.FAMI
 
 Each request is a template of a kind of topic filled with one topic. The split goes by topic, so a
 held-out request is about something training never saw; the topics of the served benchmarks'
-questions (`BENCHMARK_TOPICS`) are always held out.
+questions (`BENCHMARK_TOPICS`) are always held out. Topics come in editions: a later edition's requests
+follow every earlier one's in each list, so adding topics never changes a list's first requests (the
+records and benchmarks made before keep theirs).
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ TEMPLATES = {
     ),
 }
 
-TOPICS = {
+FIRST_TOPICS = {
     "object": (
         "bicycle", "refrigerator", "camera", "clock", "rocket", "piano", "battery", "compass", "telescope",
         "microwave oven", "printer", "car engine", "kite", "door lock", "radio", "thermometer", "smartphone",
@@ -166,6 +168,133 @@ TOPICS = {
     ),
 }
 
+# 590 topics more (2026-12-05), written to fit every template of their kind
+SECOND_TOPICS = {
+    "object": (
+        "food processor", "slow cooker", "rice cooker", "waffle iron", "stand mixer", "hair dryer", "toothbrush",
+        "space heater", "humidifier", "treadmill", "rowing machine", "lawn mower", "leaf blower", "chainsaw",
+        "power drill", "hammer", "screwdriver", "tape measure", "flashlight", "thermos", "pocket knife",
+        "pressure washer", "shopping cart", "trampoline", "saxophone", "flute", "cello", "banjo", "xylophone", "harp",
+        "record player", "television", "projector", "laptop", "tablet computer", "wifi router", "memory card", "webcam",
+        "microphone", "doorbell", "thermostat", "lawn sprinkler", "greenhouse", "water wheel", "spinning wheel", "loom",
+        "globe", "pencil sharpener", "stapler", "paper shredder", "whiteboard", "zipper", "mirror", "candle",
+        "fireplace", "wood stove", "radiator", "water heater", "garage door opener", "kitchen scale", "can opener",
+        "corkscrew", "frying pan", "teapot", "french press", "juicer", "steam iron", "tumble dryer", "motorcycle",
+        "tractor", "snowmobile", "periscope", "kaleidoscope", "yo-yo", "Rubik's cube", "music box", "jigsaw puzzle",
+        "hammock", "desk lamp", "vending machine", "cash register", "mailbox", "suitcase", "baby stroller", "seat belt",
+        "windshield wiper", "speedometer", "pedometer", "stopwatch", "pulley",
+    ),
+    "nature": (
+        "frost", "rain", "humidity", "the nitrogen cycle", "metamorphosis", "hibernation", "camouflage",
+        "bioluminescence", "echolocation", "fermentation", "decomposition", "evaporation", "static electricity",
+        "friction", "buoyancy", "an echo", "a meteor shower", "a heat wave", "a drought", "a flood", "a landslide",
+        "an avalanche", "the monsoon", "a blizzard", "a sandstorm", "a waterspout", "a sinkhole", "a whirlpool",
+        "a mirage", "a rogue wave", "the jet stream", "permafrost", "the midnight sun", "a supermoon",
+        "plate tectonics", "the color of the sky", "birdsong", "yawning", "sneezing", "aging", "the Doppler effect",
+        "a sonic boom", "a moon halo", "an algae bloom", "the spring thaw", "an ice storm", "smog",
+        "the Coriolis effect", "the polar night", "rust", "fruit ripening", "phototropism",
+        "a murmuration of starlings", "a storm surge", "a cold front", "the twinkling of stars", "a supernova",
+        "a solar flare", "the summer solstice", "laughter", "jet lag", "brain freeze", "a rain shadow", "wind chill",
+        "symbiosis", "fossilization", "crystal formation", "the refraction of light", "an ice age", "twilight",
+    ),
+    "activity": (
+        "playing tennis", "playing golf", "archery", "fencing", "rowing", "snowboarding", "paddleboarding",
+        "playing badminton", "playing volleyball", "playing baseball", "playing hockey", "boxing", "pilates", "tai chi",
+        "gymnastics", "roller skating", "jumping rope", "parkour", "foraging", "playing the violin",
+        "playing the drums", "playing the ukulele", "writing short stories", "blogging", "songwriting", "acting",
+        "doing stand-up comedy", "performing magic tricks", "building sandcastles", "video editing", "graphic design",
+        "embroidery", "crocheting", "quilting", "scrapbooking", "candle making", "soap making", "jewelry making",
+        "glassblowing", "leatherworking", "building model airplanes", "playing board games", "geocaching",
+        "orienteering", "growing bonsai trees", "flower arranging", "cake decorating", "making homemade pasta",
+        "meal prepping", "training a dog", "playing water polo", "taking road trips", "traveling solo", "skydiving",
+        "paragliding", "playing cricket", "playing rugby", "playing ultimate frisbee", "beatboxing", "coin collecting",
+        "stamp collecting", "blacksmithing", "furniture restoration", "writing letters by hand", "snowshoeing",
+        "tutoring", "hosting a book club", "hosting dinner parties", "fossil hunting", "metal detecting",
+    ),
+    "place": (
+        "Kyoto", "Florence", "Milan", "Naples", "Munich", "Edinburgh", "Copenhagen", "Oslo", "Warsaw", "Krakow",
+        "Athens", "Marrakech", "Dubrovnik", "Switzerland", "Brussels", "Seville", "Porto", "Salzburg", "Zurich",
+        "Tallinn", "Bangkok", "Hanoi", "Bali", "the Philippines", "Malaysia", "Sri Lanka", "Mumbai", "Jaipur",
+        "Shanghai", "Vancouver", "Toronto", "Montreal", "San Francisco", "Chicago", "New Orleans", "Boston",
+        "Rio de Janeiro", "Patagonia", "Colombia", "Costa Rica", "the Galapagos Islands", "Uruguay", "Tanzania",
+        "Madagascar", "Namibia", "Ghana", "Botswana", "Ireland", "Wales", "Cornwall", "the Lake District", "Sicily",
+        "the Amalfi Coast", "Provence", "the Rocky Mountains", "Cambodia", "Fiji", "Tasmania", "Melbourne",
+        "the Maldives", "Finland", "Denmark", "Poland", "Cappadocia", "Oaxaca", "Havana", "Jamaica", "Malta", "Crete",
+        "Slovenia",
+    ),
+    "job": (
+        "a lifeguard", "an air traffic controller", "a physical therapist", "a makeup artist", "a fashion designer",
+        "an interior designer", "a construction worker", "a bricklayer", "a roofer", "a welder", "a locksmith",
+        "a truck driver", "a train conductor", "a travel agent", "a hotel manager", "a receptionist", "a waiter",
+        "a barista", "a butcher", "a cashier", "a real estate agent", "an economist", "a historian", "an archaeologist",
+        "a geologist", "a marine biologist", "a meteorologist", "an astronomer", "a school principal",
+        "a school counselor", "an editor", "a novelist", "a copywriter", "a radio host", "a film director", "an actor",
+        "a dancer", "a sculptor", "an animator", "an auctioneer", "a lab technician", "a dog groomer", "an arborist",
+        "a security guard", "a city planner", "a surveyor", "a cartographer", "an event planner", "a caterer",
+        "a piano tuner", "a watchmaker", "a jeweler", "a shoemaker", "a stonemason", "a warehouse worker", "a janitor",
+        "a nanny", "a personal trainer", "a driving instructor", "a project manager",
+    ),
+    "idea": (
+        "humility", "forgiveness", "resilience", "optimism", "generosity", "responsibility", "loyalty", "perseverance",
+        "critical thinking", "the sharing economy", "bilingualism", "standardized testing", "taking a gap year",
+        "urbanization", "the Silk Road", "the Roman Empire", "Stoicism", "the golden rule", "the Enlightenment",
+        "supply and demand", "inflation", "opportunity cost", "confirmation bias", "a growth mindset",
+        "delayed gratification", "procrastination", "work-life balance", "cybersecurity", "automation", "biodiversity",
+        "wildlife conservation", "water conservation", "vegetarianism", "the circular economy", "the gig economy",
+        "sportsmanship", "competition", "tradition", "etiquette", "punctuality", "hospitality", "storytelling",
+        "active listening", "negotiation", "compromise", "trust", "ambition", "wisdom", "a sense of humor", "boredom",
+        "solitude", "nostalgia", "happiness", "hope", "Pride and Prejudice", "Don Quixote", "the Odyssey", "Macbeth",
+        "the Age of Exploration", "the alphabet", "the metric system", "daylight saving time",
+        "the Pythagorean theorem", "probability", "game theory", "modern art", "street art", "advertising",
+        "rural life", "handwriting",
+    ),
+    "food": (
+        "minestrone", "chicken noodle soup", "gazpacho", "clam chowder", "French onion soup", "butternut squash soup",
+        "borscht", "pho", "biryani", "butter chicken", "shakshuka", "tabbouleh", "baba ganoush", "moussaka",
+        "spanakopita", "bruschetta", "focaccia", "gnocchi", "tiramisu", "panna cotta", "macaroni and cheese",
+        "meatloaf", "shepherd's pie", "fish and chips", "a hamburger", "cornbread", "jambalaya", "gumbo",
+        "chicken pot pie", "potato salad", "a quesadilla", "ceviche", "an empanada", "feijoada", "bibimbap", "kimchi",
+        "bulgogi", "tempura", "teriyaki chicken", "mapo tofu", "Peking duck", "kung pao chicken", "chicken satay",
+        "beef rendang", "jollof rice", "shawarma", "baklava", "ratatouille", "quiche Lorraine", "beef bourguignon",
+        "coq au vin", "goulash", "schnitzel", "cheesecake", "avocado toast", "eggs Benedict", "a cinnamon roll",
+        "a poke bowl", "shrimp scampi", "mochi",
+    ),
+    "animal": (
+        "leopards", "cheetahs", "jaguars", "hyenas", "rhinos", "hippos", "chimpanzees", "orangutans", "lemurs",
+        "sloths", "armadillos", "anteaters", "porcupines", "raccoons", "skunks", "badgers", "moose", "bison", "llamas",
+        "meerkats", "hamsters", "guinea pigs", "platypuses", "wombats", "walruses", "narwhals", "manatees", "sheep",
+        "pigs", "ducks", "geese", "turkeys", "pigeons", "sparrows", "woodpeckers", "peacocks", "ostriches", "pelicans",
+        "puffins", "vultures", "falcons", "storks", "seahorses", "clownfish", "stingrays", "eels", "lobsters", "squid",
+        "snakes", "tortoises", "salamanders", "ladybugs", "grasshoppers", "dragonflies", "fireflies", "beetles",
+        "donkeys", "mice", "coyotes", "praying mantises",
+    ),
+    "task": (
+        "my landlord asking to renew my lease", "a restaurant booking a table for a birthday dinner",
+        "my neighbor asking them to water my plants while I am away", "my colleagues announcing my retirement",
+        "a former boss asking for a reference", "my child's school explaining an absence",
+        "an airline about lost luggage", "a car repair shop asking about the status of my car",
+        "my gym asking to cancel my membership", "a wedding photographer asking about their availability",
+        "my friends inviting them to a housewarming party", "a bookstore asking if a book is back in stock",
+        "my team welcoming a new colleague", "a local newspaper suggesting a story idea",
+        "a museum asking about group tickets", "my brother thanking him for helping me move",
+        "a moving company asking for a price estimate", "a hiring manager following up after an interview",
+        "my parents inviting them to visit for the holidays", "a coworker apologizing for missing a meeting",
+        "an online store about a damaged package", "a hotel thanking them for a wonderful stay",
+        "a library asking to extend a book loan", "an event organizer offering to volunteer",
+        "my team reminding them about a deadline", "a customer thanking them for their feedback",
+        "my cousin congratulating her on her wedding", "a tour company asking about a trip for a large group",
+        "a pet sitter with instructions for feeding my dog", "the school principal proposing a charity bake sale",
+        "a vet clinic asking to book a checkup for my cat", "a supplier asking about a delayed order",
+        "my building manager reporting a leak in the ceiling", "a job candidate inviting them to an interview",
+        "my neighbors about a lost cat", "a contractor asking about the progress of a kitchen renovation",
+        "a teacher thanking them at the end of the school year", "a utility company about an unusually high bill",
+        "my old classmates organizing a reunion", "a conference organizer asking to present a talk",
+    ),
+}
+
+TOPIC_EDITIONS = (FIRST_TOPICS, SECOND_TOPICS)
+TOPICS = {kind: tuple(topic for edition in TOPIC_EDITIONS for topic in edition.get(kind, ())) for kind in TEMPLATES}
+
 # The subjects of the chat questions the served draft benchmarks asked before this set existed
 # (reports/fused_backbone/served_drafts_floor.txt) and of the first questions users try: held out,
 # whatever their topic's hash says.
@@ -182,8 +311,12 @@ def topic_split(topic: str) -> str:
 
 
 def open_prompts(split: str, seed: int = 0) -> list[str]:
-    """Every request of `split` ("train" or "held_out"), shuffled by `seed`."""
-    prompts = [template.format(topic) for kind, topics in TOPICS.items() for topic in topics
-               if topic_split(topic) == split for template in TEMPLATES[kind]]
-    random.Random(f"open-prompts-{split}-{seed}").shuffle(prompts)
+    """Every request of `split` ("train" or "held_out"), each edition's shuffled by `seed` after the
+    earlier editions'."""
+    prompts = []
+    for number, edition in enumerate(TOPIC_EDITIONS):
+        requests = [template.format(topic) for kind, topics in edition.items() for topic in topics
+                    if topic_split(topic) == split for template in TEMPLATES[kind]]
+        random.Random(f"open-prompts-{split}-{seed}" + (f"-edition-{number}" if number else "")).shuffle(requests)
+        prompts += requests
     return prompts

@@ -466,13 +466,21 @@ def test_records_from_the_nth_open_request_are_those_an_earlier_folder_of_n_lack
     assert len(rest) == 3 and sorted(earlier + rest) == sorted(every)
 
 
+def test_no_topic_is_in_two_editions_or_twice_in_one():
+    """A repeated topic would repeat its requests in every list (and weigh them double in training)."""
+    from dualend.train.open_prompts import TOPIC_EDITIONS
+    topics = [topic.lower() for edition in TOPIC_EDITIONS for kind in edition.values() for topic in kind]
+    assert len(topics) == len(set(topics)), sorted(t for t in set(topics) if topics.count(t) > 1)
+
+
 def test_topics_added_in_a_new_edition_come_after_every_earlier_request(monkeypatch):
     from dualend.train import open_prompts as module
     before = {split: module.open_prompts(split, seed=3) for split in ("train", "held_out")}
-    edition = {"food": ("cornbread", "gazpacho", "poutine", "shakshuka", "jollof rice", "borscht", "ceviche"),
-               "animal": ("axolotls", "capybaras", "pangolins", "narwhals", "meerkats", "puffins", "tapirs")}
-    monkeypatch.setattr(module, "TOPIC_EDITIONS", module.TOPIC_EDITIONS + (edition,))
+    edition = {"food": ("poutine", "pierogi", "tamales", "arepas", "khachapuri", "injera"),
+               "animal": ("axolotls", "capybaras", "pangolins", "tapirs", "okapis", "quokkas", "fossas")}
     new_topics = [topic for topics in edition.values() for topic in topics]
+    assert not set(new_topics) & {topic for topics in module.TOPICS.values() for topic in topics}
+    monkeypatch.setattr(module, "TOPIC_EDITIONS", module.TOPIC_EDITIONS + (edition,))
     added = 0
     for split, earlier in before.items():
         after = module.open_prompts(split, seed=3)

@@ -560,11 +560,11 @@ class BaseRunDraftData:
     """The head's data made on the fly: the base's answers to task questions (chat.json) and text
     windows, the base run on every batch."""
 
-    def __init__(self, args, run: Path, base: Checkpoint):
+    def __init__(self, args, run: Path, base: Checkpoint, ids: torch.Tensor | None):
         self.args, self.base = args, base
         self.chat_train, chat_eval = chat_data(args, run, base.model, base.tokenizer, base.id, Replicas("cpu"))
         self.held_out = token_rows(chat_eval, base.config.pad_id, args.seq_tokens)
-        self.stream, self.ids = None, None  # its draft tokens are chosen when it ships
+        self.stream, self.ids = None, ids  # unless the --init-head had them, its draft tokens are chosen when it ships
 
     def start(self, step: int) -> None:
         self.stream = conversion.sample_stream(self.base.tokenizer, self.args.seed + step, self.args.seq_tokens,
@@ -581,10 +581,12 @@ class BaseRunDraftData:
         return {"chat_kl": figures["kl"], "chat_top1": figures["top1"], "chat_positions": figures["positions"]}
 
     def draft_ids(self) -> torch.Tensor | None:
-        """The --draft-vocab tokens most frequent in the training data's targets (the teacher's answers
-        and text)."""
+        """The --init-head's draft tokens, or the --draft-vocab tokens most frequent in the training data's
+        targets (the teacher's answers and text)."""
         if not self.args.draft_vocab:
             return None
+        if self.ids is not None:
+            return self.ids
         text = conversion.text_samples(self.base.tokenizer, "train", self.args.seed, self.args.seq_tokens)
         targets = [s.completion for s in self.chat_train] + [next(text).completion for _ in range(len(self.chat_train))]
         return draft_head.frequent_tokens(targets, self.args.draft_vocab, always=[self.base.config.eos_id])
@@ -668,7 +670,10 @@ def cmd_draft_head(args) -> None:
         if meta["base"] != base.id:
             sys.exit(f"{args.init_head} is a head for base {meta['base']}, not {base.id}")
         model.load_state_dict({k: v for k, v in weights.items() if k != "mtp.draft_ids"}, strict=False)
-    data = RecordDraftData(args, base, draft_ids) if args.records else BaseRunDraftData(args, run, base)
+        if args.draft_vocab and "mtp.draft_ids" in weights:  # it goes on drafting the tokens it learned to draft
+            draft_ids = weights["mtp.draft_ids"]
+            print(f"{args.init_head} drafts from {len(draft_ids)} tokens: kept (--draft-vocab counts only for a new head)")
+    data = RecordDraftData(args, base, draft_ids) if args.records else BaseRunDraftData(args, run, base, draft_ids)
     data.start(step)
     # this invocation's arguments, also at the recipe's top level; `invocations` lists every one's
     invocation = {**{k: getattr(args, k) for k in DRAFT_HEAD_DEFAULTS if k not in ("threads", "draft_vocab")},
@@ -886,8 +891,8 @@ def main(argv=None) -> None:
     head.add_argument("--run", required=True)
     head.add_argument("--records", nargs="+", help="train from these teacher records folders (draft-head-records; "
                       "held-out figures from the first): the base does not run; --batch-size counts continuations")
-    head.add_argument("--init-head", help="start from this head (a run's head/ or a shipped one); ignored when the "
-                      "run folder holds a state to resume")
+    head.add_argument("--init-head", help="start from this head (a run's head/ or a shipped one), with the tokens it "
+                      "drafts from when it has a draft vocabulary; ignored when the run folder holds a state to resume")
     head.add_argument("--ship-to", help="write the head in bf16 here at the end (checkpoints/NAME), drafting from "
                       "the --draft-vocab most frequent tokens (0: all)")
     records = sub.add_parser("draft-head-records", help="the base's continuations with their hidden states, "

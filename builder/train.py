@@ -654,7 +654,7 @@ def cmd_draft_head(args) -> None:
     model = draft_head.with_draft_head(base.model.eval())
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    step, tokens, elapsed, draft_ids, earlier_invocations = 0, 0, 0.0, None, []
+    step, tokens, elapsed, draft_ids, earlier_invocations, started_from = 0, 0, 0.0, None, [], None
     resumed = state_path.exists()
     if resumed:
         state = torch.load(state_path, weights_only=False)
@@ -663,22 +663,27 @@ def cmd_draft_head(args) -> None:
         model.load_state_dict(state["head"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         step, tokens, elapsed, draft_ids = state["step"], state["tokens"], state["elapsed"], state.get("draft_ids")
-        earlier_invocations = state.get("invocations") or [{"from_step": 0, "to_step": step, "arguments": "not recorded"}]
+        earlier_invocations = (state.get("invocations")
+                               or [{"from_step": 0, "to_step": step, "arguments": "not recorded"}])
+        started_from = state.get("started_from")
         print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
     elif args.init_head:
         weights, meta = draft_head.load_head(args.init_head)
         if meta["base"] != base.id:
             sys.exit(f"{args.init_head} is a head for base {meta['base']}, not {base.id}")
         model.load_state_dict({k: v for k, v in weights.items() if k != "mtp.draft_ids"}, strict=False)
+        started_from = meta["recipe"]  # how the head it starts from was made (its path may hold another later)
         if args.draft_vocab and "mtp.draft_ids" in weights:  # it goes on drafting the tokens it learned to draft
             draft_ids = weights["mtp.draft_ids"]
-            print(f"{args.init_head} drafts from {len(draft_ids)} tokens: kept (--draft-vocab counts only for a new head)")
+            print(f"{args.init_head} drafts from {len(draft_ids)} tokens: kept "
+                  "(--draft-vocab counts only for a new head)")
     data = RecordDraftData(args, base, draft_ids) if args.records else BaseRunDraftData(args, run, base, draft_ids)
     data.start(step)
     # this invocation's arguments, also at the recipe's top level; `invocations` lists every one's
     invocation = {**{k: getattr(args, k) for k in DRAFT_HEAD_DEFAULTS if k not in ("threads", "draft_vocab")},
                   "records": args.records, "init_head": None if resumed else args.init_head, **data.describe()}
-    recipe = {"kind": "draft-head", "torch": torch.__version__, **invocation}
+    recipe = {"kind": "draft-head", "torch": torch.__version__, **invocation,
+              **({"started_from": started_from} if started_from is not None else {})}
     started_at_step = step
 
     def record_and_save(window: dict) -> None:
@@ -698,7 +703,7 @@ def cmd_draft_head(args) -> None:
         draft_head.write_head(model, base.id, dict(recipe), run / "head")
         torch.save({"head": draft_head.head_state(model), "optimizer": optimizer.state_dict(), "step": step,
                     "tokens": tokens, "elapsed": elapsed, "base": base.id,
-                    "draft_ids": data.ids, "invocations": invocations}, state_path)
+                    "draft_ids": data.ids, "invocations": invocations, "started_from": started_from}, state_path)
         window.update(steps=0, tokens=0, seconds=0.0, kl=0.0)
 
     window = {"steps": 0, "tokens": 0, "seconds": 0.0, "kl": 0.0}

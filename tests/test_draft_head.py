@@ -554,6 +554,7 @@ def test_a_head_trained_from_records_learns_the_bases_held_out_continuations(tin
     assert first["records"] == [str(tmp_path / "records"), str(tmp_path / "sampled")]
     assert (second["from_step"], second["to_step"], second["lr"], second["init_head"]) == (400, 410, 1e-3, None)
     assert second["records"] == [str(tmp_path / "records")] and recipe["lr"] == 1e-3 and recipe["steps"] == 410
+    assert recipe["started_from"] == {"steps": 0}  # the scrambled head's recipe, kept through the resume
     # a head that drafts from a vocabulary of its own goes on drafting from it, whatever --draft-vocab says
     own_ids = torch.tensor(sorted({*range(5, 13), tiny_tokenizer.eos_id}))
     draft_head.write_head(draft_head.restricted(scrambled, own_ids), base.id, {"steps": 0}, tmp_path / "narrow")

@@ -564,7 +564,7 @@ class BaseRunDraftData:
         self.args, self.base = args, base
         self.chat_train, chat_eval = chat_data(args, run, base.model, base.tokenizer, base.id, Replicas("cpu"))
         self.held_out = token_rows(chat_eval, base.config.pad_id, args.seq_tokens)
-        self.stream, self.ids = None, ids  # unless the --init-head had them, its draft tokens are chosen when it ships
+        self.stream, self.ids = None, ids  # the --init-head's; otherwise its draft tokens are chosen when it ships
 
     def start(self, step: int) -> None:
         self.stream = conversion.sample_stream(self.base.tokenizer, self.args.seed + step, self.args.seq_tokens,

@@ -85,8 +85,15 @@ CONVERT_DEFAULTS = dict(
     lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
     time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, chat_fraction=0.25, chat_tokens=96,
     hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2, device="cpu",
-    compressor_init="mean", decay_tokens=0, decay_minutes=0.0,
+    compressor_init="mean", decay_tokens=0, decay_minutes=0.0, hidden_fade_minutes=0.0, teacher_cache=0,
 )
+CONVERT_HELP = {
+    "hidden_fade_minutes": "the final-hidden-state target's weight falls linearly from --hidden-weight to 0 over this "
+                           "many minutes of this run's training (0: constant)",
+    "teacher_cache": "train on this many samples of the data stream (text and chat answers mixed as without it), the "
+                     "teacher's hidden states for them made once and kept in the run folder, so that its blocks never "
+                     "run again (0: fresh samples, the teacher reads each batch)",
+}
 # `draft-head`: per invocation, --time-limit-minutes of training and/or up to --steps in all (neither: none).
 DRAFT_HEAD_DEFAULTS = dict(
     batch_size=8, seq_tokens=192, lr=1e-3, warmup=20, time_limit_minutes=10.0, eval_every=25, eval_rows=32,
@@ -141,6 +148,12 @@ def decay_progress(args, tokens: int, run_elapsed_s: float) -> float:
     if args.decay_minutes:
         return run_elapsed_s / (60 * args.decay_minutes)
     return 0.0
+
+
+def hidden_weight_at(args, run_elapsed_s: float) -> float:
+    if not args.hidden_fade_minutes:
+        return args.hidden_weight
+    return args.hidden_weight * max(0.0, 1 - run_elapsed_s / (60 * args.hidden_fade_minutes))
 
 
 def time_share(args, elapsed_s: float) -> float:
@@ -394,6 +407,9 @@ def cmd_convert(args) -> None:
         sys.exit("--decay-tokens and --decay-minutes each set the rate's schedule: give one")
     if args.compressor_init not in conversion.COMPRESSOR_STARTS:
         sys.exit(f"--compressor-init {args.compressor_init}: expected one of {', '.join(conversion.COMPRESSOR_STARTS)}")
+    if args.teacher_cache and args.teacher_cache < args.batch_size:
+        sys.exit(f"--teacher-cache {args.teacher_cache}: a batch draws --batch-size {args.batch_size} cached samples, "
+                 "so cache at least that many (or 0: no cache)")
     replicas = Replicas(args.device)
     device = replicas.device
     if args.autocast == "auto":
@@ -447,7 +463,8 @@ def cmd_convert(args) -> None:
         optimizer.load_state_dict(state["optimizer"])
     stream = conversion.sample_stream(tokenizer, data_seed + step, args.seq_tokens, chat_train, args.chat_fraction)
     keys = ("batch_size", "seq_tokens", "lr", "warmup", "decay_tokens", "decay_minutes", "chat_prompts",
-            "chat_fraction", "chat_tokens", "hidden_weight", "confidence_weight", "autocast", "seed")
+            "chat_fraction", "chat_tokens", "hidden_weight", "hidden_fade_minutes", "confidence_weight", "autocast",
+            "seed", "teacher_cache")
     recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
               **{k: getattr(args, k) for k in keys}, "replicas": replicas.world}
     if (run / STARTED_FROM).exists():  # the tokens count on from these; steps and minutes are this run's
@@ -485,6 +502,11 @@ def cmd_convert(args) -> None:
         record_and_save()
     deadline = time.time() + 60 * args.time_limit_minutes if args.time_limit_minutes else math.inf
     run_started_at = elapsed  # a resumed run's schedule counts its minutes from here
+    cache = []
+    if args.teacher_cache:
+        with torch.autocast(**autocast):
+            cache, seconds = teacher_cache(args, run, teacher, tokenizer, chat_train, data_seed, base_ref, replicas)
+        elapsed += seconds  # its making is training time (minutes and schedules count it)
     bar = tqdm(desc="convert", initial=step, total=args.steps or None, file=sys.stdout, mininterval=30,
                disable=not replicas.main)
     saved = True
@@ -493,10 +515,12 @@ def cmd_convert(args) -> None:
         student.train()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, decay_progress(args, tokens, elapsed - run_started_at), args.lr, args.warmup)
-        batch = dualend_batch([next(stream) for _ in range(args.batch_size)], pad, data_rng)
+        batch = (conversion.taught_batch(data_rng.sample(cache, args.batch_size), pad, data_rng) if cache
+                 else dualend_batch([next(stream) for _ in range(args.batch_size)], pad, data_rng))
         batch = {name: tensor.to(device) for name, tensor in batch.items()}
         with torch.autocast(**autocast):
-            loss, parts = conversion.conversion_loss(student, teacher, batch, args.hidden_weight,
+            loss, parts = conversion.conversion_loss(student, teacher, batch,
+                                                     hidden_weight_at(args, elapsed - run_started_at),
                                                      args.confidence_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -523,6 +547,30 @@ def cmd_convert(args) -> None:
         print(f"stopped at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes of training); "
               f"adapters -> {run / 'adapters'}")
     replicas.exit_together()
+
+
+def teacher_cache(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer, chat: list[Sample],
+                  data_seed: int, base_ref: dict, replicas: Replicas) -> tuple[list[conversion.TaughtSample], float]:
+    """--teacher-cache: the first N samples of the replica's data stream with the teacher's hidden
+    states, made once into the run folder (teacher_cache_RANK.pt) and read back on resume; and the
+    seconds its making took (0 when read back)."""
+    path = run / f"teacher_cache_{replicas.rank}.pt"
+    meta = {"teacher": base_ref["checkpoint_id"], "samples": args.teacher_cache, "seq_tokens": args.seq_tokens,
+            "chat_fraction": args.chat_fraction, "chat_samples": len(chat), "seed": data_seed}
+    if path.exists():
+        cache, made_with = conversion.load_taught(path)
+        if made_with != meta:
+            sys.exit(f"{path} holds a teacher cache made otherwise ({made_with}, not {meta}); choose another --run")
+        return cache, 0.0
+    started = time.time()
+    stream = conversion.sample_stream(tokenizer, data_seed, args.seq_tokens, chat, args.chat_fraction)
+    cache = conversion.taught_samples(teacher, [next(stream) for _ in range(args.teacher_cache)], teacher.cfg.pad_id)
+    conversion.save_taught(cache, meta, path)
+    seconds = time.time() - started
+    tokens = sum(len(t.hidden) for t in cache)
+    if replicas.main:
+        print(f"teacher cache: {len(cache)} samples, {tokens} tokens in {seconds:.0f} s -> {path}", flush=True)
+    return cache, seconds
 
 
 def token_rows(samples: list[Sample], pad_id: int, length: int) -> tuple[torch.Tensor, ...]:
@@ -883,7 +931,7 @@ def main(argv=None) -> None:
     ship.add_argument("--to", required=True)
     convert = sub.add_parser("convert")
     for key, value in CONVERT_DEFAULTS.items():
-        convert.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+        convert.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value, help=CONVERT_HELP.get(key))
     convert.add_argument("--baseline", required=True, help="the token-level checkpoint to convert (the teacher)")
     convert.add_argument("--init-adapters", help="start from these adapters (a run's, or the shipped ones); "
                          "ignored when the run folder holds a state to resume")

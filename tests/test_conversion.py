@@ -15,7 +15,7 @@ from builder import train
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.tokenizer import BOS, EOS, PAD, TextTokenizer
 from dualend.train import conversion
-from dualend.train.training import dualend_batch
+from dualend.train.training import Sample, dualend_batch
 from test_llama_family import hf_model, imported
 
 SPEC = conversion.ConversionSpec(lora_rank=4, lora_alpha=8.0, frozen_layers=0)
@@ -266,3 +266,49 @@ def test_convert_runs_on_cuda_in_bf16_with_chat_rows(base, tmp_path):
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [record["step"] for record in log] == [0, 3] and log[-1]["chat_agree_t1"] >= 0
     assert (tmp_path / "run" / "adapters" / conversion.ADAPTERS).exists()
+
+
+def test_a_batch_of_cached_teacher_states_gives_the_loss_of_the_teacher_itself(base, tiny_tokenizer, monkeypatch):
+    """--teacher-cache: the cached hidden states stand in for the teacher's blocks (fp16 rounding
+    aside), also for rows of different lengths, and the blocks do not run for such a batch."""
+    student = conversion.build_student(base.model, SPEC)
+    stream = conversion.text_samples(tiny_tokenizer, "train", 0, 24)
+    third = next(stream)
+    samples = [next(stream), next(stream), Sample(third.prompt, third.completion[:9])]
+    taught = conversion.taught_samples(base.model, samples, tiny_tokenizer.pad_id, rows=2)
+    assert [len(t.hidden) for t in taught] == [len(s.prompt) + len(s.completion) for s in samples]
+    live, _ = conversion.conversion_loss(student, base.model, dualend_batch(samples, tiny_tokenizer.pad_id,
+                                                                            random.Random(5)))
+    cached_batch = conversion.taught_batch(taught, tiny_tokenizer.pad_id, random.Random(5))
+    monkeypatch.setattr(conversion, "teacher_hidden", lambda *a: pytest.fail("the teacher's blocks ran"))
+    cached, _ = conversion.conversion_loss(student, base.model, cached_batch)
+    assert cached.item() == pytest.approx(live.item(), rel=1e-3)
+
+
+def test_convert_makes_its_teacher_cache_once_and_reads_it_back_when_resumed(base, tmp_path, monkeypatch):
+    base.save(tmp_path / "base")
+    options = ["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
+               "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--eval-every", "1000",
+               "--chat-prompts", "0", "--autocast", "none", "--teacher-cache", "3"]
+    train.main([*options, "--steps", "2"])
+    cache, meta = conversion.load_taught(tmp_path / "run" / "teacher_cache_0.pt")
+    assert len(cache) == 3 and meta["samples"] == 3 and all(len(t.hidden) == 32 for t in cache)
+    recipe = conversion.load_adapters(tmp_path / "run" / "adapters")[1]["recipe"]
+    assert recipe["teacher_cache"] == 3 and recipe["steps"] == 2
+    monkeypatch.setattr(conversion, "taught_samples", lambda *a: pytest.fail("the cache was made again"))
+    train.main([*options, "--steps", "4"])
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 4
+    with pytest.raises(SystemExit, match="made otherwise"):
+        train.main([*options[:-1], "4", "--steps", "5"])
+    with pytest.raises(SystemExit, match="at least"):
+        train.main([*options[:-1], "1", "--run", str(tmp_path / "other"), "--steps", "1"])
+
+
+def test_the_hidden_target_fades_over_this_runs_minutes_when_asked():
+    options = argparse.Namespace(hidden_weight=0.5, hidden_fade_minutes=0.0)
+    assert train.hidden_weight_at(options, 10**6) == 0.5
+    options.hidden_fade_minutes = 10.0
+    assert train.hidden_weight_at(options, 0) == 0.5
+    assert train.hidden_weight_at(options, 150) == pytest.approx(0.375)
+    assert train.hidden_weight_at(options, 600) == train.hidden_weight_at(options, 900) == 0.0

@@ -42,7 +42,7 @@ from dualend.engine.reference import TorchBatch, generate_batch
 from dualend.engine.tokenizer import TextTokenizer
 
 from .data import FAMILIES, examples, stdlib_chunks
-from .training import Sample, baseline_forward, dualend_batch
+from .training import Sample, baseline_batch, baseline_forward, dualend_batch
 
 ADAPTERS, ADAPTERS_CONFIG = "adapters.safetensors", "adapters.json"
 LORA_TARGETS = (("attn", "qkv"), ("attn", "out"), ("ffn", "gate_up"), ("ffn", "down"))
@@ -250,6 +250,50 @@ def sample_stream(tokenizer: TextTokenizer, seed: int, tokens: int, chat: list[S
         yield rng.choice(chat) if chat and rng.random() < chat_fraction else next(text)
 
 
+# The teacher's outputs cached ------------------------------------------------------------------
+
+@dataclass
+class TaughtSample:
+    """A training sample with the teacher's final hidden state at each of its tokens (prompt then
+    completion) [T, D], fp16: the teacher's distributions are its LM head of them, so a pass over
+    the sample skips the teacher's blocks."""
+    sample: Sample
+    hidden: torch.Tensor
+
+
+@torch.no_grad()
+def taught_samples(teacher: LanguageModel, samples: list[Sample], pad_id: int, rows: int = 8) -> list[TaughtSample]:
+    taught, device = [], teacher.output_weight.device
+    for start in range(0, len(samples), rows):
+        chunk = samples[start:start + rows]
+        hidden = teacher_hidden(teacher, baseline_batch(chunk, pad_id)["tokens"].to(device)).half().cpu()
+        taught += [TaughtSample(s, hidden[i, :len(s.prompt) + len(s.completion)].clone())
+                   for i, s in enumerate(chunk)]
+    return taught
+
+
+def taught_batch(taught: list[TaughtSample], pad_id: int, rng: random.Random) -> dict[str, torch.Tensor]:
+    """`dualend_batch` of the samples, with their teacher hidden states along its real tokens."""
+    batch = dualend_batch([t.sample for t in taught], pad_id, rng)
+    hidden = torch.zeros(*batch["real_tokens"].shape, taught[0].hidden.shape[-1])
+    for row, t in enumerate(taught):
+        hidden[row, :len(t.hidden)] = t.hidden.float()
+    return batch | {"teacher_hidden": hidden}
+
+
+def save_taught(taught: list[TaughtSample], meta: dict, path: Path) -> None:
+    rows = [{"prompt": t.sample.prompt, "completion": t.sample.completion, "silent": sorted(t.sample.silent),
+             "hidden": t.hidden} for t in taught]
+    torch.save({"meta": meta, "rows": rows}, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+
+
+def load_taught(path: Path) -> tuple[list[TaughtSample], dict]:
+    saved = torch.load(path, weights_only=True)
+    return [TaughtSample(Sample(r["prompt"], r["completion"], frozenset(r["silent"])), r["hidden"])
+            for r in saved["rows"]], saved["meta"]
+
+
 # Losses and evaluation -------------------------------------------------------------------------
 
 def _at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -287,10 +331,12 @@ def _kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Ten
 
 def conversion_loss(student: LanguageModel, teacher: LanguageModel, batch: dict[str, torch.Tensor],
                     hidden_weight: float = 1.0, confidence_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """A batch of `taught_batch` brings the teacher's hidden states: then only its LM head runs."""
     hidden, next_logits, draft_logits, confidence = student_forward(student, batch)
     next_valid, draft_valid = batch["next_index"] >= 0, batch["draft_index"] >= 0  # [B, n]
     with torch.no_grad():
-        target_hidden = teacher_hidden(teacher, batch["real_tokens"])  # [B, T, D]
+        target_hidden = batch["teacher_hidden"] if "teacher_hidden" in batch else \
+            teacher_hidden(teacher, batch["real_tokens"])  # [B, T, D]
         next_hidden = _at(target_hidden, batch["next_index"] - 1)[next_valid]     # [N1, D]
         draft_hidden = _at(target_hidden, batch["draft_index"] - 1)[draft_valid]  # [N2, D]
         next_teacher, draft_teacher = teacher.lm_head(next_hidden), teacher.lm_head(draft_hidden)

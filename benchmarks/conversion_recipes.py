@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+OPTIONAL_KEYS = ("hidden_fade_minutes", "decay_minutes", "teacher_cache")  # shown where a run set them
 FIGURES = (("gap_t1", "t1 NLL gap (nats)"), ("gap_t2", "t2 NLL gap (nats)"), ("agree_t1", "t1 top-1 = teacher"))
 
 
@@ -30,7 +31,8 @@ def recipe(run: Path) -> dict:
     meta = json.loads((run / "adapters" / "adapters.json").read_text(encoding="utf-8"))
     return {"lora_rank": meta["spec"]["lora_rank"],
             **{k: meta["recipe"].get(k) for k in ("lr", "hidden_weight", "autocast", "batch_size", "seq_tokens")},
-            "compressor_init": meta["spec"].get("compressor_init", "mean")}
+            "compressor_init": meta["spec"].get("compressor_init", "mean"),
+            **{k: meta["recipe"][k] for k in OPTIONAL_KEYS if meta["recipe"].get(k)}}
 
 
 def table(curves: dict[str, list[dict]], recipes: dict[str, dict]) -> str:

@@ -4,13 +4,13 @@ import json
 from benchmarks.conversion_recipes import main
 
 
-def run_folder(root, name, records, lora_rank=16, lr=5e-4):
+def run_folder(root, name, records, lora_rank=16, lr=5e-4, **recipe):
     folder = root / name
     (folder / "adapters").mkdir(parents=True)
     (folder / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (folder / "adapters" / "adapters.json").write_text(json.dumps(
         {"spec": {"lora_rank": lora_rank}, "recipe": {"lr": lr, "hidden_weight": 0.0, "autocast": "none",
-                                                      "batch_size": 4, "seq_tokens": 256}}))
+                                                      "batch_size": 4, "seq_tokens": 256, **recipe}}))
     return folder
 
 
@@ -30,3 +30,10 @@ def test_each_run_is_reported_by_its_gap_to_the_teacher_and_plotted(tmp_path, ca
     assert report.count("compressor_init mean |") == 2  # adapters from before the choice started from the mean
     assert (tmp_path / "report" / "curves.png").stat().st_size > 10_000
     assert "| 8 | 8192 | 5.0 | 27 |" in capsys.readouterr().out
+
+
+def test_a_run_with_a_teacher_cache_or_a_fading_hidden_target_says_so(tmp_path):
+    cached = run_folder(tmp_path, "cached", [record(0, 0, 0.0, 6.0, 9.0, 0.2)], teacher_cache=256,
+                        hidden_fade_minutes=0.0)
+    main([str(cached), "--out", str(tmp_path / "report")])
+    assert "compressor_init mean, teacher_cache 256 |" in (tmp_path / "report" / "report.md").read_text()

@@ -312,43 +312,62 @@ def teacher_hidden(teacher: LanguageModel, tokens: torch.Tensor) -> torch.Tensor
 
 
 def student_forward(student: LanguageModel, batch: dict[str, torch.Tensor]):
-    """Teacher-forced: hidden [B, n, D], t1 logits [B, n, V], t2 logits [B, n, V], confidence [B, n]."""
+    """Teacher-forced: hidden [B, n, D], the MTP head's hidden [B, n, D] and confidence [B, n]; the t1
+    and t2 logits are the LM head of these hidden states, taken only at the positions a caller scores
+    (over the whole vocabulary at every position they cost more than the backbone)."""
     pairs = batch["pairs"]
     n_batch, n_pairs, _ = pairs.shape
     positions = torch.arange(n_pairs)[None].expand(n_batch, n_pairs)
     hidden, _, _ = student.backbone(student.latents(pairs), positions, torch.ones(n_batch, n_pairs, dtype=torch.bool))
-    draft_logits, confidence, _, _ = student.mtp_forward(batch["mtp_input"], hidden, positions, batch["mtp_valid"])
-    return hidden, student.lm_head(hidden), draft_logits, confidence
+    mtp_hidden, _, _ = student.mtp(student.embedding(batch["mtp_input"]), hidden, positions, batch["mtp_valid"])
+    return hidden, mtp_hidden, student.confidence(hidden.detach(), mtp_hidden.detach())
+
+
+def _mean(values: torch.Tensor) -> torch.Tensor:
+    return values.mean() if len(values) else values.sum() * 0.0
+
+
+def kl_rows(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(teacher || student) of each row of [N, V] logits, taken as the cross-entropy to the teacher's
+    distribution less its entropy (the same value, a pass over the vocabulary fewer); and the
+    student's log-probabilities [N, V]."""
+    with torch.no_grad():
+        teacher_logp = teacher_logits.float().log_softmax(-1)
+        teacher_p = teacher_logp.exp()
+        teacher_entropy = -(teacher_p * teacher_logp).sum(-1)
+    student_logp = student_logits.float().log_softmax(-1)
+    return -(teacher_p * student_logp).sum(-1) - teacher_entropy, student_logp
 
 
 def _kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
     """Mean KL(teacher || student) over rows [N, V]."""
-    if not len(teacher_logits):
-        return student_logits.sum() * 0.0
-    teacher_logp, student_logp = teacher_logits.float().log_softmax(-1), student_logits.float().log_softmax(-1)
-    return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1).mean()
+    return _mean(kl_rows(teacher_logits, student_logits)[0])
 
 
 def conversion_loss(student: LanguageModel, teacher: LanguageModel, batch: dict[str, torch.Tensor],
                     hidden_weight: float = 1.0, confidence_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
-    """A batch of `taught_batch` brings the teacher's hidden states: then only its LM head runs."""
-    hidden, next_logits, draft_logits, confidence = student_forward(student, batch)
+    """KL(teacher || student) of t1 and t2, the final hidden state's relative squared error, the
+    confidence head's BCE. A batch of `taught_batch` brings the teacher's hidden states: then only
+    its LM head runs."""
+    hidden, mtp_hidden, confidence = student_forward(student, batch)
     next_valid, draft_valid = batch["next_index"] >= 0, batch["draft_index"] >= 0  # [B, n]
     with torch.no_grad():
         target_hidden = batch["teacher_hidden"] if "teacher_hidden" in batch else \
             teacher_hidden(teacher, batch["real_tokens"])  # [B, T, D]
         next_hidden = _at(target_hidden, batch["next_index"] - 1)[next_valid]     # [N1, D]
         draft_hidden = _at(target_hidden, batch["draft_index"] - 1)[draft_valid]  # [N2, D]
-        next_teacher, draft_teacher = teacher.lm_head(next_hidden), teacher.lm_head(draft_hidden)
-    kl_t1 = _kl(next_teacher, next_logits[next_valid])
-    kl_t2 = _kl(draft_teacher, draft_logits[draft_valid])
+        teacher_logits = teacher.lm_head(torch.cat([next_hidden, draft_hidden]))
+    # t1 rows, then t2 rows: one pass of each LM head for both
+    kl, student_logp = kl_rows(teacher_logits, student.lm_head(torch.cat([hidden[next_valid], mtp_hidden[draft_valid]])))
+    n1 = len(next_hidden)
+    kl_t1, kl_t2 = _mean(kl[:n1]), _mean(kl[n1:])
     student_hidden = hidden[next_valid].float()
     target = next_hidden.float()
     hidden_loss = (student_hidden - target).pow(2).mean() / target.pow(2).mean().clamp(min=1e-6) \
         if len(target) else kl_t1 * 0.0
     gold_t2 = batch["draft_target"][draft_valid]
     with torch.no_grad():
-        p_gold = draft_logits[draft_valid].float().softmax(-1).gather(-1, gold_t2[:, None]).squeeze(-1)
+        p_gold = student_logp[n1:].gather(-1, gold_t2[:, None]).squeeze(-1).exp()
     conf = confidence[draft_valid].float()
     with torch.autocast(conf.device.type, enabled=False):  # CUDA's autocast refuses BCE on probabilities
         confidence_loss = F.binary_cross_entropy(conf, p_gold) if len(conf) else kl_t1 * 0.0
@@ -406,17 +425,18 @@ def evaluate(student: LanguageModel, reference: HeldOut) -> dict:
     """Student against gold and teacher on the held-out set: NLL of t1 and t2 (and of t1 with
     every pair split), top-1 agreement with the teacher, confidence calibration."""
     batch = reference.batch
-    _, next_logits, draft_logits, confidence = student_forward(student, batch)
+    hidden, mtp_hidden, confidence = student_forward(student, batch)
     next_valid, draft_valid = batch["next_index"] >= 0, batch["draft_index"] >= 0
-    next_at, draft_at = next_logits[next_valid].float(), draft_logits[draft_valid].float()
+    next_at, draft_at = student.lm_head(hidden[next_valid]).float(), student.lm_head(mtp_hidden[draft_valid]).float()
     gold_t2 = batch["draft_target"][draft_valid]
     split = reference.split_batch
-    _, split_logits, _, _ = student_forward(student, split)
+    split_hidden, _, _ = student_forward(student, split)
     split_valid = split["next_index"] >= 0
     figures = {
         "nll_t1": F.cross_entropy(next_at, batch["next_token"][next_valid]).item(),
         "nll_t2": F.cross_entropy(draft_at, gold_t2).item(),
-        "nll_t1_split": F.cross_entropy(split_logits[split_valid].float(), split["next_token"][split_valid]).item(),
+        "nll_t1_split": F.cross_entropy(student.lm_head(split_hidden[split_valid]).float(),
+                                        split["next_token"][split_valid]).item(),
         "agree_t1": (next_at.argmax(-1) == reference.teacher_top1_t1).float().mean().item(),
         "agree_t2": (draft_at.argmax(-1) == reference.teacher_top1_t2).float().mean().item(),
         **calibration(confidence[draft_valid].float(), draft_at.argmax(-1) == gold_t2),

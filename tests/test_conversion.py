@@ -312,3 +312,16 @@ def test_the_hidden_target_fades_over_this_runs_minutes_when_asked():
     assert train.hidden_weight_at(options, 0) == 0.5
     assert train.hidden_weight_at(options, 150) == pytest.approx(0.375)
     assert train.hidden_weight_at(options, 600) == train.hidden_weight_at(options, 900) == 0.0
+
+
+def test_the_convert_step_benchmark_times_each_part_and_a_cached_teacher_costs_nothing(base, tmp_path, capsys):
+    from benchmarks import convert_step
+    base.save(tmp_path / "base")
+    options = ["--baseline", str(tmp_path / "base"), "--lora-rank", "4", "--steps", "2", "--batch-size", "2",
+               "--seq-tokens", "32"]
+    convert_step.main(options)
+    convert_step.main([*options, "--teacher-cache"])
+    live, cached = capsys.readouterr().out.splitlines()
+    assert "lora_rank 4, 1 thread(s)" in live and "tokens/s; teacher " in live and "teacher 0.0 ms" not in live
+    assert all(f"{part} " in live for part in convert_step.PARTS)
+    assert "teacher cached" in cached and "teacher 0.0 ms" in cached

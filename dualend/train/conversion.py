@@ -376,6 +376,12 @@ def conversion_loss(student: LanguageModel, teacher: LanguageModel, batch: dict[
                   "conf": confidence_loss.item()}
 
 
+def optimizer(trainable: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """fused: one kernel over the parameters (a full fine-tune's step spent 0.4 s in foreach's, 0.2 s
+    fused, on one core; benchmarks.convert_step)."""
+    return torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
+
+
 @dataclass
 class HeldOut:
     """A fixed held-out set, teacher-forced, with the teacher's figures on it computed once."""

@@ -1,0 +1,78 @@
+"""Where a `builder.train convert` step's time goes, in-process: the teacher's blocks, the student's
+forward with the losses, the backward, clipping with the optimizer; and tokens/s.
+
+    python -m benchmarks.convert_step --baseline build/checkpoints/smollm2 --lora-rank 0 --threads 1
+
+Each step is convert's own (`conversion.conversion_loss` on a batch of the text stream, the same
+optimizer, bf16 autocast where the CPU multiplies bf16 natively), after one warm-up step; prints each
+part's median over --steps steps and tokens/s over all of them. With --teacher-cache the teacher's
+hidden states come with the batch, as in a run with a cache (its part is then 0).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from builder.train import native_bf16
+from dualend.engine.checkpoint import load_checkpoint
+from dualend.train import conversion
+from dualend.train.training import dualend_batch
+
+PARTS = ("teacher", "student forward + losses", "backward", "clip + optimizer")
+
+
+def timed_step(student, teacher, optimizer, batch, autocast: dict, cached: bool) -> list[float]:
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    marks = [time.perf_counter()]
+    with torch.autocast(**autocast):
+        if not cached:
+            with torch.no_grad():
+                batch = batch | {"teacher_hidden": conversion.teacher_hidden(teacher, batch["real_tokens"])}
+        marks.append(time.perf_counter())
+        loss, _ = conversion.conversion_loss(student, teacher, batch, hidden_weight=0.0)
+    marks.append(time.perf_counter())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    marks.append(time.perf_counter())
+    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+    optimizer.step()
+    marks.append(time.perf_counter())
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", required=True, help="the token-level checkpoint (the teacher)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="0: a full fine-tune of the blocks")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-tokens", type=int, default=256)
+    parser.add_argument("--teacher-cache", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    base = load_checkpoint(args.baseline)
+    teacher, pad = base.model.eval().requires_grad_(False), base.model.cfg.pad_id
+    student = conversion.build_student(teacher, conversion.ConversionSpec(args.lora_rank, compressor_init="sum"))
+    optimizer = conversion.optimizer([p for p in student.parameters() if p.requires_grad], lr=1e-5)
+    autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=native_bf16(torch.device("cpu")))
+    stream, rng = conversion.sample_stream(base.tokenizer, 0, args.seq_tokens, [], 0.0), random.Random(0)
+    batches = [dualend_batch([next(stream) for _ in range(args.batch_size)], pad, rng) for _ in range(args.steps + 1)]
+    if args.teacher_cache:
+        with torch.autocast(**autocast), torch.no_grad():
+            batches = [b | {"teacher_hidden": conversion.teacher_hidden(teacher, b["real_tokens"])} for b in batches]
+    timings = [timed_step(student.train(), teacher, optimizer, b, autocast, args.teacher_cache) for b in batches]
+    timings = timings[1:]  # the warm-up step
+    tokens = sum(conversion.real_tokens(b, pad) for b in batches[1:])
+    print(f"lora_rank {args.lora_rank}, {args.threads} thread(s), autocast {'bf16' if autocast['enabled'] else 'none'}"
+          f"{', teacher cached' if args.teacher_cache else ''}: {tokens / sum(map(sum, timings)):.0f} tokens/s; "
+          + ", ".join(f"{name} {1000 * statistics.median(t[i] for t in timings):.1f} ms" for i, name in enumerate(PARTS)))
+
+
+if __name__ == "__main__":
+    main()

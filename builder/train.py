@@ -89,7 +89,7 @@ CONVERT_DEFAULTS = dict(
 )
 CONVERT_HELP = {
     "hidden_fade_minutes": "the final-hidden-state target's weight falls linearly from --hidden-weight to 0 over this "
-                           "many minutes of this run's training (0: constant)",
+                           "many minutes of this invocation's training, as --decay-minutes counts (0: constant)",
     "teacher_cache": "train on this many samples of the data stream (text and chat answers mixed as without it), the "
                      "teacher's hidden states for them made once and kept in the run folder, so that its blocks never "
                      "run again (0: fresh samples, the teacher reads each batch)",
@@ -506,7 +506,7 @@ def cmd_convert(args) -> None:
     if args.teacher_cache:
         with torch.autocast(**autocast):
             cache, seconds = teacher_cache(args, run, teacher, tokenizer, chat_train, data_seed, base_ref, replicas)
-        elapsed += seconds  # its making is training time (minutes and schedules count it)
+        elapsed += replicas.total(seconds) / replicas.world  # training time, on one clock (minutes and schedules count it)
     bar = tqdm(desc="convert", initial=step, total=args.steps or None, file=sys.stdout, mininterval=30,
                disable=not replicas.main)
     saved = True
@@ -556,7 +556,8 @@ def teacher_cache(args, run: Path, teacher: LanguageModel, tokenizer: TextTokeni
     seconds its making took (0 when read back)."""
     path = run / f"teacher_cache_{replicas.rank}.pt"
     meta = {"teacher": base_ref["checkpoint_id"], "samples": args.teacher_cache, "seq_tokens": args.seq_tokens,
-            "chat_fraction": args.chat_fraction, "chat_samples": len(chat), "seed": data_seed}
+            "chat_fraction": args.chat_fraction, "chat_samples": len(chat), "chat_tokens": args.chat_tokens,
+            "autocast": args.autocast, "seed": data_seed}
     if path.exists():
         cache, made_with = conversion.load_taught(path)
         if made_with != meta:

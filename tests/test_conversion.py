@@ -15,7 +15,7 @@ from builder import train
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.tokenizer import BOS, EOS, PAD, TextTokenizer
 from dualend.train import conversion
-from dualend.train.training import Sample, dualend_batch
+from dualend.train.training import Sample, baseline_forward, dualend_batch
 from test_llama_family import hf_model, imported
 
 SPEC = conversion.ConversionSpec(lora_rank=4, lora_alpha=8.0, frozen_layers=0)
@@ -325,3 +325,28 @@ def test_the_convert_step_benchmark_times_each_part_and_a_cached_teacher_costs_n
     assert "lora_rank 4, 1 thread(s)" in live and "tokens/s; teacher " in live and "teacher 0.0 ms" not in live
     assert all(f"{part} " in live for part in convert_step.PARTS)
     assert "teacher cached" in cached and "teacher 0.0 ms" in cached
+
+
+def test_the_losses_parts_are_their_definitions_at_the_scored_positions(base, tiny_tokenizer):
+    """kl_t1 and kl_t2: sum p_teacher * (log p_teacher - log p_student) over the positions each scores;
+    conf: the confidence head's BCE against the student's own probability of the gold t2."""
+    student = conversion.build_student(base.model, SPEC)
+    with torch.no_grad():  # adapters away from zero: the student is not the teacher
+        for module in student.modules():
+            if isinstance(module, conversion.LoRALinear):
+                module.lora_b.normal_(0, 0.05)
+    batch = _batch(tiny_tokenizer, rows=3)
+    _, parts = conversion.conversion_loss(student, base.model, batch, hidden_weight=0.0)
+    with torch.no_grad():
+        hidden, mtp_hidden, confidence = conversion.student_forward(student, batch)
+        teacher_logits = baseline_forward(base.model, batch["real_tokens"])
+    for name, index_key, student_hidden in (("kl_t1", "next_index", hidden), ("kl_t2", "draft_index", mtp_hidden)):
+        valid = batch[index_key] >= 0
+        p = conversion._at(teacher_logits, batch[index_key] - 1)[valid].log_softmax(-1)
+        q = student.lm_head(student_hidden[valid]).log_softmax(-1)
+        assert parts[name] == pytest.approx((p.exp() * (p - q)).sum(-1).mean().item(), rel=1e-4), name
+    draft_valid = batch["draft_index"] >= 0
+    p_gold = q.exp().gather(-1, batch["draft_target"][draft_valid][:, None]).squeeze(-1)
+    expected = torch.nn.functional.binary_cross_entropy(confidence[draft_valid], p_gold)
+    assert parts["conf"] == pytest.approx(expected.item(), rel=1e-4)
+    assert abs(parts["kl_t1"] - parts["kl_t2"]) > 0.01  # t1 and t2 apart: a swapped split would show

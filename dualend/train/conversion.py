@@ -329,8 +329,8 @@ def _mean(values: torch.Tensor) -> torch.Tensor:
 
 def kl_rows(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KL(teacher || student) of each row of [N, V] logits, taken as the cross-entropy to the teacher's
-    distribution less its entropy (the same value, a pass over the vocabulary fewer); and the
-    student's log-probabilities [N, V]."""
+    distribution less its entropy (the same value and gradient); and the student's log-probabilities
+    [N, V]."""
     with torch.no_grad():
         teacher_logp = teacher_logits.float().log_softmax(-1)
         teacher_p = teacher_logp.exp()

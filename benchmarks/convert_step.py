@@ -20,7 +20,6 @@ import torch
 from builder.train import native_bf16
 from dualend.engine.checkpoint import load_checkpoint
 from dualend.train import conversion
-from dualend.train.training import dualend_batch
 
 PARTS = ("teacher", "student forward + losses", "backward", "clip + optimizer")
 
@@ -62,7 +61,8 @@ def main(argv=None) -> None:
     optimizer = conversion.optimizer([p for p in student.parameters() if p.requires_grad], lr=1e-5)
     autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=native_bf16(torch.device("cpu")))
     stream, rng = conversion.sample_stream(base.tokenizer, 0, args.seq_tokens, [], 0.0), random.Random(0)
-    batches = [dualend_batch([next(stream) for _ in range(args.batch_size)], pad, rng) for _ in range(args.steps + 1)]
+    batches = [conversion.conversion_batch([next(stream) for _ in range(args.batch_size)], pad, rng)
+               for _ in range(args.steps + 1)]
     if args.teacher_cache:
         with torch.autocast(**autocast), torch.no_grad():
             batches = [b | {"teacher_hidden": conversion.teacher_hidden(teacher, b["real_tokens"])} for b in batches]

@@ -516,7 +516,7 @@ def cmd_convert(args) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, decay_progress(args, tokens, elapsed - run_started_at), args.lr, args.warmup)
         batch = (conversion.taught_batch(data_rng.sample(cache, args.batch_size), pad, data_rng) if cache
-                 else dualend_batch([next(stream) for _ in range(args.batch_size)], pad, data_rng))
+                 else conversion.conversion_batch([next(stream) for _ in range(args.batch_size)], pad, data_rng))
         batch = {name: tensor.to(device) for name, tensor in batch.items()}
         with torch.autocast(**autocast):
             loss, parts = conversion.conversion_loss(student, teacher, batch,

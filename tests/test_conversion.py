@@ -277,8 +277,8 @@ def test_a_batch_of_cached_teacher_states_gives_the_loss_of_the_teacher_itself(b
     samples = [next(stream), next(stream), Sample(third.prompt, third.completion[:9])]
     taught = conversion.taught_samples(base.model, samples, tiny_tokenizer.pad_id, rows=2)
     assert [len(t.hidden) for t in taught] == [len(s.prompt) + len(s.completion) for s in samples]
-    live, _ = conversion.conversion_loss(student, base.model, dualend_batch(samples, tiny_tokenizer.pad_id,
-                                                                            random.Random(5)))
+    live, _ = conversion.conversion_loss(student, base.model, conversion.conversion_batch(samples, tiny_tokenizer.pad_id,
+                                                                                          random.Random(5)))
     cached_batch = conversion.taught_batch(taught, tiny_tokenizer.pad_id, random.Random(5))
     monkeypatch.setattr(conversion, "teacher_hidden", lambda *a: pytest.fail("the teacher's blocks ran"))
     cached, _ = conversion.conversion_loss(student, base.model, cached_batch)
@@ -350,3 +350,14 @@ def test_the_losses_parts_are_their_definitions_at_the_scored_positions(base, ti
     expected = torch.nn.functional.binary_cross_entropy(confidence[draft_valid], p_gold)
     assert parts["conf"] == pytest.approx(expected.item(), rel=1e-4)
     assert abs(parts["kl_t1"] - parts["kl_t2"]) > 0.01  # t1 and t2 apart: a swapped split would show
+
+
+def test_a_training_batchs_rows_share_one_reject_ratio(tiny_tokenizer, monkeypatch):
+    """So that they are about as long as each other (a row split at every token is twice as many pairs)."""
+    drawn = []
+    monkeypatch.setattr(conversion, "draw_reject_ratio", lambda rng: drawn.append(1.0) or 1.0)
+    stream = conversion.text_samples(tiny_tokenizer, "train", 0, 24)
+    batch = conversion.conversion_batch([next(stream) for _ in range(3)], tiny_tokenizer.pad_id, random.Random(0))
+    assert drawn == [1.0]
+    assert (batch["pairs"][:, 1:, 1] == tiny_tokenizer.pad_id).all()  # every answer pair (t, PAD), in every row
+    assert len(set((batch["next_token"] != -100).sum(1).tolist())) == 1  # as many scored pairs in every row

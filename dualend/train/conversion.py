@@ -14,7 +14,8 @@ KL(teacher at r || student's t1), KL(teacher at r+1 || MTP head's t2), the stude
 state against the teacher's at r (mean squared error relative to the teacher's mean square), and
 BCE of the confidence head against the student's own p(gold t2), detached. PAD augmentation is
 training.dualend_batch's: gated steps with a reject ratio drawn over the whole threshold range
-(never, always, and uniform between), so rows with every pair `(t, PAD)` are seen.
+(never, always, and uniform between), so rows with every pair `(t, PAD)` are seen; one ratio per batch
+(`conversion_batch`).
 
 What the conversion adds is saved on its own (`adapters.safetensors` + `adapters.json` naming the
 base's checkpoint id and source); `merge_adapters` folds it into the base and gives an ordinary
@@ -42,7 +43,7 @@ from dualend.engine.reference import TorchBatch, generate_batch
 from dualend.engine.tokenizer import TextTokenizer
 
 from .data import FAMILIES, examples, stdlib_chunks
-from .training import Sample, baseline_batch, baseline_forward, dualend_batch
+from .training import Sample, baseline_batch, baseline_forward, draw_reject_ratio, dualend_batch
 
 ADAPTERS, ADAPTERS_CONFIG = "adapters.safetensors", "adapters.json"
 LORA_TARGETS = (("attn", "qkv"), ("attn", "out"), ("ffn", "gate_up"), ("ffn", "down"))
@@ -242,6 +243,13 @@ def teacher_chat_samples(teacher: LanguageModel, tokenizer: TextTokenizer, promp
     return samples
 
 
+def conversion_batch(samples: list[Sample], pad_id: int, rng: random.Random) -> dict[str, torch.Tensor]:
+    """A training batch whose rows share one reject ratio (drawn as `dualend_batch` draws one per row), so
+    that they are about as many pairs long: with a ratio per row, a row split at every token sets the
+    batch's width for rows of half as many pairs (at batches of 4, ~3/4 of the pair positions in use)."""
+    return dualend_batch(samples, pad_id, rng, reject_ratio=draw_reject_ratio(rng))
+
+
 def sample_stream(tokenizer: TextTokenizer, seed: int, tokens: int, chat: list[Sample],
                   chat_fraction: float) -> Iterator[Sample]:
     rng = random.Random(seed)
@@ -273,8 +281,8 @@ def taught_samples(teacher: LanguageModel, samples: list[Sample], pad_id: int, r
 
 
 def taught_batch(taught: list[TaughtSample], pad_id: int, rng: random.Random) -> dict[str, torch.Tensor]:
-    """`dualend_batch` of the samples, with their teacher hidden states along its real tokens."""
-    batch = dualend_batch([t.sample for t in taught], pad_id, rng)
+    """`conversion_batch` of the samples, with their teacher hidden states along its real tokens."""
+    batch = conversion_batch([t.sample for t in taught], pad_id, rng)
     hidden = torch.zeros(*batch["real_tokens"].shape, taught[0].hidden.shape[-1])
     for row, t in enumerate(taught):
         hidden[row, :len(t.hidden)] = t.hidden.float()

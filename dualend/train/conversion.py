@@ -245,8 +245,9 @@ def teacher_chat_samples(teacher: LanguageModel, tokenizer: TextTokenizer, promp
 
 def conversion_batch(samples: list[Sample], pad_id: int, rng: random.Random) -> dict[str, torch.Tensor]:
     """A training batch whose rows share one reject ratio (drawn as `dualend_batch` draws one per row), so
-    that they are about as many pairs long: with a ratio per row, a row split at every token sets the
-    batch's width for rows of half as many pairs (at batches of 4, ~3/4 of the pair positions in use)."""
+    that they are about as many pairs long: with a ratio per row, a row split at every token set the
+    batch's width for rows of half as many pairs (at batches of 4 of convert's stream, 18% more pair
+    positions per token; reports/conversion_recipes/cache_and_targets/)."""
     return dualend_batch(samples, pad_id, rng, reject_ratio=draw_reject_ratio(rng))
 
 
@@ -321,8 +322,8 @@ def teacher_hidden(teacher: LanguageModel, tokens: torch.Tensor) -> torch.Tensor
 
 def student_forward(student: LanguageModel, batch: dict[str, torch.Tensor]):
     """Teacher-forced: hidden [B, n, D], the MTP head's hidden [B, n, D] and confidence [B, n]; the t1
-    and t2 logits are the LM head of these hidden states, taken only at the positions a caller scores
-    (over the whole vocabulary at every position they cost more than the backbone)."""
+    and t2 logits are the LM head of these hidden states, for a caller to take only at the positions it
+    scores (each row of logits is the whole vocabulary)."""
     pairs = batch["pairs"]
     n_batch, n_pairs, _ = pairs.shape
     positions = torch.arange(n_pairs)[None].expand(n_batch, n_pairs)

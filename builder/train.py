@@ -461,7 +461,9 @@ def cmd_convert(args) -> None:
     optimizer = conversion.optimizer(trainable, args.lr)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
-    stream = conversion.sample_stream(tokenizer, data_seed + step, args.seq_tokens, chat_train, args.chat_fraction)
+    stream = (None if args.teacher_cache  # batches come from the cache
+              else conversion.sample_stream(tokenizer, data_seed + step, args.seq_tokens, chat_train,
+                                            args.chat_fraction))
     keys = ("batch_size", "seq_tokens", "lr", "warmup", "decay_tokens", "decay_minutes", "chat_prompts",
             "chat_fraction", "chat_tokens", "hidden_weight", "hidden_fade_minutes", "confidence_weight", "autocast",
             "seed", "teacher_cache")
@@ -506,7 +508,7 @@ def cmd_convert(args) -> None:
     if args.teacher_cache:
         with torch.autocast(**autocast):
             cache, seconds = teacher_cache(args, run, teacher, tokenizer, chat_train, data_seed, base_ref, replicas)
-        elapsed += replicas.total(seconds) / replicas.world  # training time, on one clock (minutes and schedules count it)
+        elapsed += replicas.total(seconds) / replicas.world  # training time on one clock: minutes, schedules
     bar = tqdm(desc="convert", initial=step, total=args.steps or None, file=sys.stdout, mininterval=30,
                disable=not replicas.main)
     saved = True

@@ -277,8 +277,8 @@ def test_a_batch_of_cached_teacher_states_gives_the_loss_of_the_teacher_itself(b
     samples = [next(stream), next(stream), Sample(third.prompt, third.completion[:9])]
     taught = conversion.taught_samples(base.model, samples, tiny_tokenizer.pad_id, rows=2)
     assert [len(t.hidden) for t in taught] == [len(s.prompt) + len(s.completion) for s in samples]
-    live, _ = conversion.conversion_loss(student, base.model, conversion.conversion_batch(samples, tiny_tokenizer.pad_id,
-                                                                                          random.Random(5)))
+    live_batch = conversion.conversion_batch(samples, tiny_tokenizer.pad_id, random.Random(5))
+    live, _ = conversion.conversion_loss(student, base.model, live_batch)
     cached_batch = conversion.taught_batch(taught, tiny_tokenizer.pad_id, random.Random(5))
     monkeypatch.setattr(conversion, "teacher_hidden", lambda *a: pytest.fail("the teacher's blocks ran"))
     cached, _ = conversion.conversion_loss(student, base.model, cached_batch)
@@ -314,7 +314,7 @@ def test_the_hidden_target_fades_over_this_runs_minutes_when_asked():
     assert train.hidden_weight_at(options, 600) == train.hidden_weight_at(options, 900) == 0.0
 
 
-def test_the_convert_step_benchmark_times_each_part_and_a_cached_teacher_costs_nothing(base, tmp_path, capsys):
+def test_the_convert_step_benchmark_times_each_part_with_the_teacher_live_or_cached(base, tmp_path, capsys):
     from benchmarks import convert_step
     base.save(tmp_path / "base")
     options = ["--baseline", str(tmp_path / "base"), "--lora-rank", "4", "--steps", "2", "--batch-size", "2",

@@ -367,7 +367,8 @@ def conversion_loss(student: LanguageModel, teacher: LanguageModel, batch: dict[
         draft_hidden = _at(target_hidden, batch["draft_index"] - 1)[draft_valid]  # [N2, D]
         teacher_logits = teacher.lm_head(torch.cat([next_hidden, draft_hidden]))
     # t1 rows, then t2 rows: one pass of each LM head for both
-    kl, student_logp = kl_rows(teacher_logits, student.lm_head(torch.cat([hidden[next_valid], mtp_hidden[draft_valid]])))
+    student_logits = student.lm_head(torch.cat([hidden[next_valid], mtp_hidden[draft_valid]]))
+    kl, student_logp = kl_rows(teacher_logits, student_logits)
     n1 = len(next_hidden)
     kl_t1, kl_t2 = _mean(kl[:n1]), _mean(kl[n1:])
     student_hidden = hidden[next_valid].float()

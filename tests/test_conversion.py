@@ -361,3 +361,30 @@ def test_a_training_batchs_rows_share_one_reject_ratio(tiny_tokenizer, monkeypat
     assert drawn == [1.0]
     assert (batch["pairs"][:, 1:, 1] == tiny_tokenizer.pad_id).all()  # every answer pair (t, PAD), in every row
     assert len(set((batch["next_token"] != -100).sum(1).tolist())) == 1  # as many scored pairs in every row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kl_rows_gives_torchs_kl_and_its_gradient_across_chunks(dtype):
+    """Rows taken a chunk at a time (here 131 of a 1000-token vocabulary, so three chunks and a short one):
+    each row's KL, the student's log-sum-exp and the gradient as torch's kl_div over whole rows; the
+    logits themselves left as they were."""
+    torch.manual_seed(0)
+    rows, vocab = 300, 1000
+    assert conversion._rows_per_chunk(torch.empty(rows, vocab)) < rows
+    teacher = (3 * torch.randn(rows, vocab)).to(dtype)
+    student = (3 * torch.randn(rows, vocab)).to(dtype).requires_grad_(True)
+    weights = torch.rand(rows)
+    kl, lse = conversion.kl_rows(teacher, student)
+    (kl * weights).sum().backward()
+    reference_student = student.detach().clone().requires_grad_(True)
+    expected = torch.nn.functional.kl_div(reference_student.float().log_softmax(-1),
+                                          teacher.float().log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    (expected * weights).sum().backward()
+    assert kl.dtype == torch.float32
+    assert torch.allclose(kl, expected, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(lse, torch.logsumexp(student.detach().float(), -1), rtol=1e-5)
+    assert torch.allclose(student.grad.float(), reference_student.grad.float(),
+                          atol=1e-6 if dtype == torch.float32 else 2e-3)
+    assert student.grad.abs().max() > 1e-3  # the gradient is not vanishingly small, so the check above bites
+    with pytest.raises(ValueError, match="teacher"):
+        conversion.kl_rows(teacher.clone().requires_grad_(True), student)

@@ -52,6 +52,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-tokens", type=int, default=256)
     parser.add_argument("--teacher-cache", action="store_true")
+    parser.add_argument("--frozen-fp32", action="store_true",
+                        help="frozen linears kept in fp32 (cast at each use), as convert did before 2026-12-06")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -60,6 +62,8 @@ def main(argv=None) -> None:
     student = conversion.build_student(teacher, conversion.ConversionSpec(args.lora_rank, compressor_init="sum"))
     optimizer = conversion.optimizer([p for p in student.parameters() if p.requires_grad], lr=1e-5)
     autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=native_bf16(torch.device("cpu")))
+    if autocast["enabled"] and not args.frozen_fp32:
+        conversion.frozen_linears_in(torch.bfloat16, teacher, student)
     stream, rng = conversion.sample_stream(base.tokenizer, 0, args.seq_tokens, [], 0.0), random.Random(0)
     batches = [conversion.conversion_batch([next(stream) for _ in range(args.batch_size)], pad, rng)
                for _ in range(args.steps + 1)]
@@ -70,7 +74,7 @@ def main(argv=None) -> None:
     timings = timings[1:]  # the warm-up step
     tokens = sum(conversion.real_tokens(b, pad) for b in batches[1:])
     print(f"lora_rank {args.lora_rank}, {args.threads} thread(s), autocast {'bf16' if autocast['enabled'] else 'none'}"
-          f"{', teacher cached' if args.teacher_cache else ''}: {tokens / sum(map(sum, timings)):.0f} tokens/s; "
+          f"{', teacher cached' if args.teacher_cache else ''}{', frozen linears fp32' if args.frozen_fp32 else ''}: {tokens / sum(map(sum, timings)):.0f} tokens/s; "
           + ", ".join(f"{name} {1000 * statistics.median(t[i] for t in timings):.1f} ms"
                       for i, name in enumerate(PARTS)))
 

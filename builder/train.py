@@ -472,6 +472,8 @@ def cmd_convert(args) -> None:
     if (run / STARTED_FROM).exists():  # the tokens count on from these; steps and minutes are this run's
         recipe["started_from"] = json.loads((run / STARTED_FROM).read_text(encoding="utf-8"))
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16")
+    if autocast["enabled"]:
+        conversion.frozen_linears_in(torch.bfloat16, teacher, student)
     window = {"parts": {}, "steps": 0, "tokens": 0, "seconds": 0.0}
 
     def record_and_save() -> None:

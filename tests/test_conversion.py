@@ -388,3 +388,31 @@ def test_kl_rows_gives_torchs_kl_and_its_gradient_across_chunks(dtype):
     assert student.grad.abs().max() > 1e-3  # the gradient is not vanishingly small, so the check above bites
     with pytest.raises(ValueError, match="teacher"):
         conversion.kl_rows(teacher.clone().requires_grad_(True), student)
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0])
+def test_frozen_linears_stored_in_bf16_give_the_same_loss_and_gradients_under_autocast(base, tiny_tokenizer, lora_rank):
+    """What autocast would cast them to at each use, stored once: the products are the same; the weights
+    that train stay fp32."""
+    import copy
+    spec = conversion.ConversionSpec(lora_rank=lora_rank, lora_alpha=8.0, frozen_layers=1)
+    torch.manual_seed(0)
+    student = conversion.build_student(base.model, spec)
+    teacher = copy.deepcopy(base.model)
+    batch = _batch(tiny_tokenizer, rows=3)
+
+    def loss_and_grads(student, teacher):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = conversion.conversion_loss(student, teacher, batch)
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in student.named_parameters() if p.requires_grad}
+
+    expected_loss, expected_grads = loss_and_grads(copy.deepcopy(student), teacher)
+    conversion.frozen_linears_in(torch.bfloat16, teacher, student)
+    loss, grads = loss_and_grads(student, teacher)
+    assert loss == expected_loss
+    assert grads.keys() == expected_grads.keys() and all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+    frozen = [m.weight for m in [*student.modules(), *teacher.modules()]
+              if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    assert frozen and all(w.dtype == torch.bfloat16 for w in frozen)
+    assert all(p.dtype == torch.float32 for p in student.parameters() if p.requires_grad)

@@ -136,6 +136,15 @@ def _last_block_input_rms(base: LanguageModel, tokens: int = 64) -> float:
     return seen[0].pow(2).mean(-1).sqrt().mean().item()
 
 
+def frozen_linears_in(dtype: torch.dtype, *models: nn.Module) -> None:
+    """Store the frozen linears' weights in `dtype`, for training under autocast to it (which otherwise
+    casts them at every use: it keeps its casts only of weights that train); the same products."""
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and not module.weight.requires_grad:
+                module.to(dtype)
+
+
 def trainable_state(student: LanguageModel) -> dict[str, torch.Tensor]:
     return {n: p.detach().contiguous() for n, p in student.named_parameters() if p.requires_grad}
 

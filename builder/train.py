@@ -506,14 +506,15 @@ def cmd_convert(args) -> None:
         record_and_save()
     deadline = time.time() + 60 * args.time_limit_minutes if args.time_limit_minutes else math.inf
     run_started_at = elapsed  # a resumed run's schedule counts its minutes from here
-    cache = []
+    cache, cache_seconds = [], 0.0
     if args.teacher_cache:
         with torch.autocast(**autocast):
             cache, seconds = teacher_cache(args, run, teacher, tokenizer, chat_train, data_seed, base_ref, replicas)
-        elapsed += replicas.total(seconds) / replicas.world  # training time on one clock: minutes, schedules
+        cache_seconds = replicas.total(seconds) / replicas.world  # training time on one clock: minutes, schedules
+        elapsed += cache_seconds
     bar = tqdm(desc="convert", initial=step, total=args.steps or None, file=sys.stdout, mininterval=30,
                disable=not replicas.main)
-    saved = True
+    saved = cache_seconds == 0  # a cache just made counts in the minutes, even if no step follows it
     while (not args.steps or step < args.steps) and not replicas.any(time.time() >= deadline):
         started = time.time()
         student.train()

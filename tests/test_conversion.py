@@ -305,6 +305,16 @@ def test_convert_makes_its_teacher_cache_once_and_reads_it_back_when_resumed(bas
         train.main([*options[:-1], "1", "--run", str(tmp_path / "other"), "--steps", "1"])
 
 
+def test_a_run_out_of_time_while_making_its_teacher_cache_keeps_the_caches_minutes(base, tmp_path):
+    """The cache is part of the run's training time (its schedules count it): saved even when no step follows."""
+    base.save(tmp_path / "base")
+    train.main(["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
+                "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--chat-prompts", "0",
+                "--autocast", "none", "--teacher-cache", "3", "--time-limit-minutes", "1e-9"])
+    state = torch.load(tmp_path / "run" / "state.pt", weights_only=False)
+    assert state["step"] == 0 and state["elapsed"] > 0
+
+
 def test_the_hidden_target_fades_over_this_runs_minutes_when_asked():
     options = argparse.Namespace(hidden_weight=0.5, hidden_fade_minutes=0.0)
     assert train.hidden_weight_at(options, 10**6) == 0.5

@@ -74,7 +74,8 @@ def main(argv=None) -> None:
     timings = timings[1:]  # the warm-up step
     tokens = sum(conversion.real_tokens(b, pad) for b in batches[1:])
     print(f"lora_rank {args.lora_rank}, {args.threads} thread(s), autocast {'bf16' if autocast['enabled'] else 'none'}"
-          f"{', teacher cached' if args.teacher_cache else ''}{', frozen linears fp32' if args.frozen_fp32 else ''}: {tokens / sum(map(sum, timings)):.0f} tokens/s; "
+          f"{', teacher cached' if args.teacher_cache else ''}{', frozen linears fp32' if args.frozen_fp32 else ''}: "
+          f"{tokens / sum(map(sum, timings)):.0f} tokens/s; "
           + ", ".join(f"{name} {1000 * statistics.median(t[i] for t in timings):.1f} ms"
                       for i, name in enumerate(PARTS)))
 

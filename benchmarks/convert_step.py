@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-tokens", type=int, default=256)
     parser.add_argument("--teacher-cache", action="store_true")
     parser.add_argument("--frozen-fp32", action="store_true",
-                        help="frozen linears kept in fp32 (cast at each use), as convert did before 2026-12-06")
+                        help="frozen linears kept in fp32 (cast at each use), as convert did before 81ec0f8")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -514,7 +514,8 @@ def cmd_convert(args) -> None:
         elapsed += cache_seconds
     bar = tqdm(desc="convert", initial=step, total=args.steps or None, file=sys.stdout, mininterval=30,
                disable=not replicas.main)
-    saved = cache_seconds == 0  # a cache just made counts in the minutes, even if no step follows it
+    # a cache just made counts in the minutes even if no step follows (this step is then recorded again)
+    saved = cache_seconds == 0
     while (not args.steps or step < args.steps) and not replicas.any(time.time() >= deadline):
         started = time.time()
         student.train()

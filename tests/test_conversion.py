@@ -2,6 +2,7 @@
 `builder.train convert` / `merge-adapters`), on a tiny random LlamaForCausalLM as the teacher."""
 import argparse
 import json
+import math
 import os
 import random
 import subprocess
@@ -315,6 +316,21 @@ def test_a_run_out_of_time_while_making_its_teacher_cache_keeps_the_caches_minut
     assert state["step"] == 0 and state["elapsed"] > 0
 
 
+def test_convert_under_bf16_autocast_on_the_cpu_trains_evaluates_and_resumes(base, tmp_path):
+    """Its frozen linears are then stored in bf16: every pass after that (the teacher cache, the loss, the
+    held-out evaluation) runs under autocast, and the weights saved stay fp32."""
+    base.save(tmp_path / "base")
+    options = ["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
+               "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--eval-every", "1",
+               "--chat-prompts", "0", "--autocast", "bf16", "--teacher-cache", "3"]
+    train.main([*options, "--steps", "2"])
+    train.main([*options, "--steps", "3"])
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 1, 2, 3] and all(math.isfinite(r["nll_t1"]) for r in log)
+    adapters, meta = conversion.load_adapters(tmp_path / "run" / "adapters")
+    assert meta["recipe"]["autocast"] == "bf16" and all(t.dtype == torch.float32 for t in adapters.values())
+
+
 def test_the_hidden_target_fades_over_this_runs_minutes_when_asked():
     options = argparse.Namespace(hidden_weight=0.5, hidden_fade_minutes=0.0)
     assert train.hidden_weight_at(options, 10**6) == 0.5
@@ -384,6 +400,7 @@ def test_kl_rows_gives_torchs_kl_and_its_gradient_across_chunks(dtype):
     teacher = (3 * torch.randn(rows, vocab)).to(dtype)
     student = (3 * torch.randn(rows, vocab)).to(dtype).requires_grad_(True)
     weights = torch.rand(rows)
+    teacher_before, student_before = teacher.clone(), student.detach().clone()
     kl, lse = conversion.kl_rows(teacher, student)
     (kl * weights).sum().backward()
     reference_student = student.detach().clone().requires_grad_(True)
@@ -396,8 +413,15 @@ def test_kl_rows_gives_torchs_kl_and_its_gradient_across_chunks(dtype):
     assert torch.allclose(student.grad.float(), reference_student.grad.float(),
                           atol=1e-6 if dtype == torch.float32 else 2e-3)
     assert student.grad.abs().max() > 1e-3  # the gradient is not vanishingly small, so the check above bites
+    assert torch.equal(teacher, teacher_before) and torch.equal(student.detach(), student_before)
+    empty = torch.zeros(0, vocab, dtype=dtype, requires_grad=True)
+    kl, lse = conversion.kl_rows(torch.zeros(0, vocab, dtype=dtype), empty)
+    kl.sum().backward()
+    assert kl.shape == lse.shape == (0,) and empty.grad.shape == (0, vocab)
     with pytest.raises(ValueError, match="teacher"):
         conversion.kl_rows(teacher.clone().requires_grad_(True), student)
+    with pytest.raises(ValueError, match="against the student's"):
+        conversion.kl_rows(teacher[:1], student)
 
 
 @pytest.mark.parametrize("lora_rank", [4, 0])

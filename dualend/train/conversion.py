@@ -355,6 +355,9 @@ class _RowKL(torch.autograd.Function):
     def forward(ctx, teacher_logits: torch.Tensor, student_logits: torch.Tensor):
         if ctx.needs_input_grad[0]:
             raise ValueError("the teacher's logits take no gradient in a distillation loss")
+        if teacher_logits.shape != student_logits.shape:
+            raise ValueError(f"teacher logits {tuple(teacher_logits.shape)} against the student's "
+                             f"{tuple(student_logits.shape)}")
         rows = len(student_logits)
         kl = student_logits.new_empty(rows, dtype=torch.float32)
         teacher_lse, student_lse = torch.empty_like(kl), torch.empty_like(kl)
@@ -371,6 +374,7 @@ class _RowKL(torch.autograd.Function):
         return kl, student_lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_kl: torch.Tensor, _grad_lse):
         teacher_logits, student_logits, teacher_lse, student_lse = ctx.saved_tensors
         grad = torch.empty_like(student_logits)
@@ -385,14 +389,14 @@ class _RowKL(torch.autograd.Function):
 
 def _rows_per_chunk(logits: torch.Tensor) -> int:
     """On a CPU a chunk's fp32 rows fit a core's cache (2^17 values: 2 rows of a 49k vocabulary); elsewhere
-    few chunks, each a kernel launch."""
+    few chunks, each a handful of kernel launches."""
     budget = 2 ** 17 if logits.device.type == "cpu" else 2 ** 26
     return max(1, budget // max(1, logits.shape[-1]))
 
 
 def kl_rows(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KL(teacher || student) [N] of each row of [N, V] logits (fp32, from logits of any float dtype),
-    and the student's log-sum-exp [N] (its log-probabilities are `student_logits - lse`)."""
+    and the student's log-sum-exp [N] (its log-probabilities are `student_logits - lse[:, None]`)."""
     return _RowKL.apply(teacher_logits, student_logits)
 
 

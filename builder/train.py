@@ -460,7 +460,7 @@ def cmd_convert(args) -> None:
     trainable = [p for p in student.parameters() if p.requires_grad]
     optimizer = conversion.optimizer(trainable, args.lr)
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        conversion.resume_optimizer(optimizer, state["optimizer"])
     stream = (None if args.teacher_cache  # batches come from the cache
               else conversion.sample_stream(tokenizer, data_seed + step, args.seq_tokens, chat_train,
                                             args.chat_fraction))

@@ -1,6 +1,7 @@
 """Converting a pretrained token-level model to pair-in/pair-out (dualend.train.conversion and
 `builder.train convert` / `merge-adapters`), on a tiny random LlamaForCausalLM as the teacher."""
 import argparse
+import copy
 import json
 import math
 import os
@@ -331,6 +332,24 @@ def test_convert_under_bf16_autocast_on_the_cpu_trains_evaluates_and_resumes(bas
     assert meta["recipe"]["autocast"] == "bf16" and all(t.dtype == torch.float32 for t in adapters.values())
 
 
+def test_a_resumed_optimizer_keeps_its_fused_kernel_and_takes_the_saved_moments():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    unfused = torch.optim.AdamW([weight], lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95))  # as saved before
+    weight.grad = torch.randn(8, 4)
+    unfused.step()
+    resumed = conversion.optimizer([weight], lr=1e-3)
+    conversion.resume_optimizer(resumed, copy.deepcopy(unfused.state_dict()))  # as read back from state.pt
+    group = resumed.param_groups[0]
+    assert group["fused"] and group["lr"] == 1e-2  # the kernel kept; the saved hyperparameters taken
+    assert torch.equal(resumed.state[weight]["exp_avg"], unfused.state[weight]["exp_avg"])
+    expected = weight.detach().clone()
+    unfused.step()
+    expected, weight.data = weight.detach().clone(), expected
+    resumed.step()  # the fused kernel on the loaded moments: the same update as the unfused one's
+    assert torch.allclose(weight, expected, atol=1e-6)
+
+
 def test_the_hidden_target_fades_over_this_runs_minutes_when_asked():
     options = argparse.Namespace(hidden_weight=0.5, hidden_fade_minutes=0.0)
     assert train.hidden_weight_at(options, 10**6) == 0.5
@@ -428,7 +447,6 @@ def test_kl_rows_gives_torchs_kl_and_its_gradient_across_chunks(dtype):
 def test_frozen_linears_stored_in_bf16_give_the_same_loss_and_gradients_under_autocast(base, tiny_tokenizer, lora_rank):
     """What autocast would cast them to at each use, stored once: the products are the same; the weights
     that train stay fp32."""
-    import copy
     spec = conversion.ConversionSpec(lora_rank=lora_rank, lora_alpha=8.0, frozen_layers=1)
     torch.manual_seed(0)
     student = conversion.build_student(base.model, spec)

@@ -444,6 +444,15 @@ def optimizer(trainable: list[nn.Parameter], lr: float) -> torch.optim.Optimizer
     return torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
 
 
+def resume_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Load a saved state (moments, step, hyperparameters), keeping this optimizer's implementation: a
+    state saved before it was fused would otherwise bring the slower one back."""
+    implementation = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, kept in zip(optimizer.param_groups, implementation):
+        group.update(kept)
+
+
 @dataclass
 class HeldOut:
     """A fixed held-out set, teacher-forced, with the teacher's figures on it computed once."""

@@ -211,6 +211,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.time()
+    reports = Path(args.reports)
+    reports.mkdir(parents=True, exist_ok=True)  # before the minutes of work whose report it holds
     dualend, baseline = load_checkpoint(args.dualend), load_checkpoint(args.baseline)
     if dualend.recipe.get("converted_from") != baseline.id:
         raise SystemExit(f"{args.dualend} was converted from {dualend.recipe.get('converted_from')}, "
@@ -225,7 +227,6 @@ def main(argv=None) -> dict:
     report["task"] = task_check(dualend, baseline, report["threshold"], args)
     report["verdict"] = verdict(report)
     report["minutes"] = round((time.time() - started) / 60, 1)
-    reports = Path(args.reports)
     (reports / f"quality_{args.name}.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     (reports / f"quality_{args.name}.md").write_text(markdown(report), encoding="utf-8")
     adapters = Path(args.adapters)

@@ -87,9 +87,10 @@ def test_shipped_adapters_are_bf16_and_merge_at_build_time_once(converted, capsy
 
 
 def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_step(converted, tmp_path):
+    reports = tmp_path / "a" / "new" / "folder"  # made by the gate
     report = evaluate_conversion.main([
         "--dualend", str(converted / "merged"), "--baseline", str(converted / "base"), "--name", "tiny",
-        "--reports", str(tmp_path), "--chat-prompts", "2", "--text-prompts", "2", "--prompt-tokens", "12",
+        "--reports", str(reports), "--chat-prompts", "2", "--text-prompts", "2", "--prompt-tokens", "12",
         "--answer-tokens", "6", "--text-rows", "2", "--text-tokens", "24", "--task-tokens", "4"])
     assert report["threshold"] in THRESHOLDS
     for split in ("calibration", "report"):
@@ -106,8 +107,8 @@ def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_ste
     assert [a["question"] for a in task["answers"]] == asked  # every question of the file, in its order
     assert task["dualend_right_of_baselines"] == sum(a["baseline_right"] and a["dualend_right"] for a in task["answers"])
     assert report["verdict"]["passed"] == all(report["verdict"]["met"].values())
-    assert json.loads((tmp_path / "quality_tiny.json").read_text())["threshold"] == report["threshold"]
-    assert "NOT PASSED" in (tmp_path / "quality_tiny.md").read_text() or report["verdict"]["passed"]
+    assert json.loads((reports / "quality_tiny.json").read_text())["threshold"] == report["threshold"]
+    assert "NOT PASSED" in (reports / "quality_tiny.md").read_text() or report["verdict"]["passed"]
 
 
 def test_the_gate_refuses_a_dual_end_model_converted_from_another_base(converted, tmp_path):

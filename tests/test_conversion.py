@@ -343,9 +343,10 @@ def test_a_resumed_optimizer_keeps_its_fused_kernel_and_takes_the_saved_moments(
     group = resumed.param_groups[0]
     assert group["fused"] and group["lr"] == 1e-2  # the kernel kept; the saved hyperparameters taken
     assert torch.equal(resumed.state[weight]["exp_avg"], unfused.state[weight]["exp_avg"])
-    expected = weight.detach().clone()
+    before = weight.detach().clone()
     unfused.step()
-    expected, weight.data = weight.detach().clone(), expected
+    expected = weight.detach().clone()
+    weight.data.copy_(before)
     resumed.step()  # the fused kernel on the loaded moments: the same update as the unfused one's
     assert torch.allclose(weight, expected, atol=1e-6)
 

@@ -363,11 +363,12 @@ class _RowKL(torch.autograd.Function):
         teacher_lse, student_lse = torch.empty_like(kl), torch.empty_like(kl)
         step = _rows_per_chunk(student_logits)
         for a in range(0, rows, step):
-            teacher, student = teacher_logits[a:a + step].float(), student_logits[a:a + step].float()
-            teacher_lse[a:a + step] = torch.logsumexp(teacher, -1)
-            student_lse[a:a + step] = torch.logsumexp(student, -1)
-            teacher_p = (teacher - teacher_lse[a:a + step, None]).exp_()
-            kl[a:a + step] = (teacher_p * (teacher - student)).sum(-1)
+            b = a + step
+            teacher, student = teacher_logits[a:b].float(), student_logits[a:b].float()
+            teacher_lse[a:b] = torch.logsumexp(teacher, -1)
+            student_lse[a:b] = torch.logsumexp(student, -1)
+            teacher_p = (teacher - teacher_lse[a:b, None]).exp_()
+            kl[a:b] = (teacher_p * (teacher - student)).sum(-1)
         kl += student_lse - teacher_lse
         ctx.save_for_backward(teacher_logits, student_logits, teacher_lse, student_lse)
         ctx.mark_non_differentiable(student_lse)

@@ -4,9 +4,10 @@ forward with the losses, the backward, clipping with the optimizer; and tokens/s
     python -m benchmarks.convert_step --baseline build/checkpoints/smollm2 --lora-rank 0 --threads 1
 
 Each step is convert's own (`conversion.conversion_loss` on a batch of the text stream, the same
-optimizer, bf16 autocast where the CPU multiplies bf16 natively), after one warm-up step; prints each
-part's median over --steps steps and tokens/s over all of them. With --teacher-cache the teacher's
-hidden states come with the batch, as in a run with a cache (its part is then 0).
+optimizer, bf16 autocast where the CPU multiplies bf16 natively), after one warm-up step (three with
+--compile); prints each part's median over --steps steps and tokens/s over all of them. With
+--teacher-cache the teacher's hidden states come with the batch, as in a run with a cache (its part is
+then 0).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dualend.train import conversion
 PARTS = ("teacher", "student forward + losses", "backward", "clip + optimizer")
 
 
-def timed_step(student, teacher, optimizer, batch, autocast: dict, cached: bool) -> list[float]:
+def timed_step(student, teacher, optimizer, batch, autocast: dict, cached: bool, kl=conversion.kl_rows) -> list[float]:
     trainable = [p for p in student.parameters() if p.requires_grad]
     marks = [time.perf_counter()]
     with torch.autocast(**autocast):
@@ -32,7 +33,7 @@ def timed_step(student, teacher, optimizer, batch, autocast: dict, cached: bool)
             with torch.no_grad():
                 batch = batch | {"teacher_hidden": conversion.teacher_hidden(teacher, batch["real_tokens"])}
         marks.append(time.perf_counter())
-        loss, _ = conversion.conversion_loss(student, teacher, batch, hidden_weight=0.0)
+        loss, _ = conversion.conversion_loss(student, teacher, batch, hidden_weight=0.0, kl=kl)
     marks.append(time.perf_counter())
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -52,6 +53,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-tokens", type=int, default=256)
     parser.add_argument("--teacher-cache", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="as convert --compile (three warm-up steps, not one)")
     parser.add_argument("--frozen-fp32", action="store_true",
                         help="frozen linears kept in fp32 (cast at each use), as convert did before 81ec0f8")
     args = parser.parse_args(argv)
@@ -64,17 +66,22 @@ def main(argv=None) -> None:
     autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=native_bf16(torch.device("cpu")))
     if autocast["enabled"] and not args.frozen_fp32:
         conversion.frozen_linears_in(torch.bfloat16, teacher, student)
+    kl, warmup = conversion.kl_rows, 1
+    if args.compile:
+        conversion.compile_blocks(teacher, student)
+        kl, warmup = conversion.compiled_kl_rows(), 3  # the first shape compiles, the second with dynamic sizes
     stream, rng = conversion.sample_stream(base.tokenizer, 0, args.seq_tokens, [], 0.0), random.Random(0)
     batches = [conversion.conversion_batch([next(stream) for _ in range(args.batch_size)], pad, rng)
-               for _ in range(args.steps + 1)]
+               for _ in range(args.steps + warmup)]
     if args.teacher_cache:
         with torch.autocast(**autocast), torch.no_grad():
             batches = [b | {"teacher_hidden": conversion.teacher_hidden(teacher, b["real_tokens"])} for b in batches]
-    timings = [timed_step(student.train(), teacher, optimizer, b, autocast, args.teacher_cache) for b in batches]
-    timings = timings[1:]  # the warm-up step
-    tokens = sum(conversion.real_tokens(b, pad) for b in batches[1:])
+    timings = [timed_step(student.train(), teacher, optimizer, b, autocast, args.teacher_cache, kl) for b in batches]
+    timings = timings[warmup:]
+    tokens = sum(conversion.real_tokens(b, pad) for b in batches[warmup:])
     print(f"lora_rank {args.lora_rank}, {args.threads} thread(s), autocast {'bf16' if autocast['enabled'] else 'none'}"
-          f"{', teacher cached' if args.teacher_cache else ''}{', frozen linears fp32' if args.frozen_fp32 else ''}: "
+          f"{', teacher cached' if args.teacher_cache else ''}{', frozen linears fp32' if args.frozen_fp32 else ''}"
+          f"{', compiled' if args.compile else ''}: "
           f"{tokens / sum(map(sum, timings)):.0f} tokens/s; "
           + ", ".join(f"{name} {1000 * statistics.median(t[i] for t in timings):.1f} ms"
                       for i, name in enumerate(PARTS)))

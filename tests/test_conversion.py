@@ -469,3 +469,49 @@ def test_frozen_linears_stored_in_bf16_give_the_same_loss_and_gradients_under_au
               if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
     assert frozen and all(w.dtype == torch.bfloat16 for w in frozen)
     assert all(p.dtype == torch.float32 for p in student.parameters() if p.requires_grad)
+
+
+def test_the_compiled_blocks_and_kl_give_the_eager_loss_and_gradients(base, tiny_tokenizer):
+    """torch.compile changes how the step runs, not what it computes: the same loss and gradients (fp32,
+    up to the order of float sums), on batches of two lengths, and the parameters keep their names."""
+    torch.manual_seed(0)
+    student = conversion.build_student(base.model, conversion.ConversionSpec(lora_rank=0))
+    with torch.no_grad():  # the compressor away from its start, so the student is not near the teacher
+        for p in student.compressor.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    teacher, compiled = copy.deepcopy(base.model), copy.deepcopy(student)
+    conversion.compile_blocks(teacher, compiled)
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in student.named_parameters()]
+
+    def loss_and_grads(student, teacher, batch, kl):
+        student.zero_grad(set_to_none=True)
+        loss, _ = conversion.conversion_loss(student, teacher, batch, kl=kl)
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in student.named_parameters() if p.requires_grad}
+
+    for tokens in (24, 40):
+        batch = _batch(tiny_tokenizer, rows=3, tokens=tokens)
+        expected_loss, expected = loss_and_grads(student, base.model, batch, conversion.kl_rows)
+        loss, grads = loss_and_grads(compiled, teacher, batch, conversion.compiled_kl_rows())
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+        assert grads.keys() == expected.keys()
+        for name in grads:
+            assert torch.allclose(grads[name], expected[name], rtol=1e-3, atol=1e-6), name
+    assert max(g.abs().max() for g in expected.values()) > 1e-3  # gradients that the comparison can tell apart
+
+
+def test_convert_compiled_trains_as_the_eager_run_and_resumes_without_compiling(base, tmp_path):
+    base.save(tmp_path / "base")
+    options = ["convert", "--baseline", str(tmp_path / "base"), "--lora-rank", "4", "--batch-size", "2",
+               "--seq-tokens", "32", "--eval-rows", "2", "--eval-every", "1", "--chat-prompts", "0", "--autocast", "none"]
+    train.main([*options, "--run", str(tmp_path / "eager"), "--steps", "2"])
+    train.main([*options, "--run", str(tmp_path / "compiled"), "--steps", "2", "--compile"])
+    train.main([*options, "--run", str(tmp_path / "compiled"), "--steps", "3"])
+    eager, compiled = ([json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+                       for run in ("eager", "compiled"))
+    assert [r["step"] for r in compiled] == [0, 1, 2, 3]
+    for before, after in zip(eager, compiled[:3]):  # the same batches, losses and held-out figures
+        for key in ("loss", "kl_t1", "kl_t2", "nll_t1", "nll_t2") if before["step"] else ("nll_t1", "nll_t2"):
+            assert after[key] == pytest.approx(before[key], rel=1e-4, abs=1e-4), (before["step"], key)
+    _, meta = conversion.load_adapters(tmp_path / "compiled" / "adapters")
+    assert meta["recipe"]["compile"] is False  # the last invocation's: resumed without compiling

@@ -140,9 +140,10 @@ class Attention(nn.Module):
         # last > 0: only the last `last` positions query (their outputs alone come back)
         heads, kv_heads, head_dim = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.head_dim
         q, k, v = self.qkv(x).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q = q.unflatten(-1, (heads, head_dim)).transpose(1, 2)     # [B, heads, S, Dh]
-        k = k.unflatten(-1, (kv_heads, head_dim)).transpose(1, 2)  # [B, kv_heads, S, Dh]
-        v = v.unflatten(-1, (kv_heads, head_dim)).transpose(1, 2)
+        # torch.unflatten, not Tensor.unflatten: torch.compile cannot trace the method's super() call
+        q = torch.unflatten(q, -1, (heads, head_dim)).transpose(1, 2)     # [B, heads, S, Dh]
+        k = torch.unflatten(k, -1, (kv_heads, head_dim)).transpose(1, 2)  # [B, kv_heads, S, Dh]
+        v = torch.unflatten(v, -1, (kv_heads, head_dim)).transpose(1, 2)
         half = head_dim // 2
         q, k = rope(q, cos_sin, half), rope(k, cos_sin, half)
         if last:

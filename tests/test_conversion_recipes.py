@@ -32,8 +32,10 @@ def test_each_run_is_reported_by_its_gap_to_the_teacher_and_plotted(tmp_path, ca
     assert "| 8 | 8192 | 5.0 | 27 |" in capsys.readouterr().out
 
 
-def test_a_run_with_a_teacher_cache_or_a_fading_hidden_target_says_so(tmp_path):
+def test_a_run_with_a_teacher_cache_a_fading_hidden_target_or_compiled_says_so(tmp_path):
     cached = run_folder(tmp_path, "cached", [record(0, 0, 0.0, 6.0, 9.0, 0.2)], teacher_cache=256,
-                        hidden_fade_minutes=0.0)
-    main([str(cached), "--out", str(tmp_path / "report")])
-    assert "compressor_init mean, teacher_cache 256 |" in (tmp_path / "report" / "report.md").read_text()
+                        hidden_fade_minutes=0.0, compile=False)
+    compiled = run_folder(tmp_path, "compiled", [record(0, 0, 0.0, 6.0, 9.0, 0.2)], compile=True)
+    main([str(cached), str(compiled), "--out", str(tmp_path / "report")])
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "compressor_init mean, teacher_cache 256 |" in report and "compressor_init mean, compile True |" in report

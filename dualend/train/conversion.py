@@ -414,8 +414,8 @@ def _kl_expression(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -
 
 @functools.cache
 def compiled_kl_rows():
-    """`kl_rows` compiled (inductor): on one core of this Xeon 1.5x faster, forward and backward, than the
-    eager chunks (benchmarks/convert_step.py --compile measures the whole step)."""
+    """`kl_rows` compiled (inductor): forward and backward each fused into passes over each row, in place
+    of the eager chunks' separate operations (`benchmarks.convert_step --compile` times the step)."""
     return torch.compile(_kl_expression, dynamic=True)
 
 

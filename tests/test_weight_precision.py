@@ -1,0 +1,35 @@
+"""benchmarks.weight_precision on a tiny dual-end model: each precision's export measured against fp32's."""
+import json
+import math
+import re
+
+from benchmarks import weight_precision
+from builder.evaluate_conversion import DEFAULTS as GATE_DEFAULTS
+from conftest import tiny_model
+from dualend.engine.checkpoint import Checkpoint
+from dualend.engine.tokenizer import BOS, EOS, PAD, TextTokenizer
+
+
+def test_each_precision_is_measured_against_fp32_and_its_export_reused(tiny_tokenizer, tmp_path, capsys):
+    tokenizer = TextTokenizer(tiny_tokenizer.tokenizer, {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
+                                                         "add_bos_token": True,
+                                                         "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    Checkpoint(tiny_model(tokenizer, 2, seed=1), tokenizer).save(tmp_path / "tiny")
+    options = ["--checkpoint", str(tmp_path / "tiny"), "--export-dir", str(tmp_path / "exports"),
+               "--precisions", "fp32", "int4", "--chunks", "2", "--tokens", "32", "--threads", "1"]
+    weight_precision.main([*options, "--task-check", "--task-tokens", "4", "--timing", "--timing-batches", "1",
+                           "--timing-context", "4", "--timing-steps", "4"])
+    out = capsys.readouterr().out
+    assert out.count("exporting") == 2 and "2 chunks x 32 tokens, 30 backbone predictions" in out
+    rows = dict(re.findall(r"^ +(fp32|int4) \| +([-\d. |+]+?) \| [\d.]+ \(", out, re.M))
+    fp32_nll, fp32_delta, fp32_agree = (cell.strip() for cell in rows["fp32"].split("|"))
+    int4_nll, int4_delta, int4_agree = (cell.strip() for cell in rows["int4"].split("|"))
+    assert (fp32_delta, fp32_agree) == ("+0.0000", "1.000")  # fp32 against itself
+    assert abs(float(int4_delta) - (float(int4_nll) - float(fp32_nll))) <= 1.5e-4  # each printed to 4 places
+    assert 0.0 <= float(int4_agree) <= 1.0 and math.isfinite(float(int4_nll))
+    assert re.search(r"int4 backbone: \d+ MatMulNBits", out) and re.search(r"fp32 backbone: 0 MatMulNBits", out)
+    questions = len(json.loads(open(GATE_DEFAULTS["questions"], encoding="utf-8").read())["questions"])
+    assert re.search(rf"^ +fp32 \| +\d+ \| {questions}/{questions}$", out, re.M)  # fp32's answers are fp32's
+    assert re.search(r"^ batch +1: fp32 [\d.]+ \([\d.]+-[\d.]+\) \| int4 [\d.]+", out, re.M)
+    weight_precision.main(options)
+    assert "exporting" not in capsys.readouterr().out  # the exports match the checkpoint: reused

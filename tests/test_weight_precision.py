@@ -2,6 +2,7 @@
 import json
 import math
 import re
+from pathlib import Path
 
 from benchmarks import weight_precision
 from builder.evaluate_conversion import DEFAULTS as GATE_DEFAULTS
@@ -28,7 +29,7 @@ def test_each_precision_is_measured_against_fp32_and_its_export_reused(tiny_toke
     assert abs(float(int4_delta) - (float(int4_nll) - float(fp32_nll))) <= 1.5e-4  # each printed to 4 places
     assert 0.0 <= float(int4_agree) <= 1.0 and math.isfinite(float(int4_nll))
     assert re.search(r"int4 backbone: \d+ MatMulNBits", out) and re.search(r"fp32 backbone: 0 MatMulNBits", out)
-    questions = len(json.loads(open(GATE_DEFAULTS["questions"], encoding="utf-8").read())["questions"])
+    questions = len(json.loads(Path(GATE_DEFAULTS["questions"]).read_text(encoding="utf-8"))["questions"])
     assert re.search(rf"^ +fp32 \| +\d+ \| {questions}/{questions}$", out, re.M)  # fp32's answers are fp32's
     assert re.search(r"^ batch +1: fp32 [\d.]+ \([\d.]+-[\d.]+\) \| int4 [\d.]+", out, re.M)
     weight_precision.main(options)

@@ -354,11 +354,6 @@ class _RowKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, teacher_logits: torch.Tensor, student_logits: torch.Tensor):
-        if ctx.needs_input_grad[0]:
-            raise ValueError("the teacher's logits take no gradient in a distillation loss")
-        if teacher_logits.shape != student_logits.shape:
-            raise ValueError(f"teacher logits {tuple(teacher_logits.shape)} against the student's "
-                             f"{tuple(student_logits.shape)}")
         rows = len(student_logits)
         kl = student_logits.new_empty(rows, dtype=torch.float32)
         teacher_lse, student_lse = torch.empty_like(kl), torch.empty_like(kl)
@@ -396,9 +391,18 @@ def _rows_per_chunk(logits: torch.Tensor) -> int:
     return max(1, budget // max(1, logits.shape[-1]))
 
 
+def _refuse_unmatched(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> None:
+    if teacher_logits.requires_grad:
+        raise ValueError("the teacher's logits take no gradient in a distillation loss")
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(f"teacher logits {tuple(teacher_logits.shape)} against the student's "
+                         f"{tuple(student_logits.shape)}")
+
+
 def kl_rows(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """KL(teacher || student) [N] of each row of [N, V] logits (fp32, from logits of any float dtype),
     and the student's log-sum-exp [N] (its log-probabilities are `student_logits - lse[:, None]`)."""
+    _refuse_unmatched(teacher_logits, student_logits)
     return _RowKL.apply(teacher_logits, student_logits)
 
 
@@ -416,7 +420,12 @@ def _kl_expression(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -
 def compiled_kl_rows():
     """`kl_rows` compiled (inductor): forward and backward each fused into passes over each row, in place
     of the eager chunks' separate operations (`benchmarks.convert_step --compile` times the step)."""
-    return torch.compile(_kl_expression, dynamic=True)
+    compiled = torch.compile(_kl_expression, dynamic=True)
+
+    def kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _refuse_unmatched(teacher_logits, student_logits)
+        return compiled(teacher_logits, student_logits)
+    return kl
 
 
 def compile_blocks(*models: LanguageModel) -> None:

@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     kl, warmup = conversion.kl_rows, 1
     if args.compile:
         conversion.compile_blocks(teacher, student)
-        kl, warmup = conversion.compiled_kl_rows(), 3  # the first shape compiles, the second with dynamic sizes
+        kl, warmup = conversion.compile_kl_rows(), 3  # graphs for each mode and argument pattern the blocks see
     stream, rng = conversion.sample_stream(base.tokenizer, 0, args.seq_tokens, [], 0.0), random.Random(0)
     batches = [conversion.conversion_batch([next(stream) for _ in range(args.batch_size)], pad, rng)
                for _ in range(args.steps + warmup)]

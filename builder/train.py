@@ -477,7 +477,7 @@ def cmd_convert(args) -> None:
     kl = conversion.kl_rows
     if args.compile:
         conversion.compile_blocks(teacher, student)
-        kl = conversion.compiled_kl_rows()
+        kl = conversion.compile_kl_rows()
     window = {"parts": {}, "steps": 0, "tokens": 0, "seconds": 0.0}
 
     def record_and_save() -> None:

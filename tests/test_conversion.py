@@ -409,11 +409,13 @@ def test_a_training_batchs_rows_share_one_reject_ratio(tiny_tokenizer, monkeypat
     assert len(set((batch["next_token"] != -100).sum(1).tolist())) == 1  # as many scored pairs in every row
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kl_rows_gives_torchs_kl_and_its_gradient_across_chunks(dtype):
-    """Rows taken a chunk at a time (here 131 of a 1000-token vocabulary, so three chunks and a short one):
-    each row's KL, the student's log-sum-exp and the gradient as torch's kl_div over whole rows; the
-    logits themselves left as they were."""
+def test_kl_rows_gives_torchs_kl_and_its_gradient_across_chunks(dtype, compiled):
+    """Eager, rows taken a chunk at a time (here 131 of a 1000-token vocabulary, so three chunks and a short
+    one), or compiled as one expression: each row's KL, the student's log-sum-exp and the gradient as torch's
+    kl_div over whole rows; the logits themselves left as they were; zero rows; the same refusals."""
+    kl_function = conversion.compile_kl_rows() if compiled else conversion.kl_rows
     torch.manual_seed(0)
     rows, vocab = 300, 1000
     assert conversion._rows_per_chunk(torch.empty(rows, vocab)) < rows
@@ -421,13 +423,13 @@ def test_kl_rows_gives_torchs_kl_and_its_gradient_across_chunks(dtype):
     student = (3 * torch.randn(rows, vocab)).to(dtype).requires_grad_(True)
     weights = torch.rand(rows)
     teacher_before, student_before = teacher.clone(), student.detach().clone()
-    kl, lse = conversion.kl_rows(teacher, student)
+    kl, lse = kl_function(teacher, student)
     (kl * weights).sum().backward()
     reference_student = student.detach().clone().requires_grad_(True)
     expected = torch.nn.functional.kl_div(reference_student.float().log_softmax(-1),
                                           teacher.float().log_softmax(-1), log_target=True, reduction="none").sum(-1)
     (expected * weights).sum().backward()
-    assert kl.dtype == torch.float32
+    assert kl.dtype == lse.dtype == torch.float32 and not lse.requires_grad
     assert torch.allclose(kl, expected, rtol=1e-4, atol=1e-4)
     assert torch.allclose(lse, torch.logsumexp(student.detach().float(), -1), rtol=1e-5)
     assert torch.allclose(student.grad.float(), reference_student.grad.float(),
@@ -435,14 +437,13 @@ def test_kl_rows_gives_torchs_kl_and_its_gradient_across_chunks(dtype):
     assert student.grad.abs().max() > 1e-3  # the gradient is not vanishingly small, so the check above bites
     assert torch.equal(teacher, teacher_before) and torch.equal(student.detach(), student_before)
     empty = torch.zeros(0, vocab, dtype=dtype, requires_grad=True)
-    kl, lse = conversion.kl_rows(torch.zeros(0, vocab, dtype=dtype), empty)
+    kl, lse = kl_function(torch.zeros(0, vocab, dtype=dtype), empty)
     kl.sum().backward()
     assert kl.shape == lse.shape == (0,) and empty.grad.shape == (0, vocab)
-    for kl_function in (conversion.kl_rows, conversion.compiled_kl_rows()):
-        with pytest.raises(ValueError, match="teacher"):
-            kl_function(teacher.clone().requires_grad_(True), student)
-        with pytest.raises(ValueError, match="against the student's"):
-            kl_function(teacher[:1], student)  # a shape the expression would broadcast
+    with pytest.raises(ValueError, match="teacher"):
+        kl_function(teacher.clone().requires_grad_(True), student)
+    with pytest.raises(ValueError, match="against the student's"):
+        kl_function(teacher[:1], student)  # a shape the expression would broadcast
 
 
 @pytest.mark.parametrize("lora_rank", [4, 0])
@@ -474,7 +475,12 @@ def test_frozen_linears_stored_in_bf16_give_the_same_loss_and_gradients_under_au
 
 def test_the_compiled_blocks_and_kl_give_the_eager_loss_and_gradients(base, tiny_tokenizer):
     """torch.compile changes how the step runs, not what it computes: the same loss and gradients (fp32,
-    up to the order of float sums), on batches of two lengths, and the parameters keep their names."""
+    up to the order of float sums; under bf16 autocast the same loss up to bf16's roundings), on batches of
+    two lengths, and the parameters keep their names."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
     student = conversion.build_student(base.model, conversion.ConversionSpec(lora_rank=0))
     with torch.no_grad():  # the compressor away from its start, so the student is not near the teacher
@@ -493,26 +499,46 @@ def test_the_compiled_blocks_and_kl_give_the_eager_loss_and_gradients(base, tiny
     for tokens in (24, 40):
         batch = _batch(tiny_tokenizer, rows=3, tokens=tokens)
         expected_loss, expected = loss_and_grads(student, base.model, batch, conversion.kl_rows)
-        loss, grads = loss_and_grads(compiled, teacher, batch, conversion.compiled_kl_rows())
+        loss, grads = loss_and_grads(compiled, teacher, batch, conversion.compile_kl_rows())
         assert loss == pytest.approx(expected_loss, rel=1e-5)
         assert grads.keys() == expected.keys()
         for name in grads:
             assert torch.allclose(grads[name], expected[name], rtol=1e-3, atol=1e-6), name
     assert max(g.abs().max() for g in expected.values()) > 1e-3  # gradients that the comparison can tell apart
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_loss, _ = loss_and_grads(student, base.model, batch, conversion.kl_rows)
+        loss, _ = loss_and_grads(compiled, teacher, batch, conversion.compile_kl_rows())
+    assert loss == pytest.approx(expected_loss, rel=1e-2)
+    assert counters["stats"]["unique_graphs"] > 0  # compiled graphs ran, not eager code alone
 
 
 def test_convert_compiled_trains_as_the_eager_run_and_resumes_without_compiling(base, tmp_path):
     base.save(tmp_path / "base")
     options = ["convert", "--baseline", str(tmp_path / "base"), "--lora-rank", "4", "--batch-size", "2",
-               "--seq-tokens", "32", "--eval-rows", "2", "--eval-every", "1", "--chat-prompts", "0", "--autocast", "none"]
+               "--seq-tokens", "32", "--eval-rows", "2", "--eval-every", "1", "--chat-prompts", "0",
+               "--autocast", "none"]
     train.main([*options, "--run", str(tmp_path / "eager"), "--steps", "2"])
     train.main([*options, "--run", str(tmp_path / "compiled"), "--steps", "2", "--compile"])
     train.main([*options, "--run", str(tmp_path / "compiled"), "--steps", "3"])
     eager, compiled = ([json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
                        for run in ("eager", "compiled"))
-    assert [r["step"] for r in compiled] == [0, 1, 2, 3]
+    assert [r["step"] for r in eager] == [0, 1, 2] and [r["step"] for r in compiled] == [0, 1, 2, 3]
     for before, after in zip(eager, compiled[:3]):  # the same batches, losses and held-out figures
         for key in ("loss", "kl_t1", "kl_t2", "nll_t1", "nll_t2") if before["step"] else ("nll_t1", "nll_t2"):
             assert after[key] == pytest.approx(before[key], rel=1e-4, abs=1e-4), (before["step"], key)
     _, meta = conversion.load_adapters(tmp_path / "compiled" / "adapters")
     assert meta["recipe"]["compile"] is False  # the last invocation's: resumed without compiling
+
+
+def test_convert_compiles_each_block_whole_under_bf16_autocast(base, tmp_path):
+    """Frozen linears in bf16 and autocast, its first pass the held-out evaluation under no_grad: the
+    blocks compile without a graph break (Tensor.unflatten once broke each in four)."""
+    from torch._dynamo.utils import counters
+
+    base.save(tmp_path / "base")
+    torch._dynamo.reset()
+    counters.clear()
+    train.main(["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "0",
+                "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--chat-prompts", "0",
+                "--autocast", "bf16", "--steps", "1", "--compile"])
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"], dict(counters["graph_break"])

@@ -12,9 +12,9 @@ from dualend.engine.tokenizer import BOS, EOS, PAD, TextTokenizer
 
 
 def test_each_precision_is_measured_against_fp32_and_its_export_reused(tiny_tokenizer, tmp_path, capsys):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tokenizer = TextTokenizer(tiny_tokenizer.tokenizer, {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
-                                                         "add_bos_token": True,
-                                                         "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+                                                         "add_bos_token": True, "chat_template": template})
     Checkpoint(tiny_model(tokenizer, 2, seed=1), tokenizer).save(tmp_path / "tiny")
     options = ["--checkpoint", str(tmp_path / "tiny"), "--export-dir", str(tmp_path / "exports"),
                "--precisions", "fp32", "int4", "--chunks", "2", "--tokens", "32", "--threads", "1"]
@@ -27,8 +27,9 @@ def test_each_precision_is_measured_against_fp32_and_its_export_reused(tiny_toke
     int4_nll, int4_delta, int4_agree = (cell.strip() for cell in rows["int4"].split("|"))
     assert (fp32_delta, fp32_agree) == ("+0.0000", "1.000")  # fp32 against itself
     assert abs(float(int4_delta) - (float(int4_nll) - float(fp32_nll))) <= 1.5e-4  # each printed to 4 places
-    assert 0.0 <= float(int4_agree) <= 1.0 and math.isfinite(float(int4_nll))
-    assert re.search(r"int4 backbone: \d+ MatMulNBits", out) and re.search(r"fp32 backbone: 0 MatMulNBits", out)
+    # int4 approximates fp32's weights: its NLL near fp32's (this model: -0.0006 nats when written)
+    assert math.isfinite(float(int4_nll)) and abs(float(int4_delta)) < 0.05
+    assert re.search(r"int4 backbone: [1-9]\d* MatMulNBits", out) and re.search(r"fp32 backbone: 0 MatMulNBits", out)
     questions = len(json.loads(Path(GATE_DEFAULTS["questions"]).read_text(encoding="utf-8"))["questions"])
     assert re.search(rf"^ +fp32 \| +\d+ \| {questions}/{questions}$", out, re.M)  # fp32's answers are fp32's
     assert re.search(r"^ batch +1: fp32 [\d.]+ \([\d.]+-[\d.]+\) \| int4 [\d.]+", out, re.M)

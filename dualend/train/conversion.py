@@ -417,9 +417,9 @@ def _kl_expression(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -
 
 
 @functools.cache
-def compiled_kl_rows():
-    """`kl_rows` compiled (inductor): forward and backward each fused into passes over each row, in place
-    of the eager chunks' separate operations (`benchmarks.convert_step --compile` times the step)."""
+def compile_kl_rows():
+    """`kl_rows` compiled (inductor; made once): forward and backward each fused into passes over each row,
+    in place of the eager chunks' separate operations (`benchmarks.convert_step --compile` times the step)."""
     compiled = torch.compile(_kl_expression, dynamic=True)
 
     def kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -447,7 +447,7 @@ def conversion_loss(student: LanguageModel, teacher: LanguageModel, batch: dict[
                     kl=kl_rows) -> tuple[torch.Tensor, dict]:
     """KL(teacher || student) of t1 and t2, the final hidden state's relative squared error, the
     confidence head's BCE. A batch of `taught_batch` brings the teacher's hidden states: then only
-    its LM head runs. `kl`: `kl_rows` or `compiled_kl_rows()`."""
+    its LM head runs. `kl`: `kl_rows` or `compile_kl_rows()`."""
     hidden, mtp_hidden, confidence = student_forward(student, batch)
     next_valid, draft_valid = batch["next_index"] >= 0, batch["draft_index"] >= 0  # [B, n]
     with torch.no_grad():

@@ -531,8 +531,9 @@ def test_convert_compiled_trains_as_the_eager_run_and_resumes_without_compiling(
 
 
 def test_convert_compiles_each_block_whole_under_bf16_autocast(base, tmp_path):
-    """Frozen linears in bf16 and autocast, its first pass the held-out evaluation under no_grad: the
-    blocks compile without a graph break (Tensor.unflatten once broke each in four)."""
+    """Frozen linears in bf16 and autocast, its first pass the held-out evaluation under no_grad, then the
+    compiled teacher making its cache: the blocks compile without a graph break (Tensor.unflatten once
+    broke each in four)."""
     from torch._dynamo.utils import counters
 
     base.save(tmp_path / "base")
@@ -540,5 +541,7 @@ def test_convert_compiles_each_block_whole_under_bf16_autocast(base, tmp_path):
     counters.clear()
     train.main(["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "0",
                 "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--chat-prompts", "0",
-                "--autocast", "bf16", "--steps", "1", "--compile"])
+                "--autocast", "bf16", "--teacher-cache", "3", "--steps", "2", "--compile"])
     assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"], dict(counters["graph_break"])
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 2] and all(math.isfinite(r["loss"]) for r in log[1:])

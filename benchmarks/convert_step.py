@@ -66,10 +66,8 @@ def main(argv=None) -> None:
     autocast = dict(device_type="cpu", dtype=torch.bfloat16, enabled=native_bf16(torch.device("cpu")))
     if autocast["enabled"] and not args.frozen_fp32:
         conversion.frozen_linears_in(torch.bfloat16, teacher, student)
-    kl, warmup = conversion.kl_rows, 1
-    if args.compile:
-        conversion.compile_blocks(teacher, student)
-        kl, warmup = conversion.compile_kl_rows(), 3  # graphs for each mode and argument pattern the blocks see
+    kl = conversion.compile_step(teacher, student) if args.compile else conversion.kl_rows
+    warmup = 3 if args.compile else 1  # graphs for each mode and argument pattern the blocks see
     stream, rng = conversion.sample_stream(base.tokenizer, 0, args.seq_tokens, [], 0.0), random.Random(0)
     batches = [conversion.conversion_batch([next(stream) for _ in range(args.batch_size)], pad, rng)
                for _ in range(args.steps + warmup)]

@@ -474,10 +474,7 @@ def cmd_convert(args) -> None:
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16")
     if autocast["enabled"]:
         conversion.frozen_linears_in(torch.bfloat16, teacher, student)
-    kl = conversion.kl_rows
-    if args.compile:
-        conversion.compile_blocks(teacher, student)
-        kl = conversion.compile_kl_rows()
+    kl = conversion.compile_step(teacher, student) if args.compile else conversion.kl_rows
     window = {"parts": {}, "steps": 0, "tokens": 0, "seconds": 0.0}
 
     def record_and_save() -> None:

@@ -437,6 +437,13 @@ def compile_blocks(*models: LanguageModel) -> None:
             block.compile(dynamic=True)
 
 
+def compile_step(teacher: LanguageModel, student: LanguageModel):
+    """What `convert --compile` compiles: both models' blocks, in place; returns the KL to pass to
+    `conversion_loss` (`compile_kl_rows()`)."""
+    compile_blocks(teacher, student)
+    return compile_kl_rows()
+
+
 def _kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
     """Mean KL(teacher || student) over rows [N, V]."""
     return _mean(kl_rows(teacher_logits, student_logits)[0])
@@ -447,7 +454,7 @@ def conversion_loss(student: LanguageModel, teacher: LanguageModel, batch: dict[
                     kl=kl_rows) -> tuple[torch.Tensor, dict]:
     """KL(teacher || student) of t1 and t2, the final hidden state's relative squared error, the
     confidence head's BCE. A batch of `taught_batch` brings the teacher's hidden states: then only
-    its LM head runs. `kl`: `kl_rows` or `compile_kl_rows()`."""
+    its LM head runs. `kl`: `kl_rows` or what `compile_step` returns."""
     hidden, mtp_hidden, confidence = student_forward(student, batch)
     next_valid, draft_valid = batch["next_index"] >= 0, batch["draft_index"] >= 0  # [B, n]
     with torch.no_grad():

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-OPTIONAL_KEYS = ("hidden_fade_minutes", "decay_minutes", "teacher_cache", "compile")  # shown where a run set them
+OPTIONAL_KEYS = ("hidden_fade_minutes", "decay_minutes", "teacher_cache", "compile", "open_prompts")  # shown where a run set them
 FIGURES = (("gap_t1", "t1 NLL gap (nats)"), ("gap_t2", "t2 NLL gap (nats)"), ("agree_t1", "t1 top-1 = teacher"))
 
 

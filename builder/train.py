@@ -83,11 +83,14 @@ DEFAULTS = dict(
 STARTED_FROM = "started_from.json"  # in a run folder: the adapters it started from (--init-adapters)
 CONVERT_DEFAULTS = dict(
     lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
-    time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, chat_fraction=0.25, chat_tokens=96,
-    hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2, device="cpu",
+    time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, open_prompts=0, chat_fraction=0.25,
+    chat_tokens=96, hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2, device="cpu",
     compressor_init="mean", decay_tokens=0, decay_minutes=0.0, hidden_fade_minutes=0.0, teacher_cache=0,
 )
 CONVERT_HELP = {
+    "open_prompts": "beside the --chat-prompts task questions, the teacher's answers to this many open-ended requests "
+                    "(dualend.train.open_prompts: explain, describe, advise, write) in the chat rows (the log's open_ "
+                    "figures: --eval-rows held-out requests, on topics training never sees, with or without them)",
     "hidden_fade_minutes": "the final-hidden-state target's weight falls linearly from --hidden-weight to 0 over this "
                            "many minutes of this invocation's training, as --decay-minutes counts (0: constant)",
     "teacher_cache": "train on this many samples of the data stream (text and chat answers mixed as without it), the "
@@ -97,11 +100,13 @@ CONVERT_HELP = {
 # `draft-head`: per invocation, --time-limit-minutes of training and/or up to --steps in all (neither: none).
 DRAFT_HEAD_DEFAULTS = dict(
     batch_size=8, seq_tokens=192, lr=1e-3, warmup=20, time_limit_minutes=10.0, eval_every=25, eval_rows=32,
-    chat_prompts=384, chat_fraction=0.6, chat_tokens=96, seed=0, threads=2, draft_vocab=8192,
+    chat_prompts=384, open_prompts=0, chat_fraction=0.6, chat_tokens=96, seed=0, threads=2, draft_vocab=8192,
     decay_tokens=0, decay_minutes=0.0, steps=0, greedy_weight=0.0,
 )
 DRAFT_HEAD_HELP = {"greedy_weight": "add this weight x the head's cross-entropy against the base's top token to the "
-                                    "KL (greedy requests keep a draft only when it is that token; 0: KL alone)"}
+                                    "KL (greedy requests keep a draft only when it is that token; 0: KL alone)",
+                   "open_prompts": "beside the --chat-prompts task questions, the base's answers to this many open-ended "
+                                   "requests (dualend.train.open_prompts) in the chat rows"}
 
 RECORD_SOURCES = {"open": "open-ended chat requests (dualend.train.open_prompts)",
                   "task": "the project's task questions under the chat template",
@@ -341,31 +346,37 @@ def cmd_merge(args) -> None:
     print(f"{args.dualend} + ({args.baseline_after} - {args.baseline_before}) -> {args.out} (checkpoint {ckpt_id})")
 
 
-def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
-              teacher_id: str, replicas: Replicas) -> tuple[list, list]:
-    """Task prompts under the chat template with the teacher's greedy answers, (train, held-out),
-    made once per run folder (`chat.json`, by the main replica); none for a tokenizer without a chat
-    template."""
-    if not tokenizer.chat_template or not args.chat_prompts:
-        return [], []
+def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer, teacher_id: str,
+              replicas: Replicas, open_held_out: bool = True) -> tuple[list, list, list]:
+    """The teacher's greedy answers under the chat template, made once per run folder (`chat.json`, by the
+    main replica): (train: to --chat-prompts task questions and --open-prompts open-ended requests,
+    `open_prompts`; held out: to --eval-rows task questions; to as many open-ended requests on topics
+    training never sees, where `open_held_out`). None for a tokenizer without a chat template."""
+    if not tokenizer.chat_template or not (args.chat_prompts or args.open_prompts):
+        return [], [], []
     path = run / "chat.json"
     if not replicas.main:
         replicas.barrier()  # the main replica has written it
     cached = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    if cached.get("teacher") != teacher_id or cached.get("prompts") != [args.chat_prompts, args.eval_rows]:
+    counts = {"task": args.chat_prompts, "open": args.open_prompts, "held_out": args.eval_rows,
+              "open_held_out": args.eval_rows if open_held_out else 0}
+    if cached.get("teacher") != teacher_id or cached.get("prompts") != counts:
         started = time.time()
+        prompts = {"train": conversion.chat_prompts("train", args.chat_prompts, args.seed)
+                   + open_prompts("train", args.seed)[:args.open_prompts],
+                   "calibration": conversion.chat_prompts("calibration", args.eval_rows, args.seed),
+                   "open_held_out": open_prompts("held_out", args.seed)[:counts["open_held_out"]]}
         with torch.device("cpu"):  # the reference decoder runs on the CPU
-            made = {split: conversion.teacher_chat_samples(
-                        on_cpu(teacher), tokenizer, conversion.chat_prompts(split, count, args.seed), args.chat_tokens,
-                        rows=16 if replicas.device.type == "cpu" else 64)
-                    for split, count in (("train", args.chat_prompts), ("calibration", args.eval_rows))}
-        cached = {"teacher": teacher_id, "prompts": [args.chat_prompts, args.eval_rows],
+            made = {split: conversion.teacher_chat_samples(on_cpu(teacher), tokenizer, questions, args.chat_tokens,
+                                                           rows=16 if replicas.device.type == "cpu" else 64)
+                    for split, questions in prompts.items()}
+        cached = {"teacher": teacher_id, "prompts": counts,
                   **{split: [[s.prompt, s.completion] for s in samples] for split, samples in made.items()}}
         path.write_text(json.dumps(cached) + "\n", encoding="utf-8")
-        print(f"chat data: {args.chat_prompts} + {args.eval_rows} teacher answers in {time.time() - started:.0f} s")
+        print(f"chat data: {sum(map(len, prompts.values()))} teacher answers in {time.time() - started:.0f} s")
     if replicas.main:
         replicas.barrier()
-    return tuple([Sample(p, c) for p, c in cached[split]] for split in ("train", "calibration"))
+    return tuple([Sample(p, c) for p, c in cached[split]] for split in ("train", "calibration", "open_held_out"))
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -448,13 +459,15 @@ def cmd_convert(args) -> None:
         if replicas.main:
             (run / STARTED_FROM).write_text(json.dumps(started_from) + "\n", encoding="utf-8")
             print(f"started from {args.init_adapters} ({tokens} tokens of training)")
-    chat_train, chat_eval = chat_data(args, run, teacher, tokenizer, base_ref["checkpoint_id"], replicas)
+    chat_train, chat_eval, open_eval = chat_data(args, run, teacher, tokenizer, base_ref["checkpoint_id"], replicas)
     references = {}
     if replicas.main:
         references[""] = conversion.held_out(teacher, conversion.held_out_samples(tokenizer, args.eval_rows,
                                                                                   args.seq_tokens), pad)
         if chat_eval:
             references["chat_"] = conversion.held_out(teacher, chat_eval, pad)
+        if open_eval:
+            references["open_"] = conversion.held_out(teacher, open_eval, pad)
         references = {prefix: conversion.held_out_on(ref, device) for prefix, ref in references.items()}
     teacher, student = teacher.to(device), student.to(device)
     trainable = [p for p in student.parameters() if p.requires_grad]
@@ -465,8 +478,8 @@ def cmd_convert(args) -> None:
               else conversion.sample_stream(tokenizer, data_seed + step, args.seq_tokens, chat_train,
                                             args.chat_fraction))
     keys = ("batch_size", "seq_tokens", "lr", "warmup", "decay_tokens", "decay_minutes", "chat_prompts",
-            "chat_fraction", "chat_tokens", "hidden_weight", "hidden_fade_minutes", "confidence_weight", "autocast",
-            "seed", "teacher_cache", "compile")
+            "open_prompts", "chat_fraction", "chat_tokens", "hidden_weight", "hidden_fade_minutes", "confidence_weight",
+            "autocast", "seed", "teacher_cache", "compile")
     recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
               **{k: getattr(args, k) for k in keys}, "replicas": replicas.world}
     if (run / STARTED_FROM).exists():  # the tokens count on from these; steps and minutes are this run's
@@ -618,7 +631,8 @@ class BaseRunDraftData:
 
     def __init__(self, args, run: Path, base: Checkpoint, ids: torch.Tensor | None):
         self.args, self.base = args, base
-        self.chat_train, chat_eval = chat_data(args, run, base.model, base.tokenizer, base.id, Replicas("cpu"))
+        self.chat_train, chat_eval, _ = chat_data(args, run, base.model, base.tokenizer, base.id, Replicas("cpu"),
+                                                  open_held_out=False)
         self.held_out = token_rows(chat_eval, base.config.pad_id, args.seq_tokens)
         self.stream, self.ids = None, ids  # the --init-head's; otherwise its draft tokens are chosen when it ships
 

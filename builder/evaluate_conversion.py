@@ -7,8 +7,9 @@ token-level model it was converted from, threshold calibrated on one split and r
 
 Held-out material: chat prompts (the project's task questions under the checkpoint's chat
 template) and standard-library text, from the data's `calibration` and `report` splits (disjoint
-from training's). On each split, each at every threshold of the sweep:
-  - chat answers and text continuations, greedy: tokens per step (EOS not counted), draft
+from training's), and open-ended requests (`open_prompts`' held-out topics, alternate ones to each
+split). On each split, each at every threshold of the sweep:
+  - chat answers, open answers and text continuations, greedy: tokens per step (EOS not counted), draft
     acceptance, and how much of the baseline's own greedy answer the dual-end answer reproduces
     (common prefix / baseline length: 1.0 = the same answer);
   - text, teacher-forced as the decode loop would read it (evaluation.teacher_forced_text): NLL per
@@ -43,12 +44,14 @@ from dualend.engine.decode import Generation, SamplingParams
 from dualend.engine.reference import TorchBatch, generate_batch
 from dualend.train import conversion
 from dualend.train.evaluation import loss_by_position, reliability, teacher_forced_text
+from dualend.train.open_prompts import open_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = dict(dualend=ROOT / "build" / "checkpoints" / "smollm2_dualend",
                 baseline=ROOT / "build" / "checkpoints" / "smollm2", name="smollm2_dualend",
                 adapters=ROOT / "checkpoints" / "smollm2_dualend",
-                reports=ROOT / "reports", chat_prompts=16, text_prompts=16, prompt_tokens=96, answer_tokens=96,
+                reports=ROOT / "reports", chat_prompts=16, open_prompts=16, text_prompts=16, prompt_tokens=96,
+                answer_tokens=96,
                 text_rows=8, text_tokens=256, gate=0.02, agreement_floor=0.5, task_tokens=48,
                 questions=ROOT / "builder" / "data" / "chat_questions.json", threads=2)
 THRESHOLDS = (-1.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
@@ -73,12 +76,15 @@ def generation_figures(generations: list[Generation], references: list[Generatio
 
 
 def prompts(checkpoint: Checkpoint, split: str, args) -> dict[str, list[list[int]]]:
-    """Chat prompts under the template, and text windows' first `prompt_tokens` tokens."""
+    """Task questions and open-ended requests under the template, and text windows' first `prompt_tokens`
+    tokens. The held-out open requests alternate between the splits (calibration the even ones)."""
     tokenizer = checkpoint.tokenizer
-    chat = [tokenizer.encode_prompt(tokenizer.user_turn(p))
-            for p in conversion.chat_prompts(split, args.chat_prompts, seed=0)]
+    requests = open_prompts("held_out")[split == "report"::2][:args.open_prompts]
+    chat, open_ = ([tokenizer.encode_prompt(tokenizer.user_turn(p)) for p in questions]
+                   for questions in (conversion.chat_prompts(split, args.chat_prompts, seed=0), requests))
     text = conversion.text_samples(tokenizer, split, 0, args.prompt_tokens)
-    return {"chat": chat, "text": [[*s.prompt, *s.completion] for _, s in zip(range(args.text_prompts), text)]}
+    return {"chat": chat, "open": open_,
+            "text": [[*s.prompt, *s.completion] for _, s in zip(range(args.text_prompts), text)]}
 
 
 def sweep(dualend: Checkpoint, baseline: Checkpoint, split: str, args) -> dict:

@@ -1,5 +1,6 @@
 """The converted model's quality gate (builder.evaluate_conversion) and its build-time merge
 (builder.assemble's converted deployments), on a tiny random Llama converted with fresh adapters."""
+import argparse
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from builder.evaluate_conversion import TASK_MARGIN, THRESHOLDS, answered_right,
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.tokenizer import BOS, EOS, PAD, TextTokenizer
 from dualend.train import conversion
+from dualend.train.open_prompts import open_prompts
 from test_conversion import SPEC, base  # noqa: F401  (the tiny base fixture)
 
 
@@ -90,9 +92,10 @@ def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_ste
     reports = tmp_path / "a" / "new" / "folder"  # made by the gate
     report = evaluate_conversion.main([
         "--dualend", str(converted / "merged"), "--baseline", str(converted / "base"), "--name", "tiny",
-        "--reports", str(reports), "--chat-prompts", "2", "--text-prompts", "2", "--prompt-tokens", "12",
+        "--reports", str(reports), "--chat-prompts", "2", "--open-prompts", "2", "--text-prompts", "2", "--prompt-tokens", "12",
         "--answer-tokens", "6", "--text-rows", "2", "--text-tokens", "24", "--task-tokens", "4"])
     assert report["threshold"] in THRESHOLDS
+    assert all(set(report[split]) == {"chat", "open", "text"} for split in ("calibration", "report"))
     for split in ("calibration", "report"):
         text = report[split]["text"]
         assert text["1.0"]["tokens_per_step_no_eos"] == 1.0 and text["1.0"]["acceptance_rate"] == 0.0
@@ -109,6 +112,15 @@ def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_ste
     assert report["verdict"]["passed"] == all(report["verdict"]["met"].values())
     assert json.loads((reports / "quality_tiny.json").read_text())["threshold"] == report["threshold"]
     assert "NOT PASSED" in (reports / "quality_tiny.md").read_text() or report["verdict"]["passed"]
+
+
+def test_the_gates_open_requests_are_held_out_topics_alternating_between_calibration_and_report(converted):
+    base = load_checkpoint(converted / "base")
+    args = argparse.Namespace(chat_prompts=1, open_prompts=3, text_prompts=1, prompt_tokens=12)
+    tokenizer, held_out = base.tokenizer, open_prompts("held_out")
+    for split, first in (("calibration", 0), ("report", 1)):
+        asked = evaluate_conversion.prompts(base, split, args)["open"]
+        assert asked == [tokenizer.encode_prompt(tokenizer.user_turn(q)) for q in held_out[first:6:2]]
 
 
 def test_the_gate_refuses_a_dual_end_model_converted_from_another_base(converted, tmp_path):

@@ -358,19 +358,19 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
     if not replicas.main:
         replicas.barrier()  # the main replica has written it
     cached = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    counts = {"task": args.chat_prompts, "open": args.open_prompts, "held_out": args.eval_rows,
-              "open_held_out": args.eval_rows if open_held_out else 0}
-    if cached.get("teacher") != teacher_id or cached.get("prompts") != counts:
+    made_for = {"task": args.chat_prompts, "open": args.open_prompts, "held_out": args.eval_rows,
+                "open_held_out": args.eval_rows if open_held_out else 0, "seed": args.seed, "tokens": args.chat_tokens}
+    if cached.get("teacher") != teacher_id or cached.get("prompts") != made_for:
         started = time.time()
         prompts = {"train": conversion.chat_prompts("train", args.chat_prompts, args.seed)
                    + open_prompts("train", args.seed)[:args.open_prompts],
                    "calibration": conversion.chat_prompts("calibration", args.eval_rows, args.seed),
-                   "open_held_out": open_prompts("held_out", args.seed)[:counts["open_held_out"]]}
+                   "open_held_out": open_prompts("held_out", args.seed)[:made_for["open_held_out"]]}
         with torch.device("cpu"):  # the reference decoder runs on the CPU
             made = {split: conversion.teacher_chat_samples(on_cpu(teacher), tokenizer, questions, args.chat_tokens,
                                                            rows=16 if replicas.device.type == "cpu" else 64)
                     for split, questions in prompts.items()}
-        cached = {"teacher": teacher_id, "prompts": counts,
+        cached = {"teacher": teacher_id, "prompts": made_for,
                   **{split: [[s.prompt, s.completion] for s in samples] for split, samples in made.items()}}
         path.write_text(json.dumps(cached) + "\n", encoding="utf-8")
         print(f"chat data: {sum(map(len, prompts.values()))} teacher answers in {time.time() - started:.0f} s")

@@ -6,7 +6,8 @@
 Each run folder's `log.jsonl` (one record per save) gives, against tokens trained and against CPU
 minutes: the NLL gap of t1 and t2 to the teacher on the held-out text (student NLL - teacher NLL, the
 same rows for every run started from the same base and --eval-rows), top-1 agreement with the teacher,
-and the run's tokens/s. Writes report.md (the last record of each run and its recipe) and curves.png.
+the t1 gap on held-out open-ended requests (where the log has it), and the run's tokens/s. Writes report.md
+(the last record of each run and its recipe) and curves.png.
 """
 from __future__ import annotations
 
@@ -14,17 +15,23 @@ import argparse
 import json
 from pathlib import Path
 
-OPTIONAL_KEYS = ("hidden_fade_minutes", "decay_minutes", "teacher_cache", "compile", "open_prompts")  # shown where a run set them
-FIGURES = (("gap_t1", "t1 NLL gap (nats)"), ("gap_t2", "t2 NLL gap (nats)"), ("agree_t1", "t1 top-1 = teacher"))
+# shown where a run set them
+OPTIONAL_KEYS = ("hidden_fade_minutes", "decay_minutes", "teacher_cache", "compile", "open_prompts")
+FIGURES = (("gap_t1", "t1 NLL gap (nats)"), ("gap_t2", "t2 NLL gap (nats)"), ("agree_t1", "t1 top-1 = teacher"),
+           ("open_gap_t1", "open requests: t1 NLL gap"))
 
 
 def curve(run: Path) -> list[dict]:
-    """The run's records with the gaps computed: gap_t1, gap_t2 (student - teacher held-out NLL)."""
+    """The run's records with the gaps computed: gap_t1, gap_t2 (student - teacher held-out NLL), and
+    open_gap_t1 on held-out open-ended requests where a record has it."""
     records = [json.loads(line) for line in (run / "log.jsonl").read_text(encoding="utf-8").splitlines() if line]
     if not records:
         raise SystemExit(f"{run}: log.jsonl holds no record")
     return [record | {"gap_t1": record["nll_t1"] - record["teacher_nll_t1"],
-                      "gap_t2": record["nll_t2"] - record["teacher_nll_t2"]} for record in records]
+                      "gap_t2": record["nll_t2"] - record["teacher_nll_t2"]}
+            | ({"open_gap_t1": record["open_nll_t1"] - record["open_teacher_nll_t1"]}
+               if "open_nll_t1" in record else {})
+            for record in records]
 
 
 def recipe(run: Path) -> dict:
@@ -36,15 +43,19 @@ def recipe(run: Path) -> dict:
 
 
 def table(curves: dict[str, list[dict]], recipes: dict[str, dict]) -> str:
-    lines = ["| run | recipe | steps | tokens | CPU min | tokens/s | t1 gap | t2 gap | t1 agree | t2 agree |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | recipe | steps | tokens | CPU min | tokens/s | t1 gap | t2 gap | t1 agree | t2 agree "
+             "| open t1 gap |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, records in curves.items():
         last, speeds = records[-1], [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
         speed = f"{sorted(speeds)[len(speeds) // 2]:.0f}" if speeds else "-"
         shown = ", ".join(f"{k} {v}" for k, v in recipes[name].items())
+        open_gap = (f"{last['open_gap_t1']:.3f} (from {records[0]['open_gap_t1']:.3f})"
+                    if "open_gap_t1" in last and "open_gap_t1" in records[0] else "-")
         lines.append(f"| {name} | {shown} | {last['step']} | {last['tokens']} | {last['minutes']:.1f} | {speed} | "
                      f"{last['gap_t1']:.3f} (from {records[0]['gap_t1']:.3f}) | {last['gap_t2']:.3f} "
-                     f"(from {records[0]['gap_t2']:.3f}) | {last['agree_t1']:.3f} | {last['agree_t2']:.3f} |")
+                     f"(from {records[0]['gap_t2']:.3f}) | {last['agree_t1']:.3f} | {last['agree_t2']:.3f} | "
+                     f"{open_gap} |")
     return "\n".join(lines)
 
 
@@ -58,7 +69,8 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
         for column, (x, x_label) in enumerate((("tokens", "tokens trained"), ("minutes", "CPU minutes"))):
             axis = axes[row][column]
             for name, records in curves.items():
-                axis.plot([r[x] for r in records], [r[key] for r in records], marker=".", label=name)
+                shown = [r for r in records if key in r]
+                axis.plot([r[x] for r in shown], [r[key] for r in shown], marker=".", label=name)
             axis.set_xlabel(x_label)
             axis.set_ylabel(label)
             axis.grid(alpha=0.3)

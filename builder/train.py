@@ -105,8 +105,8 @@ DRAFT_HEAD_DEFAULTS = dict(
 )
 DRAFT_HEAD_HELP = {"greedy_weight": "add this weight x the head's cross-entropy against the base's top token to the "
                                     "KL (greedy requests keep a draft only when it is that token; 0: KL alone)",
-                   "open_prompts": "beside the --chat-prompts task questions, the base's answers to this many open-ended "
-                                   "requests (dualend.train.open_prompts) in the chat rows"}
+                   "open_prompts": "beside the --chat-prompts task questions, the base's answers to this many "
+                                   "open-ended requests (dualend.train.open_prompts) in the chat rows"}
 
 RECORD_SOURCES = {"open": "open-ended chat requests (dualend.train.open_prompts)",
                   "task": "the project's task questions under the chat template",

@@ -39,3 +39,13 @@ def test_a_run_with_a_teacher_cache_a_fading_hidden_target_or_compiled_says_so(t
     main([str(cached), str(compiled), "--out", str(tmp_path / "report")])
     report = (tmp_path / "report" / "report.md").read_text()
     assert "compressor_init mean, teacher_cache 256 |" in report and "compressor_init mean, compile True |" in report
+
+
+def test_a_run_evaluated_on_open_requests_shows_their_gap_and_one_without_a_dash(tmp_path):
+    opened = [record(0, 0, 0.0, 6.0, 9.0, 0.2) | {"open_nll_t1": 4.0, "open_teacher_nll_t1": 1.0},
+              record(5, 5120, 2.0, 5.0, 8.0, 0.3) | {"open_nll_t1": 3.0, "open_teacher_nll_t1": 1.0}]
+    main([str(run_folder(tmp_path, "open", opened, open_prompts=1024)),
+          str(run_folder(tmp_path, "text", [record(0, 0, 0.0, 6.0, 9.0, 0.2)])), "--out", str(tmp_path / "report")])
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "open_prompts 1024 |" in report and "| 2.000 (from 3.000) |" in report
+    assert report.splitlines()[5].endswith("| - |")  # the text-only run's row

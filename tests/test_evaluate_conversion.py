@@ -92,8 +92,8 @@ def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_ste
     reports = tmp_path / "a" / "new" / "folder"  # made by the gate
     report = evaluate_conversion.main([
         "--dualend", str(converted / "merged"), "--baseline", str(converted / "base"), "--name", "tiny",
-        "--reports", str(reports), "--chat-prompts", "2", "--open-prompts", "2", "--text-prompts", "2", "--prompt-tokens", "12",
-        "--answer-tokens", "6", "--text-rows", "2", "--text-tokens", "24", "--task-tokens", "4"])
+        "--reports", str(reports), "--chat-prompts", "2", "--open-prompts", "2", "--text-prompts", "2",
+        "--prompt-tokens", "12", "--answer-tokens", "6", "--text-rows", "2", "--text-tokens", "24", "--task-tokens", "4"])
     assert report["threshold"] in THRESHOLDS
     assert all(set(report[split]) == {"chat", "open", "text"} for split in ("calibration", "report"))
     for split in ("calibration", "report"):

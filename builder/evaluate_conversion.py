@@ -51,8 +51,7 @@ DEFAULTS = dict(dualend=ROOT / "build" / "checkpoints" / "smollm2_dualend",
                 baseline=ROOT / "build" / "checkpoints" / "smollm2", name="smollm2_dualend",
                 adapters=ROOT / "checkpoints" / "smollm2_dualend",
                 reports=ROOT / "reports", chat_prompts=16, open_prompts=16, text_prompts=16, prompt_tokens=96,
-                answer_tokens=96,
-                text_rows=8, text_tokens=256, gate=0.02, agreement_floor=0.5, task_tokens=48,
+                answer_tokens=96, text_rows=8, text_tokens=256, gate=0.02, agreement_floor=0.5, task_tokens=48,
                 questions=ROOT / "builder" / "data" / "chat_questions.json", threads=2)
 THRESHOLDS = (-1.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 TARGETS = {"nll_gap": 0.10, "chat_tokens_per_step": 1.6, "top_token_agreement": 0.90}

@@ -50,8 +50,9 @@ def table(curves: dict[str, list[dict]], recipes: dict[str, dict]) -> str:
         last, speeds = records[-1], [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
         speed = f"{sorted(speeds)[len(speeds) // 2]:.0f}" if speeds else "-"
         shown = ", ".join(f"{k} {v}" for k, v in recipes[name].items())
-        open_gap = (f"{last['open_gap_t1']:.3f} (from {records[0]['open_gap_t1']:.3f})"
-                    if "open_gap_t1" in last and "open_gap_t1" in records[0] else "-")
+        first_open = next((r for r in records if "open_gap_t1" in r), None)  # a run resumed across the change
+        open_gap = (f"{last['open_gap_t1']:.3f} (from {first_open['open_gap_t1']:.3f})"
+                    if "open_gap_t1" in last and first_open else "-")
         lines.append(f"| {name} | {shown} | {last['step']} | {last['tokens']} | {last['minutes']:.1f} | {speed} | "
                      f"{last['gap_t1']:.3f} (from {records[0]['gap_t1']:.3f}) | {last['gap_t2']:.3f} "
                      f"(from {records[0]['gap_t2']:.3f}) | {last['agree_t1']:.3f} | {last['agree_t2']:.3f} | "

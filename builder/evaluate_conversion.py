@@ -76,13 +76,14 @@ def generation_figures(generations: list[Generation], references: list[Generatio
 
 def prompts(checkpoint: Checkpoint, split: str, args) -> dict[str, list[list[int]]]:
     """Task questions and open-ended requests under the template, and text windows' first `prompt_tokens`
-    tokens. The held-out open requests alternate between the splits (calibration the even ones)."""
+    tokens. The held-out open requests alternate between the splits (calibration the even ones); none
+    with --open-prompts 0."""
     tokenizer = checkpoint.tokenizer
-    requests = open_prompts("held_out")[split == "report"::2][:args.open_prompts]
+    requests = open_prompts("held_out")[int(split == "report")::2][:args.open_prompts]
     chat, open_ = ([tokenizer.encode_prompt(tokenizer.user_turn(p)) for p in questions]
                    for questions in (conversion.chat_prompts(split, args.chat_prompts, seed=0), requests))
     text = conversion.text_samples(tokenizer, split, 0, args.prompt_tokens)
-    return {"chat": chat, "open": open_,
+    return {"chat": chat, **({"open": open_} if open_ else {}),
             "text": [[*s.prompt, *s.completion] for _, s in zip(range(args.text_prompts), text)]}
 
 

@@ -89,8 +89,9 @@ CONVERT_DEFAULTS = dict(
 )
 CONVERT_HELP = {
     "open_prompts": "beside the --chat-prompts task questions, the teacher's answers to this many open-ended requests "
-                    "(dualend.train.open_prompts: explain, describe, advise, write) in the chat rows (the log's open_ "
-                    "figures: --eval-rows held-out requests, on topics training never sees, with or without them)",
+                    "(dualend.train.open_prompts: explain, describe, advise, write) in the chat rows (a run with chat "
+                    "rows logs open_ figures on --eval-rows held-out requests, on topics training never sees, with or "
+                    "without them)",
     "hidden_fade_minutes": "the final-hidden-state target's weight falls linearly from --hidden-weight to 0 over this "
                            "many minutes of this invocation's training, as --decay-minutes counts (0: constant)",
     "teacher_cache": "train on this many samples of the data stream (text and chat answers mixed as without it), the "
@@ -626,8 +627,8 @@ def load_records(directories: list[str], base_id: str) -> tuple[list[dict], list
 
 
 class BaseRunDraftData:
-    """The head's data made on the fly: the base's answers to task questions (chat.json) and text
-    windows, the base run on every batch."""
+    """The head's data made on the fly: the base's answers to task questions and open-ended requests
+    (chat.json) and text windows, the base run on every batch."""
 
     def __init__(self, args, run: Path, base: Checkpoint, ids: torch.Tensor | None):
         self.args, self.base = args, base

@@ -218,11 +218,10 @@ def test_chat_rows_are_the_teachers_greedy_answers_under_its_chat_template(base,
     assert log[-1]["step"] == 1 and "chat_nll_t1" in log[-1] and "chat_agree_t2" in log[-1]
 
 
-
 def test_open_prompts_join_the_chat_rows_and_held_out_requests_are_evaluated_with_or_without_them(base, tmp_path):
     """--open-prompts: the teacher's answers to the first open-ended train requests follow the task questions'
-    in the chat rows; held-out requests (topics training never sees) get open_ figures in every run, and a
-    chat.json made for other counts or another seed is made again."""
+    in the chat rows; held-out requests (topics training never sees) get open_ figures in every run with chat
+    rows, and a chat.json made for another seed, other answer lengths or other counts is made again."""
     tokenizer = saved_with_chat_template(base, tmp_path / "base")
     args = ["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
             "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--chat-prompts", "2",
@@ -241,10 +240,15 @@ def test_open_prompts_join_the_chat_rows_and_held_out_requests_are_evaluated_wit
     assert "open_nll_t1" in log[-1] and "open_agree_t1" in log[-1] and "chat_nll_t1" in log[-1]
     assert json.loads((tmp_path / "run" / "adapters" / "adapters.json").read_text())["recipe"]["open_prompts"] == 3
     (tmp_path / "run" / "state.pt").unlink()
-    train.main(args + ["--seed", "1"])
+    train.main(args + ["--open-prompts", "3", "--seed", "1"])
     chat = json.loads((tmp_path / "run" / "chat.json").read_text())
-    assert chat["prompts"]["seed"] == 1 and [p for p, _ in chat["train"]] == [
-        tokenizer.encode_prompt(q) for q in conversion.chat_prompts("train", 2, 1)]
+    assert [p for p, _ in chat["train"]] == [tokenizer.encode_prompt(q) for q in
+                                             conversion.chat_prompts("train", 2, 1) + open_prompts("train", 1)[:3]]
+    assert max(len(answer) for _, answer in chat["train"]) == 4
+    (tmp_path / "run" / "state.pt").unlink()
+    train.main(args + ["--open-prompts", "3", "--seed", "1", "--chat-tokens", "2"])
+    chat = json.loads((tmp_path / "run" / "chat.json").read_text())
+    assert max(len(answer) for _, answer in chat["train"]) <= 3  # 2 tokens (and EOS)
     (tmp_path / "run" / "state.pt").unlink()
     train.main(args)
     chat = json.loads((tmp_path / "run" / "chat.json").read_text())

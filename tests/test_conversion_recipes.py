@@ -44,8 +44,10 @@ def test_a_run_with_a_teacher_cache_a_fading_hidden_target_or_compiled_says_so(t
 def test_a_run_evaluated_on_open_requests_shows_their_gap_and_one_without_a_dash(tmp_path):
     opened = [record(0, 0, 0.0, 6.0, 9.0, 0.2) | {"open_nll_t1": 4.0, "open_teacher_nll_t1": 1.0},
               record(5, 5120, 2.0, 5.0, 8.0, 0.3) | {"open_nll_t1": 3.0, "open_teacher_nll_t1": 1.0}]
+    resumed = [record(0, 0, 0.0, 6.0, 9.0, 0.2)] + opened  # its first records from before open_ figures
     main([str(run_folder(tmp_path, "open", opened, open_prompts=1024)),
-          str(run_folder(tmp_path, "text", [record(0, 0, 0.0, 6.0, 9.0, 0.2)])), "--out", str(tmp_path / "report")])
-    report = (tmp_path / "report" / "report.md").read_text()
-    assert "open_prompts 1024 |" in report and "| 2.000 (from 3.000) |" in report
-    assert report.splitlines()[5].endswith("| - |")  # the text-only run's row
+          str(run_folder(tmp_path, "text", [record(0, 0, 0.0, 6.0, 9.0, 0.2)])),
+          str(run_folder(tmp_path, "resumed", resumed)), "--out", str(tmp_path / "report")])
+    rows = (tmp_path / "report" / "report.md").read_text().splitlines()[4:7]
+    assert "open_prompts 1024 |" in rows[0] and rows[0].endswith("| 2.000 (from 3.000) |")
+    assert rows[1].endswith("| - |") and rows[2].endswith("| 2.000 (from 3.000) |")

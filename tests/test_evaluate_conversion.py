@@ -93,7 +93,8 @@ def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_ste
     report = evaluate_conversion.main([
         "--dualend", str(converted / "merged"), "--baseline", str(converted / "base"), "--name", "tiny",
         "--reports", str(reports), "--chat-prompts", "2", "--open-prompts", "2", "--text-prompts", "2",
-        "--prompt-tokens", "12", "--answer-tokens", "6", "--text-rows", "2", "--text-tokens", "24", "--task-tokens", "4"])
+        "--prompt-tokens", "12", "--answer-tokens", "6", "--text-rows", "2", "--text-tokens", "24",
+        "--task-tokens", "4"])
     assert report["threshold"] in THRESHOLDS
     assert all(set(report[split]) == {"chat", "open", "text"} for split in ("calibration", "report"))
     for split in ("calibration", "report"):
@@ -121,6 +122,8 @@ def test_the_gates_open_requests_are_held_out_topics_alternating_between_calibra
     for split, first in (("calibration", 0), ("report", 1)):
         asked = evaluate_conversion.prompts(base, split, args)["open"]
         assert asked == [tokenizer.encode_prompt(tokenizer.user_turn(q)) for q in held_out[first:6:2]]
+    args.open_prompts = 0  # none asked: no open kind (an empty one would fail its batch)
+    assert set(evaluate_conversion.prompts(base, "report", args)) == {"chat", "text"}
 
 
 def test_the_gate_refuses_a_dual_end_model_converted_from_another_base(converted, tmp_path):

@@ -13,7 +13,10 @@ split). On each split, each at every threshold of the sweep:
     acceptance, and how much of the baseline's own greedy answer the dual-end answer reproduces
     (common prefix / baseline length: 1.0 = the same answer);
   - text, teacher-forced as the decode loop would read it (evaluation.teacher_forced_text): NLL per
-    token and by position, against the baseline's.
+    token and by position, against the baseline's;
+  - on the report split, the baseline's greedy answers to the open requests, teacher-forced: the
+    dual-end's NLL gap and top-token agreement there (greedy answers part within a few tokens, so
+    this, not their agreement, tells models apart on what users ask while they are far apart).
 The shipped threshold (calibration split) is the one with the most tokens per step such that it and
 every higher threshold keep the answers' agreement with the baseline within --gate of drafting off
 (threshold 1.0) and the chat answers' agreement at --agreement-floor or more (drafting off when none
@@ -74,14 +77,19 @@ def generation_figures(generations: list[Generation], references: list[Generatio
                                                for g, r in zip(generations, references)])), 4)}
 
 
+def open_requests(split: str, args) -> list[str]:
+    """The split's held-out open-ended requests: they alternate between the splits (calibration the even
+    ones); none with --open-prompts 0."""
+    return open_prompts("held_out")[int(split == "report")::2][:args.open_prompts]
+
+
 def prompts(checkpoint: Checkpoint, split: str, args) -> dict[str, list[list[int]]]:
     """Task questions and open-ended requests under the template, and text windows' first `prompt_tokens`
-    tokens. The held-out open requests alternate between the splits (calibration the even ones); none
-    with --open-prompts 0."""
+    tokens."""
     tokenizer = checkpoint.tokenizer
-    requests = open_prompts("held_out")[int(split == "report")::2][:args.open_prompts]
     chat, open_ = ([tokenizer.encode_prompt(tokenizer.user_turn(p)) for p in questions]
-                   for questions in (conversion.chat_prompts(split, args.chat_prompts, seed=0), requests))
+                   for questions in (conversion.chat_prompts(split, args.chat_prompts, seed=0),
+                                     open_requests(split, args)))
     text = conversion.text_samples(tokenizer, split, 0, args.prompt_tokens)
     return {"chat": chat, **({"open": open_} if open_ else {}),
             "text": [[*s.prompt, *s.completion] for _, s in zip(range(args.text_prompts), text)]}
@@ -157,6 +165,19 @@ def text_figures(dualend: Checkpoint, baseline: Checkpoint, threshold: float, ar
             "teacher_forced_pairs": agreement}
 
 
+def open_figures(dualend: Checkpoint, baseline: Checkpoint, args) -> dict | None:
+    """The baseline's greedy answers to the report split's open requests, teacher-forced through the
+    dual-end model: its NLL gap to the baseline and top-token agreement, t1 and t2 (None without requests)."""
+    requests = open_requests("report", args)
+    if not requests:
+        return None
+    answers = conversion.teacher_chat_samples(baseline.model, baseline.tokenizer, requests, args.answer_tokens)
+    figures = conversion.evaluate(dualend.model, conversion.held_out(baseline.model, answers, baseline.config.pad_id))
+    return {"requests": len(answers),
+            **{f"nll_gap_{t}": round(figures[f"nll_{t}"] - figures[f"teacher_nll_{t}"], 4) for t in ("t1", "t2")},
+            **{f"agree_{t}": figures[f"agree_{t}"] for t in ("t1", "t2")}}
+
+
 def verdict(report: dict) -> dict:
     text, chat, task = report["text"], report["report"]["chat"][str(report["threshold"])], report["task"]
     agree = text["top_token_agreement"]
@@ -201,6 +222,12 @@ def markdown(report: dict) -> str:
               f"confidence ECE {text['reliability']['ece']}.", "", "| positions | baseline | dual-end |", "|---|---|---|"]
     lines += [f"| {b['positions']} | {b['all']} | {d['all']} |"
               for b, d in zip(text["by_position"]["baseline"], text["by_position"]["dualend"])]
+    if report.get("open"):
+        found = report["open"]
+        lines += ["", "## report split: open requests, teacher-forced", "",
+                  f"The baseline's greedy answers to {found['requests']} held-out open-ended requests: the dual-end's "
+                  f"NLL gap t1 {found['nll_gap_t1']}, t2 {found['nll_gap_t2']} nats/token; top token as the "
+                  f"baseline's: t1 {found['agree_t1']}, t2 {found['agree_t2']}."]
     return "\n".join(lines) + "\n"
 
 
@@ -231,6 +258,7 @@ def main(argv=None) -> dict:
     report["report"] = sweep(dualend, baseline, "report", args)
     report["text"] = text_figures(dualend, baseline, report["threshold"], args)
     report["task"] = task_check(dualend, baseline, report["threshold"], args)
+    report["open"] = open_figures(dualend, baseline, args)
     report["verdict"] = verdict(report)
     report["minutes"] = round((time.time() - started) / 60, 1)
     (reports / f"quality_{args.name}.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

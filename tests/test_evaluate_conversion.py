@@ -2,6 +2,7 @@
 (builder.assemble's converted deployments), on a tiny random Llama converted with fresh adapters."""
 import argparse
 import json
+import math
 
 import pytest
 
@@ -97,6 +98,9 @@ def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_ste
         "--task-tokens", "4"])
     assert report["threshold"] in THRESHOLDS
     assert all(set(report[split]) == {"chat", "open", "text"} for split in ("calibration", "report"))
+    found = report["open"]  # the base's answers to the report split's 2 requests, teacher-forced
+    assert found["requests"] == 2 and all(math.isfinite(found[f"nll_gap_{t}"]) for t in ("t1", "t2"))
+    assert f"NLL gap t1 {found['nll_gap_t1']}, t2" in (reports / "quality_tiny.md").read_text()
     for split in ("calibration", "report"):
         text = report[split]["text"]
         assert text["1.0"]["tokens_per_step_no_eos"] == 1.0 and text["1.0"]["acceptance_rate"] == 0.0
@@ -124,6 +128,7 @@ def test_the_gates_open_requests_are_held_out_topics_alternating_between_calibra
         assert asked == [tokenizer.encode_prompt(tokenizer.user_turn(q)) for q in held_out[first:6:2]]
     args.open_prompts = 0  # none asked: no open kind (an empty one would fail its batch)
     assert set(evaluate_conversion.prompts(base, "report", args)) == {"chat", "text"}
+    assert evaluate_conversion.open_figures(None, base, args) is None
 
 
 def test_the_gate_refuses_a_dual_end_model_converted_from_another_base(converted, tmp_path):

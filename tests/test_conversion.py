@@ -258,6 +258,20 @@ def test_open_prompts_join_the_chat_rows_and_held_out_requests_are_evaluated_wit
     assert "open_nll_t1" in log[-1]
 
 
+def test_a_draft_head_run_on_its_base_trains_on_the_answers_to_open_requests_too(base, tmp_path):
+    """draft-head --open-prompts: the same chat rows as convert's (task answers, then open ones); its
+    held-out rows stay the task answers, so no held-out open answers are made."""
+    tokenizer = saved_with_chat_template(base, tmp_path / "base")
+    train.main(["draft-head", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"),
+                "--chat-prompts", "2", "--open-prompts", "2", "--chat-tokens", "3", "--eval-rows", "2",
+                "--batch-size", "2", "--seq-tokens", "32", "--steps", "1", "--time-limit-minutes", "0",
+                "--draft-vocab", "0"])
+    chat = json.loads((tmp_path / "run" / "chat.json").read_text())
+    assert [p for p, _ in chat["train"]] == [tokenizer.encode_prompt(q) for q in
+                                             conversion.chat_prompts("train", 2, 0) + open_prompts("train")[:2]]
+    assert chat["open_held_out"] == [] and len(chat["calibration"]) == 2
+
+
 def test_a_new_run_started_from_adapters_begins_where_they_ended(base, tmp_path):
     """--init-adapters: the new run's first evaluation is the old run's last (same weights, same
     held-out rows), and it counts on from the old run's tokens."""

@@ -357,7 +357,7 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
         return [], [], []
     path = run / "chat.json"
     if not replicas.main:
-        replicas.barrier()  # the main replica has written it
+        replicas.wait_for_main()  # the main replica has written it
     cached = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     made_for = {"task": args.chat_prompts, "open": args.open_prompts, "held_out": args.eval_rows,
                 "open_held_out": args.eval_rows if open_held_out else 0, "seed": args.seed, "tokens": args.chat_tokens}
@@ -376,7 +376,7 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
         path.write_text(json.dumps(cached) + "\n", encoding="utf-8")
         print(f"chat data: {sum(map(len, prompts.values()))} teacher answers in {time.time() - started:.0f} s")
     if replicas.main:
-        replicas.barrier()
+        replicas.wait_for_main()
     return tuple([Sample(p, c) for p, c in cached[split]] for split in ("train", "calibration", "open_held_out"))
 
 

@@ -11,13 +11,22 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 
+# How long the other replicas wait while the main one prepares a run alone (its teacher's answers to
+# the chat prompts: 816 s for 1,568 on two CPU threads), beyond the collectives' own timeout (NCCL's
+# default, 10 minutes, fails such a wait).
+MAIN_PREPARES_TIMEOUT = timedelta(hours=4)
+
+
 class Replicas:
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", timeout: timedelta | None = None,
+                 main_prepares_timeout: timedelta = MAIN_PREPARES_TIMEOUT):
+        """`timeout`: the collectives' (None: the backend's default)."""
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -29,7 +38,8 @@ class Replicas:
         else:
             self.device = torch.device("cpu")
         if self.world > 1:
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout)
+            self._waits_for_main = dist.new_group(backend="gloo", timeout=main_prepares_timeout)
 
     @property
     def main(self) -> bool:
@@ -71,9 +81,10 @@ class Replicas:
         dist.all_gather_object(gathered, digest.hexdigest())
         return gathered
 
-    def barrier(self) -> None:
+    def wait_for_main(self) -> None:
+        """A barrier for what the main replica prepares alone: up to `main_prepares_timeout`."""
         if self.world > 1:
-            dist.barrier()
+            dist.barrier(group=self._waits_for_main)
 
     def exit_together(self) -> None:
         """Under torchrun, every replica's process ends here, together. A replica that tears down its

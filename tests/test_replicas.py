@@ -12,13 +12,14 @@ import os, time
 from datetime import timedelta
 from dualend.train.parallel import Replicas
 
-replicas = Replicas("cpu", timeout=timedelta(seconds=2), main_prepares_timeout=timedelta(seconds=60))
+# the collectives' timeout well above two processes' start-up skew (it bounds their rendezvous too)
+replicas = Replicas("cpu", timeout=timedelta(seconds=6), main_prepares_timeout=timedelta(seconds=60))
 if replicas.main:
-    time.sleep(5)  # preparing alone, longer than the collectives' timeout
+    time.sleep(10)  # preparing alone, longer than the collectives' timeout
 replicas.wait_for_main()
 print(f"replica {replicas.rank}: waited for the main replica", flush=True)
 if replicas.main:
-    time.sleep(5)
+    time.sleep(10)
 try:
     replicas.total(1.0)
     print(f"replica {replicas.rank}: the all-reduce waited too", flush=True)

@@ -69,11 +69,17 @@ def prefix_agreement(answer: list[int], reference: list[int]) -> float:
     return same / len(reference)
 
 
+def ended(generation: Generation, eos_id: int) -> list[int]:
+    """A generation's tokens with EOS at the end when it stopped there: stopping is part of the answer,
+    so one that goes on where the reference stopped differs from it at that point."""
+    return generation.tokens + [eos_id] * (generation.finish_reason == "eos")
+
+
 def generation_figures(generations: list[Generation], references: list[Generation], eos_id: int) -> dict:
     tokens = sum(len([t for t in g.tokens if t != eos_id]) for g in generations)
     return {"tokens_per_step_no_eos": round(tokens / max(1, sum(g.steps for g in generations)), 4),
             "acceptance_rate": round(sum(g.accepted for g in generations) / max(1, sum(g.drafts for g in generations)), 4),
-            "agreement": round(float(np.mean([prefix_agreement(g.tokens, r.tokens)
+            "agreement": round(float(np.mean([prefix_agreement(ended(g, eos_id), ended(r, eos_id))
                                                for g, r in zip(generations, references)])), 4)}
 
 

@@ -7,8 +7,10 @@ import math
 import pytest
 
 from builder import assemble, evaluate_conversion
-from builder.evaluate_conversion import TASK_MARGIN, THRESHOLDS, answered_right, calibrate, prefix_agreement
+from builder.evaluate_conversion import (TASK_MARGIN, THRESHOLDS, answered_right, calibrate, generation_figures,
+                                         prefix_agreement)
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
+from dualend.engine.decode import Generation
 from dualend.engine.tokenizer import BOS, EOS, PAD, TextTokenizer
 from dualend.train import conversion
 from dualend.train.open_prompts import open_prompts
@@ -19,8 +21,20 @@ def test_prefix_agreement_is_the_share_of_the_reference_reproduced_before_the_fi
     assert prefix_agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
     assert prefix_agreement([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
     assert prefix_agreement([1, 2], [1, 2, 3, 4]) == 0.5  # stopped early
-    assert prefix_agreement([1, 2, 3, 4, 5], [1, 2, 3, 4]) == 1.0  # went on after the reference's end
+    assert prefix_agreement([1, 2, 3, 4, 5], [1, 2, 3, 4]) == 1.0  # tokens alone: see generation_figures for EOS
     assert prefix_agreement([], []) == 1.0 and prefix_agreement([7], []) == 0.0
+
+
+def test_an_answer_that_goes_on_where_the_reference_stopped_differs_from_it_there():
+    eos = 2
+    stopped = Generation(tokens=[5, 6, 7, 8], finish_reason="eos")
+    went_on = Generation(tokens=[5, 6, 7, 8, 9, 9, 9, 9], finish_reason="length")
+    same = Generation(tokens=[5, 6, 7, 8], finish_reason="eos")
+    assert generation_figures([went_on], [stopped], eos)["agreement"] == 0.8  # 4 of the reference's 5, EOS too
+    assert generation_figures([same], [stopped], eos)["agreement"] == 1.0
+    # both cut by max_tokens: nothing ended, the tokens alone compare
+    assert generation_figures([Generation(tokens=[5, 6], finish_reason="length")],
+                              [Generation(tokens=[5, 6], finish_reason="length")], eos)["agreement"] == 1.0
 
 
 def _table(agreement: dict, tokens_per_step: dict) -> dict:

@@ -507,6 +507,20 @@ def test_teacher_forced_text_matches_the_training_forward(tiny_tokenizer):
 
 # ---- training ------------------------------------------------------------------------------
 
+def test_a_confident_draft_keeps_its_confidence_gradient_under_bf16_autocast(tiny_tokenizer):
+    """bf16 rounds a sigmoid above ~0.998 to exactly 1: BCE would then give a large loss and no gradient."""
+    head = tiny_model(tiny_tokenizer, 2, seed=2).confidence
+    with torch.no_grad():
+        head.net[-1].weight.zero_()
+        head.net[-1].bias.fill_(7.0)  # sigmoid(7) = 0.99909
+    hidden = torch.randn(1, 3, head.net[1].in_features // 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        confidence = head(hidden, hidden)
+    assert confidence.dtype == torch.float32 and confidence[0].tolist() == pytest.approx([0.99909] * 3, abs=1e-5)
+    torch.nn.functional.binary_cross_entropy(confidence, torch.full((1, 3), 0.6)).backward()
+    assert head.net[-1].bias.grad.item() == pytest.approx(0.99909 - 0.6, abs=2e-3)  # p - target, in bf16
+
+
 def test_dualend_row_targets_skip_pads():
     sample = Sample(prompt=[BOS, 5, 6], completion=[7, 8, 9, EOS])
     row = dualend_row(sample, PAD, reject_ratio=1.0, rng=random.Random(0))

@@ -286,7 +286,10 @@ class ConfidenceHead(nn.Module):
         )
 
     def forward(self, hidden, mtp_hidden):
-        return torch.sigmoid(self.net(torch.cat([hidden, mtp_hidden], -1))).squeeze(-1)
+        logit = self.net(torch.cat([hidden, mtp_hidden], -1)).squeeze(-1)
+        # under bf16 autocast in fp32: bf16 rounds a sigmoid above ~0.998 to exactly 1, where the BCE's
+        # gradient is zero (an fp32 export records no cast)
+        return torch.sigmoid(logit if logit.dtype == torch.float32 else logit.float())
 
 
 COMPRESSOR_INITS = {"sum": (1.0, 1.0), "mean": (0.5, 0.5), "second": (0.0, 1.0)}  # "random": the default initialisation

@@ -156,6 +156,12 @@ def decay_progress(args, tokens: int, run_elapsed_s: float) -> float:
     return 0.0
 
 
+def stream_key(data_seed: int, step: int) -> str:
+    """The seed of a replica's data from `step` on: a key, not a sum, since replica r's seed resumed
+    at step 1000k summed to replica r+k's seed at step 0, and replayed its batches."""
+    return f"{data_seed}@{step}"
+
+
 def hidden_weight_at(args, run_elapsed_s: float) -> float:
     if not args.hidden_fade_minutes:
         return args.hidden_weight
@@ -451,7 +457,7 @@ def cmd_convert(args) -> None:
         if replicas.main:
             data_rng.setstate(state["data_rng"])
         else:
-            data_rng.seed(data_seed + step)
+            data_rng.seed(stream_key(data_seed, step))
         torch.set_rng_state(state["torch_rng"])
         print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
     elif args.init_adapters:
@@ -476,7 +482,7 @@ def cmd_convert(args) -> None:
     if state is not None:
         conversion.resume_optimizer(optimizer, state["optimizer"])
     stream = (None if args.teacher_cache  # batches come from the cache
-              else conversion.sample_stream(tokenizer, data_seed + step, args.seq_tokens, chat_train,
+              else conversion.sample_stream(tokenizer, stream_key(data_seed, step), args.seq_tokens, chat_train,
                                             args.chat_fraction))
     keys = ("batch_size", "seq_tokens", "lr", "warmup", "decay_tokens", "decay_minutes", "chat_prompts",
             "open_prompts", "chat_fraction", "chat_tokens", "hidden_weight", "hidden_fade_minutes", "confidence_weight",

@@ -406,6 +406,17 @@ def test_a_resumed_optimizer_keeps_its_fused_kernel_and_takes_the_saved_moments(
     assert torch.allclose(weight, expected, atol=1e-6)
 
 
+def test_a_replica_resumed_at_step_1000k_does_not_replay_another_replicas_data(tiny_tokenizer):
+    """Replica r's data seed is seed + 1000 r: resumed at step 1000, replica 0 would have summed to
+    replica 1's fresh seed."""
+    def first_windows(rank: int, step: int) -> list[list[int]]:
+        stream = conversion.sample_stream(tiny_tokenizer, train.stream_key(13 + 1000 * rank, step), 24, [], 0.0)
+        return [[*s.prompt, *s.completion] for s in (next(stream) for _ in range(4))]
+
+    assert first_windows(0, 1000) != first_windows(1, 0)
+    assert first_windows(1, 0) == first_windows(1, 0)  # one key, one stream
+
+
 def test_the_hidden_target_fades_over_this_runs_minutes_when_asked():
     options = argparse.Namespace(hidden_weight=0.5, hidden_fade_minutes=0.0)
     assert train.hidden_weight_at(options, 10**6) == 0.5

@@ -221,7 +221,7 @@ def merged_checkpoint(base: Checkpoint, adapters_dir: str | Path) -> Checkpoint:
 
 # Data ------------------------------------------------------------------------------------------
 
-def text_samples(tokenizer: TextTokenizer, split: str, seed: int, tokens: int) -> Iterator[Sample]:
+def text_samples(tokenizer: TextTokenizer, split: str, seed: int | str, tokens: int) -> Iterator[Sample]:
     """Endless `tokens`-token windows of standard-library source; the first pair is the prompt,
     every later token carries loss."""
     for chunk in stdlib_chunks(split, chunk_chars=6 * tokens, seed=seed):
@@ -262,7 +262,7 @@ def conversion_batch(samples: list[Sample], pad_id: int, rng: random.Random) -> 
     return dualend_batch(samples, pad_id, rng, reject_ratio=draw_reject_ratio(rng))
 
 
-def sample_stream(tokenizer: TextTokenizer, seed: int, tokens: int, chat: list[Sample],
+def sample_stream(tokenizer: TextTokenizer, seed: int | str, tokens: int, chat: list[Sample],
                   chat_fraction: float) -> Iterator[Sample]:
     rng = random.Random(seed)
     text = text_samples(tokenizer, "train", seed, tokens)

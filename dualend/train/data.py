@@ -212,7 +212,7 @@ def stdlib_files(split: str) -> list[Path]:
     return [p for p in files if split_of("text", p.name) == split]
 
 
-def stdlib_chunks(split: str, chunk_chars: int, seed: int) -> Iterator[str]:
+def stdlib_chunks(split: str, chunk_chars: int, seed: int | str) -> Iterator[str]:
     """Endless random chunks of standard-library source."""
     rng = random.Random(f"text-{split}-{seed}")
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files(split)]

@@ -34,12 +34,61 @@ def test_max_completion_tokens_wins_and_defaults_apply():
     assert request.prompt == "x" and request.stop == ["a", "b"] and "temperature" not in triton_inputs(request)
 
 
+def test_without_a_seed_each_request_draws_its_own_and_a_seed_given_is_sent():
+    """OpenAI's clients expect a fresh sample per request; the contract's default seed (0) would give
+    every unseeded sampled request the same draws."""
+    body = {"model": "m", "prompt": "x", "temperature": 1.0}
+    seeds = {int(triton_inputs(parse_completion(body))["random_seed"][0]) for _ in range(4)}
+    assert len(seeds) == 4
+    assert triton_inputs(parse_completion(body | {"seed": 0}))["random_seed"][0] == 0
+
+
+def test_top_k_is_sent_and_vllms_off_values_send_none():
+    assert triton_inputs(parse_completion({"model": "m", "prompt": "x", "top_k": 5}))["top_k"][0] == 5
+    for off in (0, -1):
+        assert "top_k" not in triton_inputs(parse_completion({"model": "m", "prompt": "x", "top_k": off}))
+
+
+@pytest.mark.parametrize("route, field, hint", [
+    (parse_completion, "temprature", "temperature"), (parse_completion, "max_token", "max_tokens"),
+    (parse_completion, "messages", None), (parse_chat, "prompt", None), (parse_completion, "repetition_penalty", None),
+])
+def test_a_field_nobody_reads_is_a_400_that_names_it_and_guesses_a_typo(route, field, hint):
+    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    body = {k: v for k, v in body.items() if k != {parse_completion: "messages", parse_chat: "prompt"}[route]}
+    with pytest.raises(ApiError) as refused:
+        route(body | {field: 1}, lambda m: "x") if route is parse_chat else route(body | {field: 1})
+    assert refused.value.status == 400 and refused.value.param == field
+    assert f"`{field}` is not a field of /v1/" in refused.value.message
+    assert (f"did you mean `{hint}`" in refused.value.message) if hint else "did you mean" not in refused.value.message
+
+
+def test_fields_other_servers_accept_without_effect_pass():
+    body = {"model": "m", "prompt": "x", "user": "u", "logit_bias": {}, "presence_penalty": 0, "tool_choice": "none"}
+    assert parse_completion(body).prompt == "x"
+
+
+@pytest.mark.parametrize("change, accepted", [
+    ({"min_tokens": 8, "max_tokens": 8, "ignore_eos": True}, True), ({"min_tokens": 0}, True),
+    ({"min_tokens": 8, "max_tokens": 8}, False), ({"min_tokens": 9, "max_tokens": 8, "ignore_eos": True}, False),
+    ({"min_tokens": 8, "max_tokens": 8, "ignore_eos": True, "stop": "\n"}, False),
+])
+def test_min_tokens_passes_only_where_every_answer_is_max_tokens_long(change, accepted):
+    body = {"model": "m", "prompt": "x"} | change
+    if accepted:
+        assert parse_completion(body).max_tokens == change.get("max_tokens", 16)
+    else:
+        with pytest.raises(ApiError) as refused:
+            parse_completion(body)
+        assert refused.value.param == "min_tokens" and "ignore_eos" in refused.value.message
+
+
 @pytest.mark.parametrize("change, param", [
     ({"model": None}, "model"), ({"n": 2}, "n"), ({"prompt": ""}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "9"}, "max_tokens"), ({"temperature": -1}, "temperature"),
     ({"top_p": 2}, "top_p"), ({"seed": -1}, "seed"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"),
     ({"stream": "yes"}, "stream"), ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"),
+    ({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"), ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"),
 ])
 def test_a_malformed_field_is_a_400_that_names_it(change, param):
     body = {"model": "dualend", "prompt": "x"} | change

@@ -9,7 +9,9 @@ retries on by the outcome code it carries (dualend.serving.outcomes), never by i
 from __future__ import annotations
 
 import json
+import difflib
 import re
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,9 +24,14 @@ from dualend.serving.outcomes import DISPOSITIONS, Outcome, disposition, tagged
 DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}  # OpenAI's default for completions; chat has none here
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 TRITON_FIELDS = {"text_input": "prompt", "random_seed": "seed", "stop_words": "stop", "max_tokens": "max_tokens",
-                 "temperature": "temperature", "top_p": "top_p"}  # Triton input -> OpenAI field
+                 "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}  # Triton input -> OpenAI field
 IGNORED = {"user", "logit_bias", "presence_penalty", "frequency_penalty", "suffix", "service_tier", "store",
-           "metadata", "parallel_tool_calls"}  # accepted and without effect, as other servers do
+           "metadata", "parallel_tool_calls", "tool_choice", "prompt_cache_key",
+           "safety_identifier"}  # accepted and without effect, as other servers do
+READ = {"model", "n", "best_of", "logprobs", "top_logprobs", "tools", "functions", "response_format", "echo", "stream",
+        "stream_options", "max_tokens", "max_completion_tokens", "min_tokens", "stop", "temperature", "top_p", "top_k",
+        "seed", "ignore_eos", "cache_salt"}  # both routes'; with the prompt's field, every other one is refused
+PROMPT_FIELD = {"completions": "prompt", "chat": "messages"}
 # Retry-After (seconds) on the refusals a client retries, by status (outcomes.DISPOSITIONS): a 429's place
 # frees as soon as one request ends; a 503's failed step is restored, or its server answers again, in seconds
 RETRY_AFTER_S = {d.http_status: d.retry_after_s for d in DISPOSITIONS.values() if d.retry_after_s}
@@ -76,7 +83,8 @@ class Generation:
     include_usage: bool = False
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    top_k: int | None = None      # vLLM's extension
+    seed: int = field(default_factory=lambda: secrets.randbits(63))  # none sent: each request its own draws
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False      # our extension, for benchmarks (as vLLM's)
     cache_salt: str = ""          # the prefix cache's partition: the API key's name, or the body's (vLLM's)
@@ -162,6 +170,11 @@ def _common(body: object, kind: str) -> dict:
     """The fields both routes share, checked."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    for name in body:
+        if name not in READ | IGNORED | {PROMPT_FIELD[kind]}:
+            close = difflib.get_close_matches(name, sorted(READ | {PROMPT_FIELD[kind]}), n=1)
+            raise ApiError(400, f"`{name}` is not a field of /v1/{kind.replace('chat', 'chat/completions')}"
+                                + (f" (did you mean `{close[0]}`?)" if close else ""), name)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "`model` is required: the name of a deployment (GET /v1/models lists them)", "model")
@@ -188,10 +201,17 @@ def _common(body: object, kind: str) -> dict:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(word, str) and word for word in stop):
         raise ApiError(400, "`stop` must be a non-empty string or a list of them", "stop")
-    return dict(kind=kind, model=model, stream=stream, include_usage=include_usage,
-                max_tokens=max_tokens or DEFAULT_MAX_TOKENS[kind], temperature=_number(body, "temperature", 0, 2),
-                top_p=_number(body, "top_p", 0, 1), seed=_integer(body, "seed", 0, 2**64 - 1), stop=stop,
-                ignore_eos=_flag(body, "ignore_eos"), cache_salt=_cache_salt(body))
+    max_tokens, ignore_eos = max_tokens or DEFAULT_MAX_TOKENS[kind], _flag(body, "ignore_eos")
+    min_tokens = _integer(body, "min_tokens", 0, 2**31 - 1)
+    if min_tokens and not (ignore_eos and not stop and min_tokens <= max_tokens):
+        raise ApiError(400, "`min_tokens` is honoured only with `ignore_eos`: true, no `stop` and at most `max_tokens` "
+                            "(every answer is then max_tokens long)", "min_tokens")
+    top_k = _integer(body, "top_k", -1, 2**31 - 1)  # -1 or 0: off, as vLLM
+    seed = _integer(body, "seed", 0, 2**64 - 1)
+    return dict(kind=kind, model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
+                temperature=_number(body, "temperature", 0, 2), top_p=_number(body, "top_p", 0, 1),
+                top_k=top_k if top_k and top_k > 0 else None, **({} if seed is None else {"seed": seed}), stop=stop,
+                ignore_eos=ignore_eos, cache_salt=_cache_salt(body))
 
 
 def parse_completion(body: object) -> Generation:
@@ -242,8 +262,9 @@ def triton_inputs(request: Generation) -> dict[str, np.ndarray]:
         inputs["temperature"] = np.array([request.temperature], dtype=np.float32)
     if request.top_p is not None:
         inputs["top_p"] = np.array([request.top_p], dtype=np.float32)
-    if request.seed is not None:
-        inputs["random_seed"] = np.array([request.seed], dtype=np.uint64)
+    if request.top_k is not None:
+        inputs["top_k"] = np.array([request.top_k], dtype=np.int32)
+    inputs["random_seed"] = np.array([request.seed], dtype=np.uint64)
     if request.ignore_eos:
         inputs["ignore_eos"] = np.array([True])
     if request.stop:

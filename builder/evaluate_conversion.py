@@ -46,7 +46,7 @@ from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.decode import Generation, SamplingParams
 from dualend.engine.reference import TorchBatch, generate_batch
 from dualend.train import conversion
-from dualend.train.evaluation import loss_by_position, reliability, teacher_forced_text
+from dualend.train.evaluation import loss_by_position, reliability, teacher_forced_text, tokens_per_step
 from dualend.train.open_prompts import open_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,7 +163,7 @@ def text_figures(dualend: Checkpoint, baseline: Checkpoint, threshold: float, ar
         baseline.tokenizer, "report", 2, args.text_tokens))], baseline.config.pad_id)
     agreement = conversion.evaluate(dualend.model, held)
     return {"nll_baseline": round(float(base_loss.nll.mean()), 4), "nll_dualend": round(float(dual_loss.nll.mean()), 4),
-            "tokens_per_step": round(dual_loss.nll.size / max(1, dual_loss.steps * len(chunks)), 4),
+            "tokens_per_step": round(tokens_per_step(dual_loss), 4),
             "by_position": {"baseline": loss_by_position(base_loss, args.text_tokens),
                             "dualend": loss_by_position(dual_loss, args.text_tokens)},
             "reliability": reliability(dual_loss.confidence, dual_loss.draft_right),

@@ -167,6 +167,12 @@ def teacher_forced_text(model: LanguageModel, bos_id: int, chunks: list[list[int
     return TextLoss(nll, by_draft, confidence, draft_right, steps)
 
 
+def tokens_per_step(loss: TextLoss) -> float:
+    """Tokens per decode step over all rows: each row takes a step for every token its backbone emits
+    (a drafted one rides along), however long the others take."""
+    return loss.nll.size / max(1, int((~loss.by_draft).sum()))
+
+
 def loss_by_position(loss: TextLoss, length: int) -> list[dict]:
     table = []
     for low, high in POSITION_BUCKETS:

@@ -34,6 +34,18 @@ def test_max_completion_tokens_wins_and_defaults_apply():
     assert request.prompt == "x" and request.stop == ["a", "b"] and "temperature" not in triton_inputs(request)
 
 
+def test_a_chat_without_max_tokens_gets_the_default_cut_to_the_room_left():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    render = lambda messages: "prompt"  # noqa: E731
+    assert parse_chat(body, render, lambda prompt: 1000).max_tokens == 128
+    assert parse_chat(body, render, lambda prompt: 40).max_tokens == 40
+    assert parse_chat(body, render, lambda prompt: 0).max_tokens == 1  # no room: the deployment says so
+    assert parse_chat(body, render, lambda prompt: None).max_tokens == 128  # the limit unknown
+    asked = []
+    assert parse_chat(body | {"max_tokens": 300}, render, lambda prompt: asked.append(prompt) or 40).max_tokens == 300
+    assert not asked  # a max_tokens given is the client's: too long for the room, the deployment refuses it
+
+
 def test_without_a_seed_each_request_draws_its_own_and_a_seed_given_is_sent():
     """OpenAI's clients expect a fresh sample per request; the contract's default seed (0) would give
     every unseeded sampled request the same draws."""
@@ -413,6 +425,30 @@ def test_a_three_turn_chat_renders_and_tokenizes_as_transformers_does(tmp_path, 
         assert ids[:len(previous_ids)] == previous_ids
         history.append({"role": "assistant", "content": answer})
         previous_ids = deployment.tokenizer.encode(reference.apply_chat_template(history, tokenize=False))
+
+
+def test_the_room_left_is_the_contracts_count_of_the_deployments_raw_context_limit(tmp_path, tiny_tokenizer):
+    from dualend.ops.openai_api.app import Service, ServiceSettings
+    from dualend.serving.contract import Limits, prepare_request, prompt_layout
+
+    served_repository(tmp_path, tiny_tokenizer, SMOLLM2_TEMPLATE)
+    history = [{"role": "user", "content": "Q: 3+4"}]
+    unknown = Service(ServiceSettings("127.0.0.1:1", tmp_path)).deployment("dualend")
+    prompt = unknown.render_chat(history)
+    assert unknown.room(prompt) is None  # no preprocessing config: nothing to fit
+    limit = prompt_layout(unknown.tokenizer, unknown.tokenizer.encode_prompt(prompt), 2)[1] + 50
+    (tmp_path / "dualend_v1_preprocessing" / "config.pbtxt").write_text(
+        'name: "dualend_v1_preprocessing"\nbackend: "python"\n'
+        f'parameters {{ key: "raw_context_limit" value: {{ string_value: "{limit}" }} }}')
+    deployment = Service(ServiceSettings("127.0.0.1:1", tmp_path)).deployment("dualend")
+    assert deployment.room(prompt) == 50
+    request = parse_chat({"model": "dualend", "messages": history}, deployment.render_chat, deployment.room)
+    assert request.max_tokens == 50  # under the default 128: what fits, and the contract takes it ...
+    limits = Limits(raw_context_limit=limit, pair_size=2, max_new_tokens=256)
+    text_input = np.array([prompt.encode()], dtype=object)
+    prepare_request(deployment.tokenizer, limits, text_input=text_input, max_tokens=np.array([50], dtype=np.int32))
+    with pytest.raises(Exception, match=f"exceeds raw_context_limit {limit}"):  # ... and not one more
+        prepare_request(deployment.tokenizer, limits, text_input=text_input, max_tokens=np.array([51], dtype=np.int32))
 
 
 def test_chat_is_refused_naming_messages_without_a_template(tmp_path, tiny_tokenizer):

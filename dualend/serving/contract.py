@@ -83,6 +83,13 @@ class PreparedRequest:
                           dtype=np.int64).reshape(-1, pair_size)
 
 
+def prompt_layout(tokenizer: TextTokenizer, prompt_ids: list[int], pair_size: int) -> tuple[list[int], int]:
+    """Where a pair model starts pairing a conversation's turns anew, and the context slots the
+    prompt takes with that padding."""
+    turn_starts = tokenizer.turn_starts(prompt_ids) if pair_size > 1 else []
+    return turn_starts, len(pad_prompt(prompt_ids, pair_size, tokenizer.pad_id, turn_starts))
+
+
 def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max_tokens,
                     stream=None, temperature=None, top_k=None, top_p=None, random_seed=None,
                     stop_words=None, exclude_input_in_output=None, acceptance_threshold=None,
@@ -116,8 +123,7 @@ def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max
         raise InvalidRequest(f"max_tokens must be between 1 and {limits.max_new_tokens}, got {params.max_tokens}")
     params.validate()
     prompt_ids = tokenizer.encode_prompt(text)
-    turn_starts = tokenizer.turn_starts(prompt_ids) if limits.pair_size > 1 else []
-    prompt_slots = len(pad_prompt(prompt_ids, limits.pair_size, tokenizer.pad_id, turn_starts))
+    turn_starts, prompt_slots = prompt_layout(tokenizer, prompt_ids, limits.pair_size)
     counted = (f"{len(prompt_ids)} tokens" if prompt_slots == len(prompt_ids)
                else f"{len(prompt_ids)} tokens, {prompt_slots} slots with the pair padding")
     if prompt_slots >= limits.raw_context_limit:

@@ -35,7 +35,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dualend.engine.tokenizer import TextTokenizer
-from dualend.serving.contract import COUNTERS, merge_counters
+from dualend.serving.contract import COUNTERS, merge_counters, prompt_layout
+from dualend.serving.model_config import shared_model_config
 from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served_deployments, served_generation
 
@@ -74,8 +75,20 @@ class ServiceSettings:
 @dataclass
 class Deployment:
     name: str
-    dual_end: bool
+    pair_size: int
     tokenizer: TextTokenizer | None       # None without a chat template
+    raw_context_limit: int | None = None  # its preprocessing's; None: not found, nothing fitted to it
+
+    @property
+    def dual_end(self) -> bool:
+        return self.pair_size > 1
+
+    def room(self, prompt: str) -> int | None:
+        """New tokens that fit after `prompt` within raw_context_limit (the contract's count)."""
+        if self.tokenizer is None or self.raw_context_limit is None:
+            return None
+        _, slots = prompt_layout(self.tokenizer, self.tokenizer.encode_prompt(prompt), self.pair_size)
+        return self.raw_context_limit - slots
 
     def render_chat(self, messages: list[dict]) -> str:
         if self.tokenizer is None:
@@ -98,7 +111,10 @@ def load_deployment(repository: Path, name: str) -> Deployment | None:
     tokenizer = None
     if config.exists() and json.loads(config.read_text()).get("chat_template"):
         tokenizer = TextTokenizer.from_json((folder / "tokenizer.json").read_text(), config.read_text())
-    return Deployment(name, manifest["settings"].get("pair_size", 1) > 1, tokenizer)
+    preprocessing = repository / f"{pipeline_name(name, generation)}_preprocessing" / "config.pbtxt"
+    parameters = shared_model_config(preprocessing).get("parameters", {}) if preprocessing.exists() else {}
+    limit = parameters.get("raw_context_limit", {}).get("string_value")
+    return Deployment(name, manifest["settings"].get("pair_size", 1), tokenizer, int(limit) if limit else None)
 
 
 class Service:
@@ -321,7 +337,8 @@ class Service:
             model = parsed.get("model")
             deployment = await self.resolve(model) if isinstance(model, str) else None
             if kind == "chat":
-                generation = parse_chat(parsed, lambda messages: self.deployment(deployment).render_chat(messages))
+                generation = parse_chat(parsed, lambda messages: self.deployment(deployment).render_chat(messages),
+                                        lambda prompt: self.deployment(deployment).room(prompt))
             else:
                 generation = parse_completion(parsed)
             if self.keys is not None:  # one key's prefixes are its own, whatever salt it sends (names hold no /)

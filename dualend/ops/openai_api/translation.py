@@ -8,8 +8,9 @@ retries on by the outcome code it carries (dualend.serving.outcomes), never by i
 """
 from __future__ import annotations
 
-import json
 import difflib
+import json
+import math
 import re
 import secrets
 import time
@@ -21,7 +22,7 @@ import numpy as np
 from dualend.serving.contract import MAX_CACHE_SALT_CHARS
 from dualend.serving.outcomes import DISPOSITIONS, Outcome, disposition, tagged
 
-DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}  # OpenAI's default for completions; chat has none here
+DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}  # OpenAI's for completions; chat's: at most what fits
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 TRITON_FIELDS = {"text_input": "prompt", "random_seed": "seed", "stop_words": "stop", "max_tokens": "max_tokens",
                  "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}  # Triton input -> OpenAI field
@@ -201,28 +202,34 @@ def _common(body: object, kind: str) -> dict:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(word, str) and word for word in stop):
         raise ApiError(400, "`stop` must be a non-empty string or a list of them", "stop")
-    max_tokens, ignore_eos = max_tokens or DEFAULT_MAX_TOKENS[kind], _flag(body, "ignore_eos")
-    min_tokens = _integer(body, "min_tokens", 0, 2**31 - 1)
-    if min_tokens and not (ignore_eos and not stop and min_tokens <= max_tokens):
-        raise ApiError(400, "`min_tokens` is honoured only with `ignore_eos`: true, no `stop` and at most `max_tokens` "
-                            "(every answer is then max_tokens long)", "min_tokens")
     top_k = _integer(body, "top_k", -1, 2**31 - 1)  # -1 or 0: off, as vLLM
     seed = _integer(body, "seed", 0, 2**64 - 1)
     return dict(kind=kind, model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                temperature=_number(body, "temperature", 0, 2), top_p=_number(body, "top_p", 0, 1),
-                top_k=top_k if top_k and top_k > 0 else None, **({} if seed is None else {"seed": seed}), stop=stop,
-                ignore_eos=ignore_eos, cache_salt=_cache_salt(body))
+                min_tokens=_integer(body, "min_tokens", 0, 2**31 - 1), temperature=_number(body, "temperature", 0, 2),
+                top_p=_number(body, "top_p", 0, 1), top_k=top_k if top_k and top_k > 0 else None,
+                **({} if seed is None else {"seed": seed}), stop=stop, ignore_eos=_flag(body, "ignore_eos"),
+                cache_salt=_cache_salt(body))
+
+
+def _generation(prompt: str, fields: dict) -> Generation:
+    """The request once its max_tokens is settled: `min_tokens` holds only where every answer is that long."""
+    min_tokens = fields.pop("min_tokens")
+    if min_tokens and not (fields["ignore_eos"] and not fields["stop"] and min_tokens <= fields["max_tokens"]):
+        raise ApiError(400, f"`min_tokens` is honoured only with `ignore_eos`: true, no `stop` and at most max_tokens "
+                            f"({fields['max_tokens']}): every answer is then max_tokens long", "min_tokens")
+    return Generation(prompt=prompt, **fields)
 
 
 def parse_completion(body: object) -> Generation:
     fields = _common(body, "completions")
+    fields["max_tokens"] = fields["max_tokens"] or DEFAULT_MAX_TOKENS["completions"]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "`prompt` must be one non-empty string (token ids and batches of prompts are not "
                             "served)", "prompt")
-    return Generation(prompt=prompt, **fields)
+    return _generation(prompt, fields)
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -247,10 +254,16 @@ def chat_messages(body: dict) -> list[dict]:
     return flat
 
 
-def parse_chat(body: object, render) -> Generation:
-    """`render(messages) -> prompt text`: the model's chat template (raises ApiError without one)."""
+def parse_chat(body: object, render, room=None) -> Generation:
+    """`render(messages) -> prompt text`: the model's chat template (raises ApiError without one);
+    `room(prompt) -> tokens` that fit after the prompt: without max_tokens, the default is cut to them,
+    so that a conversation grown near the context limit is still answered."""
     fields = _common(body, "chat")
-    return Generation(prompt=render(chat_messages(body)), **fields)
+    prompt = render(chat_messages(body))
+    if fields["max_tokens"] is None:
+        fits = room(prompt) if room else None
+        fields["max_tokens"] = max(1, min(DEFAULT_MAX_TOKENS["chat"], math.inf if fits is None else fits))
+    return _generation(prompt, fields)
 
 
 def triton_inputs(request: Generation) -> dict[str, np.ndarray]:

@@ -156,10 +156,10 @@ def decay_progress(args, tokens: int, run_elapsed_s: float) -> float:
     return 0.0
 
 
-def stream_key(data_seed: int, step: int) -> str:
-    """The seed of a replica's data from `step` on: a key, not a sum, since replica r's seed resumed
-    at step 1000k summed to replica r+k's seed at step 0, and replayed its batches."""
-    return f"{data_seed}@{step}"
+def stream_key(data_seed: int, step: int) -> int | str:
+    """The seed of a replica's data from `step` on: from the start its data seed, resumed a key, not a
+    sum (replica r's seed resumed at step 1000k summed to replica r+k's at step 0, replaying its batches)."""
+    return data_seed if step == 0 else f"{data_seed}@{step}"
 
 
 def hidden_weight_at(args, run_elapsed_s: float) -> float:

@@ -414,6 +414,7 @@ def test_a_replica_resumed_at_step_1000k_does_not_replay_another_replicas_data(t
         return [[*s.prompt, *s.completion] for s in (next(stream) for _ in range(4))]
 
     assert first_windows(0, 1000) != first_windows(1, 0)
+    assert train.stream_key(13, 0) == 13  # a fresh run's data as before
     assert first_windows(1, 0) == first_windows(1, 0)  # one key, one stream
 
 

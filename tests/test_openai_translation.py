@@ -63,7 +63,7 @@ def test_top_k_is_sent_and_vllms_off_values_send_none():
 
 @pytest.mark.parametrize("route, field, hint", [
     (parse_completion, "temprature", "temperature"), (parse_completion, "max_token", "max_tokens"),
-    (parse_completion, "messages", None), (parse_chat, "prompt", None), (parse_completion, "repetition_penalty", None),
+    (parse_completion, "messages", None), (parse_chat, "prompt", None), (parse_completion, "best_of_n", "best_of"),
 ])
 def test_a_field_nobody_reads_is_a_400_that_names_it_and_guesses_a_typo(route, field, hint):
     body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
@@ -78,6 +78,12 @@ def test_a_field_nobody_reads_is_a_400_that_names_it_and_guesses_a_typo(route, f
 def test_fields_other_servers_accept_without_effect_pass():
     body = {"model": "m", "prompt": "x", "user": "u", "logit_bias": {}, "presence_penalty": 0, "tool_choice": "none"}
     assert parse_completion(body).prompt == "x"
+    # vLLM's benchmark client (`vllm bench serve --backend openai`) sends repetition_penalty 1.0 on every request
+    assert parse_completion({"model": "m", "prompt": "x", "repetition_penalty": 1.0, "min_p": 0}).prompt == "x"
+    for field, value in (("repetition_penalty", 1.2), ("min_p", 0.05)):
+        with pytest.raises(ApiError) as refused:
+            parse_completion({"model": "m", "prompt": "x", field: value})
+        assert refused.value.param == field and "not supported" in refused.value.message
 
 
 @pytest.mark.parametrize("change, accepted", [

@@ -33,6 +33,7 @@ READ = {"model", "n", "best_of", "logprobs", "top_logprobs", "tools", "functions
         "stream_options", "max_tokens", "max_completion_tokens", "min_tokens", "stop", "temperature", "top_p", "top_k",
         "seed", "ignore_eos", "cache_salt"}  # both routes'; with the prompt's field, every other one is refused
 PROMPT_FIELD = {"completions": "prompt", "chat": "messages"}
+NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0}  # vLLM's, accepted at the value that changes nothing
 # Retry-After (seconds) on the refusals a client retries, by status (outcomes.DISPOSITIONS): a 429's place
 # frees as soon as one request ends; a 503's failed step is restored, or its server answers again, in seconds
 RETRY_AFTER_S = {d.http_status: d.retry_after_s for d in DISPOSITIONS.values() if d.retry_after_s}
@@ -172,7 +173,11 @@ def _common(body: object, kind: str) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name in body:
-        if name not in READ | IGNORED | {PROMPT_FIELD[kind]}:
+        if name in NEUTRAL:
+            if body[name] is not None and body[name] != NEUTRAL[name]:
+                raise ApiError(400, f"`{name}` is not supported by this server (only {NEUTRAL[name]:g}, "
+                                    "which changes nothing)", name)
+        elif name not in READ | IGNORED | {PROMPT_FIELD[kind]}:
             close = difflib.get_close_matches(name, sorted(READ | {PROMPT_FIELD[kind]}), n=1)
             raise ApiError(400, f"`{name}` is not a field of /v1/{kind.replace('chat', 'chat/completions')}"
                                 + (f" (did you mean `{close[0]}`?)" if close else ""), name)

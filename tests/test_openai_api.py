@@ -168,6 +168,16 @@ def test_models_are_what_the_server_has_ready_and_an_unloaded_one_is_a_404_that_
     assert client(api).completions.create(model="llm", prompt=PROMPTS[0], max_tokens=2).choices
 
 
+def test_the_front_reads_each_deployments_context_limit_and_pairing_from_the_built_repository(api):
+    """What a chat without max_tokens is fitted to (the unit tests fit it to a config written by hand)."""
+    from dualend.ops.openai_api.app import Service, ServiceSettings
+
+    service = Service(ServiceSettings(api.grpc_url, api.root / "repository"))
+    for name, pair_size in (("dualend", 2), ("baseline", 1)):
+        deployment = service.deployment(name)
+        assert (deployment.raw_context_limit, deployment.pair_size) == (2304, pair_size)
+
+
 def test_chat_is_refused_clearly_on_a_deployment_without_a_template(api):
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as refused:

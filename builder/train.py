@@ -156,6 +156,10 @@ def decay_progress(args, tokens: int, run_elapsed_s: float) -> float:
     return 0.0
 
 
+def replica_data_seed(seed: int, rank: int) -> int:
+    return seed + 1000 * rank  # each replica its own batches
+
+
 def stream_key(data_seed: int, step: int) -> int | str:
     """The seed of a replica's data from `step` on: from the start its data seed, resumed a key, not a
     sum (replica r's seed resumed at step 1000k summed to replica r+k's at step 0, replaying its batches)."""
@@ -445,7 +449,7 @@ def cmd_convert(args) -> None:
     torch.manual_seed(args.seed)  # the same start on every replica
     student = conversion.build_student(teacher, spec)
     step, tokens, elapsed = 0, 0, 0.0
-    data_seed = args.seed + 1000 * replicas.rank  # each replica its own batches
+    data_seed = replica_data_seed(args.seed, replicas.rank)
     data_rng = random.Random(data_seed)
     state = torch.load(state_path, weights_only=False) if state_path.exists() else None
     if state is not None:
@@ -644,8 +648,8 @@ class BaseRunDraftData:
         self.stream, self.ids = None, ids  # the --init-head's; otherwise its draft tokens are chosen when it ships
 
     def start(self, step: int) -> None:
-        self.stream = conversion.sample_stream(self.base.tokenizer, self.args.seed + step, self.args.seq_tokens,
-                                               self.chat_train, self.args.chat_fraction)
+        self.stream = conversion.sample_stream(self.base.tokenizer, stream_key(self.args.seed, step),
+                                               self.args.seq_tokens, self.chat_train, self.args.chat_fraction)
 
     def train_loss(self, model: LanguageModel) -> tuple[torch.Tensor, dict, int]:
         """The loss of the next batch, its figures, and the tokens it read."""
@@ -692,7 +696,7 @@ class RecordDraftData:
         print(f"records: {len(self.train)} continuations, {self.tokens} tokens; drafts from {len(self.ids)} tokens")
 
     def start(self, step: int) -> None:
-        self.rng = random.Random(self.args.seed + step)
+        self.rng = random.Random(stream_key(self.args.seed, step))
 
     def train_loss(self, model: LanguageModel) -> tuple[torch.Tensor, dict, int]:
         """The loss of the next batch, its figures, and the tokens it read."""

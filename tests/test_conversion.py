@@ -407,10 +407,11 @@ def test_a_resumed_optimizer_keeps_its_fused_kernel_and_takes_the_saved_moments(
 
 
 def test_a_replica_resumed_at_step_1000k_does_not_replay_another_replicas_data(tiny_tokenizer):
-    """Replica r's data seed is seed + 1000 r: resumed at step 1000, replica 0 would have summed to
-    replica 1's fresh seed."""
+    """Replica r's data seed is seed + 1000 r: resumed at step 1000, replica 0's seed summed with the
+    step was replica 1's fresh seed."""
     def first_windows(rank: int, step: int) -> list[list[int]]:
-        stream = conversion.sample_stream(tiny_tokenizer, train.stream_key(13 + 1000 * rank, step), 24, [], 0.0)
+        stream = conversion.sample_stream(tiny_tokenizer, train.stream_key(train.replica_data_seed(13, rank), step),
+                                          24, [], 0.0)
         return [[*s.prompt, *s.completion] for s in (next(stream) for _ in range(4))]
 
     assert first_windows(0, 1000) != first_windows(1, 0)

@@ -171,11 +171,12 @@ def test_models_are_what_the_server_has_ready_and_an_unloaded_one_is_a_404_that_
 def test_the_front_reads_each_deployments_context_limit_and_pairing_from_the_built_repository(api):
     """What a chat without max_tokens is fitted to (the unit tests fit it to a config written by hand)."""
     from dualend.ops.openai_api.app import Service, ServiceSettings
+    from dualend.serving.contract import Limits
 
     service = Service(ServiceSettings(api.grpc_url, api.root / "repository"))
     for name, pair_size in (("dualend", 2), ("baseline", 1)):
         deployment = service.deployment(name)
-        assert (deployment.raw_context_limit, deployment.pair_size) == (2304, pair_size)
+        assert deployment.limits == Limits(2304, pair_size, 2048) and deployment.pair_size == pair_size
 
 
 def test_chat_is_refused_clearly_on_a_deployment_without_a_template(api):

@@ -46,13 +46,15 @@ def test_a_chat_without_max_tokens_gets_the_default_cut_to_the_room_left():
     assert not asked  # a max_tokens given is the client's: too long for the room, the deployment refuses it
 
 
-def test_without_a_seed_each_request_draws_its_own_and_a_seed_given_is_sent():
+def test_without_a_seed_each_sampled_request_draws_its_own_and_a_seed_given_is_sent():
     """OpenAI's clients expect a fresh sample per request; the contract's default seed (0) would give
-    every unseeded sampled request the same draws."""
+    every unseeded sampled request the same draws. A greedy one sends none, as Triton's routes."""
     body = {"model": "m", "prompt": "x", "temperature": 1.0}
     seeds = {int(triton_inputs(parse_completion(body))["random_seed"][0]) for _ in range(4)}
     assert len(seeds) == 4
     assert triton_inputs(parse_completion(body | {"seed": 0}))["random_seed"][0] == 0
+    for greedy in ({"temperature": 0}, {}):
+        assert "random_seed" not in triton_inputs(parse_completion({"model": "m", "prompt": "x"} | greedy))
 
 
 def test_top_k_is_sent_and_vllms_off_values_send_none():
@@ -75,12 +77,14 @@ def test_a_field_nobody_reads_is_a_400_that_names_it_and_guesses_a_typo(route, f
     assert (f"did you mean `{hint}`" in refused.value.message) if hint else "did you mean" not in refused.value.message
 
 
-def test_fields_other_servers_accept_without_effect_pass():
-    body = {"model": "m", "prompt": "x", "user": "u", "logit_bias": {}, "presence_penalty": 0, "tool_choice": "none"}
+def test_fields_without_effect_pass_and_ones_that_would_change_the_answer_only_at_their_neutral_value():
+    body = {"model": "m", "prompt": "x", "user": "u", "logit_bias": {}, "presence_penalty": 0, "tool_choice": "none",
+            "suffix": ""}
     assert parse_completion(body).prompt == "x"
     # vLLM's benchmark client (`vllm bench serve --backend openai`) sends repetition_penalty 1.0 on every request
     assert parse_completion({"model": "m", "prompt": "x", "repetition_penalty": 1.0, "min_p": 0}).prompt == "x"
-    for field, value in (("repetition_penalty", 1.2), ("min_p", 0.05)):
+    for field, value in (("repetition_penalty", 1.2), ("min_p", 0.05), ("presence_penalty", 0.5),
+                         ("frequency_penalty", -1), ("logit_bias", {"5": -100}), ("suffix", "}")):
         with pytest.raises(ApiError) as refused:
             parse_completion({"model": "m", "prompt": "x", field: value})
         assert refused.value.param == field and "not supported" in refused.value.message
@@ -433,28 +437,34 @@ def test_a_three_turn_chat_renders_and_tokenizes_as_transformers_does(tmp_path, 
         previous_ids = deployment.tokenizer.encode(reference.apply_chat_template(history, tokenize=False))
 
 
-def test_the_room_left_is_the_contracts_count_of_the_deployments_raw_context_limit(tmp_path, tiny_tokenizer):
+def test_the_room_left_is_the_contracts_count_of_the_deployments_limits(tmp_path, tiny_tokenizer):
+    from dataclasses import replace
+
+    from test_control_and_config import CONFIG
+
     from dualend.ops.openai_api.app import Service, ServiceSettings
-    from dualend.serving.contract import Limits, prepare_request, prompt_layout
+    from dualend.serving.contract import prepare_request, prompt_layout
 
     served_repository(tmp_path, tiny_tokenizer, SMOLLM2_TEMPLATE)
     history = [{"role": "user", "content": "Q: 3+4"}]
     unknown = Service(ServiceSettings("127.0.0.1:1", tmp_path)).deployment("dualend")
     prompt = unknown.render_chat(history)
-    assert unknown.room(prompt) is None  # no preprocessing config: nothing to fit
-    limit = prompt_layout(unknown.tokenizer, unknown.tokenizer.encode_prompt(prompt), 2)[1] + 50
-    (tmp_path / "dualend_v1_preprocessing" / "config.pbtxt").write_text(
-        'name: "dualend_v1_preprocessing"\nbackend: "python"\n'
-        f'parameters {{ key: "raw_context_limit" value: {{ string_value: "{limit}" }} }}')
-    deployment = Service(ServiceSettings("127.0.0.1:1", tmp_path)).deployment("dualend")
-    assert deployment.room(prompt) == 50
-    request = parse_chat({"model": "dualend", "messages": history}, deployment.render_chat, deployment.room)
-    assert request.max_tokens == 50  # under the default 128: what fits, and the contract takes it ...
-    limits = Limits(raw_context_limit=limit, pair_size=2, max_new_tokens=256)
-    text_input = np.array([prompt.encode()], dtype=object)
-    prepare_request(deployment.tokenizer, limits, text_input=text_input, max_tokens=np.array([50], dtype=np.int32))
-    with pytest.raises(Exception, match=f"exceeds raw_context_limit {limit}"):  # ... and not one more
-        prepare_request(deployment.tokenizer, limits, text_input=text_input, max_tokens=np.array([51], dtype=np.int32))
+    assert unknown.room(prompt) is None  # no mtp_verify config: nothing to fit
+    _, slots = prompt_layout(unknown.tokenizer, unknown.tokenizer.encode_prompt(prompt), 2)
+    (tmp_path / "dualend_v1_mtp_verify").mkdir()
+    for max_new_tokens, room in ((256, 50), (30, 30)):  # what the context leaves, up to max_new_tokens
+        config = replace(CONFIG, pipeline="dualend_v1", raw_context_limit=slots + 50, max_new_tokens=max_new_tokens)
+        (tmp_path / "dualend_v1_mtp_verify" / "config.pbtxt").write_text(config.pbtxt())
+        deployment = Service(ServiceSettings("127.0.0.1:1", tmp_path)).deployment("dualend")
+        assert deployment.room(prompt) == room
+        request = parse_chat({"model": "dualend", "messages": history}, deployment.render_chat, deployment.room)
+        assert request.max_tokens == room  # under the default 128: what fits, and the contract takes it ...
+        text_input = np.array([prompt.encode()], dtype=object)
+        prepare_request(deployment.tokenizer, config.limits(), text_input=text_input,
+                        max_tokens=np.array([room], dtype=np.int32))
+        with pytest.raises(Exception, match="exceeds raw_context_limit|must be between 1 and 30"):  # ... not one more
+            prepare_request(deployment.tokenizer, config.limits(), text_input=text_input,
+                            max_tokens=np.array([room + 1], dtype=np.int32))
 
 
 def test_chat_is_refused_naming_messages_without_a_template(tmp_path, tiny_tokenizer):

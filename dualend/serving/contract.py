@@ -90,6 +90,13 @@ def prompt_layout(tokenizer: TextTokenizer, prompt_ids: list[int], pair_size: in
     return turn_starts, len(pad_prompt(prompt_ids, pair_size, tokenizer.pad_id, turn_starts))
 
 
+def new_token_room(tokenizer: TextTokenizer, limits: Limits, prompt_ids: list[int]) -> int:
+    """The most new tokens a request with this prompt may ask for: what raw_context_limit leaves after
+    it, up to max_new_tokens (below 1: none)."""
+    _, slots = prompt_layout(tokenizer, prompt_ids, limits.pair_size)
+    return min(limits.max_new_tokens, limits.raw_context_limit - slots)
+
+
 def prepare_request(tokenizer: TextTokenizer, limits: Limits, *, text_input, max_tokens,
                     stream=None, temperature=None, top_k=None, top_p=None, random_seed=None,
                     stop_words=None, exclude_input_in_output=None, acceptance_threshold=None,

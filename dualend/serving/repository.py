@@ -11,6 +11,7 @@ from pathlib import Path
 from dualend.engine.onnx_engine import ExportedModel
 from dualend.engine.tokenizer import TextTokenizer
 
+from .contract import Limits
 from .model_config import shared_model_config
 
 # The deployments the builder assembles and the gateway serves by name: the shipped pair (the canary
@@ -111,6 +112,10 @@ class DeploymentConfig:
                                  ) from None
         return cls(**values)
 
+    def limits(self) -> Limits:
+        """What the request contract checks a request against."""
+        return Limits(self.raw_context_limit, self.pair_size, self.max_new_tokens)
+
     @property
     def sequence_slots(self) -> int:
         return max_sequence_latents(self.raw_context_limit, self.max_new_tokens, self.pair_size)
@@ -171,18 +176,24 @@ def served_tokenizer(repository: Path, deployment: str) -> TextTokenizer:
     return ExportedModel.open(folder, ("tokenizer",)).tokenizer()
 
 
-def served_benchmark_notices(repository: Path, deployment: str) -> list[str]:
-    """`DeploymentConfig.benchmark_notices` of the generation the deployment's ensemble serves, read
-    from its mtp_verify's config.pbtxt (empty when it serves none)."""
+def served_config(repository: Path, deployment: str) -> DeploymentConfig | None:
+    """The DeploymentConfig of the generation the deployment's ensemble serves, read from its
+    mtp_verify's config.pbtxt (None when it serves none)."""
     generation = served_generation(repository, deployment)
     if generation is None:
-        return []
+        return None
     model = f"{pipeline_name(deployment, generation)}_mtp_verify"
     config = repository / model / "config.pbtxt"
     if not config.exists():
-        return []
-    return DeploymentConfig.from_args({"model_name": model, "model_config": json.dumps(shared_model_config(config))}
-                                      ).benchmark_notices()
+        return None
+    return DeploymentConfig.from_args({"model_name": model, "model_config": json.dumps(shared_model_config(config))})
+
+
+def served_benchmark_notices(repository: Path, deployment: str) -> list[str]:
+    """`DeploymentConfig.benchmark_notices` of the generation the deployment's ensemble serves (empty
+    when it serves none)."""
+    config = served_config(repository, deployment)
+    return config.benchmark_notices() if config else []
 
 
 def generations(repository: Path, deployment: str) -> list[int]:

@@ -124,7 +124,6 @@ class TextLoss:
     by_draft: np.ndarray     # [rows, tokens] bool: an accepted draft emitted it
     confidence: list[float]  # every draft the MTP head proposed ...
     draft_right: list[bool]  # ... and whether its greedy token was the gold one
-    steps: int
 
 
 @torch.no_grad()
@@ -164,7 +163,7 @@ def teacher_forced_text(model: LanguageModel, bos_id: int, chunks: list[list[int
         steps += 1
         if (pointer < length).any():
             logits, _ = batch.step(pairs)
-    return TextLoss(nll, by_draft, confidence, draft_right, steps)
+    return TextLoss(nll, by_draft, confidence, draft_right)
 
 
 def tokens_per_step(loss: TextLoss) -> float:

@@ -4,7 +4,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dualend.engine.decode import ContextLengthExceeded, InvalidRequest
-from dualend.serving.contract import REQUEST_INPUTS, Limits, prepare_request
+from dualend.serving.contract import REQUEST_INPUTS, prepare_request
 from dualend.serving.keys import pipeline_secret, request_token
 from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import DeploymentConfig, version_components
@@ -16,7 +16,7 @@ class TritonPythonModel:
         config = DeploymentConfig.from_args(args)
         exported = version_components(args, ("tokenizer",))
         self.tokenizer = exported.tokenizer()
-        self.limits = Limits(config.raw_context_limit, config.pair_size, config.max_new_tokens)
+        self.limits = config.limits()
         self.secret = pipeline_secret(args, exported.checkpoint_id)
 
     def execute(self, requests):

@@ -35,10 +35,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dualend.engine.tokenizer import TextTokenizer
-from dualend.serving.contract import COUNTERS, merge_counters, prompt_layout
-from dualend.serving.model_config import shared_model_config
+from dualend.serving.contract import COUNTERS, Limits, merge_counters, new_token_room
 from dualend.serving.outcomes import Outcome
-from dualend.serving.repository import PUBLIC_DEPLOYMENTS, pipeline_name, served_deployments, served_generation
+from dualend.serving.repository import (PUBLIC_DEPLOYMENTS, pipeline_name, served_config, served_deployments,
+                                        served_generation)
 
 from ..api_keys import ApiKey, client_of, keyed_salt, read_keys
 from ..host import TO_LOCAL_SERVER, UNLIMITED_MESSAGES
@@ -77,18 +77,17 @@ class Deployment:
     name: str
     pair_size: int
     tokenizer: TextTokenizer | None       # None without a chat template
-    raw_context_limit: int | None = None  # its preprocessing's; None: not found, nothing fitted to it
+    limits: Limits | None = None          # the request contract's; None: not found, nothing fitted to them
 
     @property
     def dual_end(self) -> bool:
         return self.pair_size > 1
 
     def room(self, prompt: str) -> int | None:
-        """New tokens that fit after `prompt` within raw_context_limit (the contract's count)."""
-        if self.tokenizer is None or self.raw_context_limit is None:
+        """The most new tokens a request with `prompt` may ask for (the contract's count)."""
+        if self.tokenizer is None or self.limits is None:
             return None
-        _, slots = prompt_layout(self.tokenizer, self.tokenizer.encode_prompt(prompt), self.pair_size)
-        return self.raw_context_limit - slots
+        return new_token_room(self.tokenizer, self.limits, self.tokenizer.encode_prompt(prompt))
 
     def render_chat(self, messages: list[dict]) -> str:
         if self.tokenizer is None:
@@ -111,10 +110,8 @@ def load_deployment(repository: Path, name: str) -> Deployment | None:
     tokenizer = None
     if config.exists() and json.loads(config.read_text()).get("chat_template"):
         tokenizer = TextTokenizer.from_json((folder / "tokenizer.json").read_text(), config.read_text())
-    preprocessing = repository / f"{pipeline_name(name, generation)}_preprocessing" / "config.pbtxt"
-    parameters = shared_model_config(preprocessing).get("parameters", {}) if preprocessing.exists() else {}
-    limit = parameters.get("raw_context_limit", {}).get("string_value")
-    return Deployment(name, manifest["settings"].get("pair_size", 1), tokenizer, int(limit) if limit else None)
+    config = served_config(repository, name)
+    return Deployment(name, manifest["settings"].get("pair_size", 1), tokenizer, config.limits() if config else None)
 
 
 class Service:

@@ -26,14 +26,16 @@ DEFAULT_MAX_TOKENS = {"completions": 16, "chat": 128}  # OpenAI's for completion
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 TRITON_FIELDS = {"text_input": "prompt", "random_seed": "seed", "stop_words": "stop", "max_tokens": "max_tokens",
                  "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}  # Triton input -> OpenAI field
-IGNORED = {"user", "logit_bias", "presence_penalty", "frequency_penalty", "suffix", "service_tier", "store",
-           "metadata", "parallel_tool_calls", "tool_choice", "prompt_cache_key",
-           "safety_identifier"}  # accepted and without effect, as other servers do
+IGNORED = {"user", "service_tier", "store", "metadata", "parallel_tool_calls", "tool_choice", "prompt_cache_key",
+           "safety_identifier"}  # accepted and without effect on an answer, as other servers do
 READ = {"model", "n", "best_of", "logprobs", "top_logprobs", "tools", "functions", "response_format", "echo", "stream",
         "stream_options", "max_tokens", "max_completion_tokens", "min_tokens", "stop", "temperature", "top_p", "top_k",
         "seed", "ignore_eos", "cache_salt"}  # both routes'; with the prompt's field, every other one is refused
 PROMPT_FIELD = {"completions": "prompt", "chat": "messages"}
-NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0}  # vLLM's, accepted at the value that changes nothing
+# fields this server cannot honour, accepted at the value that changes nothing (clients send them so:
+# `vllm bench serve` repetition_penalty 1.0, LangChain's completions the penalties 0) and refused at any other
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": "", "repetition_penalty": 1,
+           "min_p": 0}
 # Retry-After (seconds) on the refusals a client retries, by status (outcomes.DISPOSITIONS): a 429's place
 # frees as soon as one request ends; a 503's failed step is restored, or its server answers again, in seconds
 RETRY_AFTER_S = {d.http_status: d.retry_after_s for d in DISPOSITIONS.values() if d.retry_after_s}
@@ -86,7 +88,7 @@ class Generation:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None      # vLLM's extension
-    seed: int = field(default_factory=lambda: secrets.randbits(63))  # none sent: each request its own draws
+    seed: int | None = None       # sampling without one: a seed of its own (greedy: none, the contract's 0)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False      # our extension, for benchmarks (as vLLM's)
     cache_salt: str = ""          # the prefix cache's partition: the API key's name, or the body's (vLLM's)
@@ -175,7 +177,7 @@ def _common(body: object, kind: str) -> dict:
     for name in body:
         if name in NEUTRAL:
             if body[name] is not None and body[name] != NEUTRAL[name]:
-                raise ApiError(400, f"`{name}` is not supported by this server (only {NEUTRAL[name]:g}, "
+                raise ApiError(400, f"`{name}` is not supported by this server (only {json.dumps(NEUTRAL[name])}, "
                                     "which changes nothing)", name)
         elif name not in READ | IGNORED | {PROMPT_FIELD[kind]}:
             close = difflib.get_close_matches(name, sorted(READ | {PROMPT_FIELD[kind]}), n=1)
@@ -208,33 +210,36 @@ def _common(body: object, kind: str) -> dict:
     if not isinstance(stop, list) or not all(isinstance(word, str) and word for word in stop):
         raise ApiError(400, "`stop` must be a non-empty string or a list of them", "stop")
     top_k = _integer(body, "top_k", -1, 2**31 - 1)  # -1 or 0: off, as vLLM
-    seed = _integer(body, "seed", 0, 2**64 - 1)
+    seed, temperature = _integer(body, "seed", 0, 2**64 - 1), _number(body, "temperature", 0, 2)
+    if seed is None and temperature:  # OpenAI's clients expect a fresh sample from each request
+        seed = secrets.randbits(63)
     return dict(kind=kind, model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                min_tokens=_integer(body, "min_tokens", 0, 2**31 - 1), temperature=_number(body, "temperature", 0, 2),
-                top_p=_number(body, "top_p", 0, 1), top_k=top_k if top_k and top_k > 0 else None,
-                **({} if seed is None else {"seed": seed}), stop=stop, ignore_eos=_flag(body, "ignore_eos"),
-                cache_salt=_cache_salt(body))
+                min_tokens=_integer(body, "min_tokens", 0, 2**31 - 1), temperature=temperature,
+                top_p=_number(body, "top_p", 0, 1), top_k=top_k if top_k and top_k > 0 else None, seed=seed,
+                stop=stop, ignore_eos=_flag(body, "ignore_eos"), cache_salt=_cache_salt(body))
 
 
-def _generation(prompt: str, fields: dict) -> Generation:
-    """The request once its max_tokens is settled: `min_tokens` holds only where every answer is that long."""
-    min_tokens = fields.pop("min_tokens")
+def _generation(prompt: str, fields: dict, default_max_tokens: int) -> Generation:
+    """The request with its max_tokens settled (the client's, else `default_max_tokens`): `min_tokens`
+    holds only where every answer is that long."""
+    given, min_tokens = fields["max_tokens"] is not None, fields.pop("min_tokens")
+    fields["max_tokens"] = fields["max_tokens"] if given else default_max_tokens
     if min_tokens and not (fields["ignore_eos"] and not fields["stop"] and min_tokens <= fields["max_tokens"]):
-        raise ApiError(400, f"`min_tokens` is honoured only with `ignore_eos`: true, no `stop` and at most max_tokens "
-                            f"({fields['max_tokens']}): every answer is then max_tokens long", "min_tokens")
+        raise ApiError(400, "`min_tokens` is honoured only with `ignore_eos`: true, no `stop` and at most max_tokens "
+                            f"({fields['max_tokens']}{'' if given else ', the default here'}): every answer is then "
+                            "max_tokens long", "min_tokens")
     return Generation(prompt=prompt, **fields)
 
 
 def parse_completion(body: object) -> Generation:
     fields = _common(body, "completions")
-    fields["max_tokens"] = fields["max_tokens"] or DEFAULT_MAX_TOKENS["completions"]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "`prompt` must be one non-empty string (token ids and batches of prompts are not "
                             "served)", "prompt")
-    return _generation(prompt, fields)
+    return _generation(prompt, fields, DEFAULT_MAX_TOKENS["completions"])
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -265,10 +270,8 @@ def parse_chat(body: object, render, room=None) -> Generation:
     so that a conversation grown near the context limit is still answered."""
     fields = _common(body, "chat")
     prompt = render(chat_messages(body))
-    if fields["max_tokens"] is None:
-        fits = room(prompt) if room else None
-        fields["max_tokens"] = max(1, min(DEFAULT_MAX_TOKENS["chat"], math.inf if fits is None else fits))
-    return _generation(prompt, fields)
+    fits = room(prompt) if room and fields["max_tokens"] is None else None
+    return _generation(prompt, fields, max(1, min(DEFAULT_MAX_TOKENS["chat"], math.inf if fits is None else fits)))
 
 
 def triton_inputs(request: Generation) -> dict[str, np.ndarray]:
@@ -282,7 +285,8 @@ def triton_inputs(request: Generation) -> dict[str, np.ndarray]:
         inputs["top_p"] = np.array([request.top_p], dtype=np.float32)
     if request.top_k is not None:
         inputs["top_k"] = np.array([request.top_k], dtype=np.int32)
-    inputs["random_seed"] = np.array([request.seed], dtype=np.uint64)
+    if request.seed is not None:
+        inputs["random_seed"] = np.array([request.seed], dtype=np.uint64)
     if request.ignore_eos:
         inputs["ignore_eos"] = np.array([True])
     if request.stop:

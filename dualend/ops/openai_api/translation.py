@@ -28,14 +28,16 @@ TRITON_FIELDS = {"text_input": "prompt", "random_seed": "seed", "stop_words": "s
                  "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}  # Triton input -> OpenAI field
 IGNORED = {"user", "service_tier", "store", "metadata", "parallel_tool_calls", "tool_choice", "prompt_cache_key",
            "safety_identifier"}  # accepted and without effect on an answer, as other servers do
-READ = {"model", "n", "best_of", "logprobs", "top_logprobs", "tools", "functions", "response_format", "echo", "stream",
-        "stream_options", "max_tokens", "max_completion_tokens", "min_tokens", "stop", "temperature", "top_p", "top_k",
-        "seed", "ignore_eos", "cache_salt"}  # both routes'; with the prompt's field, every other one is refused
+READ = {"model", "n", "best_of", "stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens",
+        "stop", "temperature", "top_p", "top_k", "seed", "ignore_eos",
+        "cache_salt"}  # both routes'; with the prompt's field and NEUTRAL's, every other one is refused
 PROMPT_FIELD = {"completions": "prompt", "chat": "messages"}
-# fields this server cannot honour, accepted at the value that changes nothing (clients send them so:
-# `vllm bench serve` repetition_penalty 1.0, LangChain's completions the penalties 0) and refused at any other
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": "", "repetition_penalty": 1,
-           "min_p": 0}
+# fields this server cannot honour, accepted only at a value that changes nothing, the first one named in the
+# refusal (clients send them so: `vllm bench serve` repetition_penalty 1.0, LangChain's completions the penalties 0)
+_OFF = (False, 0, [], {"type": "text"})
+NEUTRAL = {"logprobs": _OFF, "top_logprobs": (0, *_OFF), "tools": ([], *_OFF), "functions": ([], *_OFF),
+           "response_format": ({"type": "text"}, *_OFF), "echo": _OFF, "presence_penalty": (0,),
+           "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",), "repetition_penalty": (1,), "min_p": (0,)}
 # Retry-After (seconds) on the refusals a client retries, by status (outcomes.DISPOSITIONS): a 429's place
 # frees as soon as one request ends; a 503's failed step is restored, or its server answers again, in seconds
 RETRY_AFTER_S = {d.http_status: d.retry_after_s for d in DISPOSITIONS.values() if d.retry_after_s}
@@ -176,8 +178,8 @@ def _common(body: object, kind: str) -> dict:
         raise ApiError(400, "the request body must be a JSON object")
     for name in body:
         if name in NEUTRAL:
-            if body[name] is not None and body[name] != NEUTRAL[name]:
-                raise ApiError(400, f"`{name}` is not supported by this server (only {json.dumps(NEUTRAL[name])}, "
+            if body[name] is not None and body[name] not in NEUTRAL[name]:
+                raise ApiError(400, f"`{name}` is not supported by this server (only {json.dumps(NEUTRAL[name][0])}, "
                                     "which changes nothing)", name)
         elif name not in READ | IGNORED | {PROMPT_FIELD[kind]}:
             close = difflib.get_close_matches(name, sorted(READ | {PROMPT_FIELD[kind]}), n=1)
@@ -191,9 +193,6 @@ def _common(body: object, kind: str) -> dict:
         raise ApiError(400, f"`n` must be 1 (one choice per request), got {choices!r}", "n")
     if body.get("best_of", 1) not in (1, None):
         raise ApiError(400, "`best_of` must be 1", "best_of")
-    for name in ("logprobs", "top_logprobs", "tools", "functions", "response_format", "echo"):
-        if body.get(name) not in (None, False, 0, [], {"type": "text"}):
-            raise ApiError(400, f"`{name}` is not supported by this server", name)
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):

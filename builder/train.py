@@ -43,7 +43,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -403,11 +403,15 @@ def native_bf16(device: torch.device) -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
-def start_from_adapters(student, directory: str, base_id: str, spec: conversion.ConversionSpec) -> dict:
-    """Loads a run's (or the shipped) adapters into the student; returns what they were (their sha256,
-    the tokens, steps and minutes they were trained for), for the recipe."""
+def start_from_adapters(student, teacher, directory: str, base_id: str, spec: conversion.ConversionSpec) -> dict:
+    """Loads a run's (or the shipped) adapters into the student (those of an adapted MTP block folded into
+    its weights for a `mtp_layer_full` student); returns what they were (their sha256, the tokens, steps
+    and minutes they were trained for), for the recipe."""
     adapters, meta = conversion.load_adapters(directory)
-    if (meta["base"]["checkpoint_id"], conversion.ConversionSpec(**meta["spec"])) != (base_id, spec):
+    found = conversion.ConversionSpec(**meta["spec"])
+    if spec.mtp_layer_full and replace(found, mtp_layer_full=True) == spec and not found.mtp_layer_full:
+        adapters, found = conversion.mtp_layer_unfolded(teacher, adapters, found)
+    if (meta["base"]["checkpoint_id"], found) != (base_id, spec):
         sys.exit(f"{directory} converts base {meta['base']['checkpoint_id']} with {meta['spec']}, "
                  f"not {base_id} with {asdict(spec)}")
     unknown = sorted(set(adapters) - set(conversion.trainable_state(student)))
@@ -440,7 +444,8 @@ def cmd_convert(args) -> None:
     teacher, tokenizer = base.model.eval().requires_grad_(False), base.tokenizer
     if teacher.cfg.is_dualend:
         sys.exit(f"{args.baseline} is a dual-end checkpoint; convert starts from a token-level one")
-    spec = conversion.ConversionSpec(args.lora_rank, args.lora_alpha, args.frozen_layers, args.compressor_init)
+    spec = conversion.ConversionSpec(args.lora_rank, args.lora_alpha, args.frozen_layers, args.compressor_init,
+                                     args.mtp_layer_full)
     base_ref = {"checkpoint_id": base.id, "source": base.recipe.get("source")}
     pad = teacher.cfg.pad_id
     run = Path(args.run)
@@ -465,7 +470,7 @@ def cmd_convert(args) -> None:
         torch.set_rng_state(state["torch_rng"])
         print(f"resumed at step {step} ({tokens} tokens, {elapsed / 60:.1f} minutes)")
     elif args.init_adapters:
-        started_from = start_from_adapters(student, args.init_adapters, base_ref["checkpoint_id"], spec)
+        started_from = start_from_adapters(student, teacher, args.init_adapters, base_ref["checkpoint_id"], spec)
         tokens = int(started_from["tokens"])
         if replicas.main:
             (run / STARTED_FROM).write_text(json.dumps(started_from) + "\n", encoding="utf-8")
@@ -970,6 +975,9 @@ def main(argv=None) -> None:
                          "ignored when the run folder holds a state to resume")
     convert.add_argument("--run", "--run-dir", dest="run", required=True,
                          help="the run folder (under torchrun write --run-dir: torchrun reads --run as its --run-path)")
+    convert.add_argument("--mtp-layer-full", action="store_true",
+                         help="the MTP head's block trains its own weights (the backbone's blocks keep --lora-rank "
+                              "adapters; ships ~7 MB more on SmolLM2); --init-adapters may be of a run without it")
     convert.add_argument("--compile", action="store_true",
                          help="torch.compile (inductor) the blocks and the KL: the same losses in fewer minutes once "
                               "compiled (the first steps wait for it; needs a C++ compiler on a CPU)")

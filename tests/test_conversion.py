@@ -293,6 +293,31 @@ def test_a_new_run_started_from_adapters_begins_where_they_ended(base, tmp_path)
                     "--init-adapters", str(tmp_path / "first" / "adapters")])
 
 
+
+def test_a_run_training_the_mtp_block_whole_starts_from_adapted_ones_as_the_same_model_and_merges(base, tmp_path):
+    """--mtp-layer-full: the MTP head's block trains its own weights (the backbone's blocks keep adapters); from
+    adapters that adapted it, their fold is the start: the first evaluation is theirs, t2 included."""
+    base.save(tmp_path / "base")
+    options = ["convert", "--baseline", str(tmp_path / "base"), "--lora-rank", "4", "--batch-size", "2",
+               "--seq-tokens", "32", "--eval-rows", "2", "--eval-every", "3", "--steps", "3", "--chat-prompts", "0",
+               "--autocast", "none"]
+    train.main([*options, "--run", str(tmp_path / "adapted")])
+    train.main([*options, "--mtp-layer-full", "--run", str(tmp_path / "whole"),
+                "--init-adapters", str(tmp_path / "adapted" / "adapters")])
+    adapted, whole = ([json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+                      for name in ("adapted", "whole"))
+    for key in ("nll_t1", "nll_t2", "agree_t2"):
+        assert whole[0][key] == pytest.approx(adapted[-1][key], abs=1e-3)
+    assert whole[-1]["nll_t2"] != whole[0]["nll_t2"]  # it trained
+    adapters, meta = conversion.load_adapters(tmp_path / "whole" / "adapters")
+    assert meta["spec"]["mtp_layer_full"] and "mtp.layer.ffn.down.weight" in adapters
+    assert not any(n.startswith("mtp.layer.") and "lora" in n for n in adapters)
+    assert any(n.startswith("backbone.layers.0.") and "lora" in n for n in adapters)
+    merged = conversion.merged_checkpoint(load_checkpoint(tmp_path / "base"), tmp_path / "whole" / "adapters").model
+    assert torch.equal(merged.mtp.layer.ffn.down.weight, adapters["mtp.layer.ffn.down.weight"])
+    with pytest.raises(SystemExit, match="mtp_layer_full"):  # whole-block adapters cannot start an adapted block
+        train.main([*options, "--run", str(tmp_path / "back"), "--init-adapters", str(tmp_path / "whole" / "adapters")])
+
 def test_the_rate_falls_by_a_cosine_over_tokens_or_over_this_runs_minutes(base, tmp_path):
     """--decay-tokens counts every token the adapters saw; --decay-minutes this run's training time
     (a GPU run with a time budget); neither: a constant rate after warm-up; both: refused."""

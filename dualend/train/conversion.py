@@ -57,6 +57,7 @@ class ConversionSpec:
     lora_alpha: float = 32.0
     frozen_layers: int = 0  # the lowest blocks keep the base's weights exactly (no adapters)
     compressor_init: str = "mean"  # the compressor's start: "mean" or "sum" (PIPO's) of the pair's embeddings
+    mtp_layer_full: bool = False  # the MTP head's block trains its own weights, the backbone's blocks adapters
 
 
 class LoRALinear(nn.Module):
@@ -112,10 +113,10 @@ def build_student(base: LanguageModel, spec: ConversionSpec) -> LanguageModel:
     student.requires_grad_(False)
     for module in (student.compressor, student.mtp, student.confidence):
         module.requires_grad_(True)
-    student.mtp.layer.requires_grad_(False)  # its weights stay the base's; adapters and norms train
+    student.mtp.layer.requires_grad_(spec.mtp_layer_full)  # or its weights stay the base's; adapters, norms train
     for norm in (student.mtp.layer.attn_norm, student.mtp.layer.ffn_norm):
         norm.requires_grad_(True)
-    for block in list(student.backbone.layers[spec.frozen_layers:]) + [student.mtp.layer]:
+    for block in list(student.backbone.layers[spec.frozen_layers:]) + ([] if spec.mtp_layer_full else [student.mtp.layer]):
         if spec.lora_rank:
             _add_lora(block, spec)
         else:
@@ -157,6 +158,19 @@ def fold_lora(model: nn.Module) -> None:
         for name, child in list(module.named_children()):
             if isinstance(child, LoRALinear):
                 setattr(module, name, child.merged())
+
+
+def mtp_layer_unfolded(base: LanguageModel, adapters: dict[str, torch.Tensor],
+                       spec: ConversionSpec) -> tuple[dict[str, torch.Tensor], ConversionSpec]:
+    """Adapters of `spec` (the MTP head's block adapted) as a start for the same with `mtp_layer_full`: that
+    block's adapters folded into its weights, which then train; the same model."""
+    if spec.mtp_layer_full or not spec.lora_rank:
+        raise ValueError(f"{spec}: the MTP head's block has no adapters to fold")
+    student = build_student(base, spec)
+    student.load_state_dict(adapters, strict=False)
+    fold_lora(student.mtp.layer)
+    student.mtp.layer.requires_grad_(True)
+    return trainable_state(student), replace(spec, mtp_layer_full=True)
 
 
 def merge_adapters(base: LanguageModel, adapters: dict[str, torch.Tensor], spec: ConversionSpec) -> LanguageModel:

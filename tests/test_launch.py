@@ -174,6 +174,16 @@ def test_readiness_waits_for_metrics_only_when_tritonserver_serves_them(tmp_path
     assert TritonServer(tmp_path, extra_args=extra).serves_metrics is serves
 
 
+def test_behind_the_gateway_tritonserver_listens_on_loopback_but_serves_its_metrics_at_the_public_host(tmp_path):
+    """Prometheus (compose, the pod's annotations) scrapes port 8002 of the service's host; the gateway fronts
+    only the inference and health ports."""
+    from dualend.ops.launch import parse_args, triton_server
+    command = triton_server(parse_args(["--host", "0.0.0.0", "--model-repository", str(tmp_path)]), None).command(tmp_path)
+    assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=0.0.0.0"} <= set(command)
+    alone = triton_server(parse_args(["--host", "0.0.0.0", "--no-gateway", "--model-repository", str(tmp_path)]), None)
+    assert {"--http-address=0.0.0.0", "--metrics-address=0.0.0.0"} <= set(alone.command(tmp_path))
+
+
 def test_a_repository_built_from_other_adapter_sources_is_refused(tmp_path):
     import shutil
 
@@ -344,6 +354,6 @@ def test_a_port_another_server_listens_on_is_refused_before_tritonserver_starts(
         other.listen()
         port = other.getsockname()[1]
         server = TritonServer(identity_repository, host="127.0.0.1", http_port=port, log_file=tmp_path / "t.log")
-        with pytest.raises(ServerStartError, match=f"port in use on 127.0.0.1: http {port}"):
+        with pytest.raises(ServerStartError, match=f"port in use: http {port} on 127.0.0.1"):
             server.start()
         assert server.pid is None

@@ -292,6 +292,7 @@ class TritonServer:
         http_port: int | None = None,
         grpc_port: int | None = None,
         metrics_port: int | None = None,
+        metrics_host: str | None = None,
         model_control_mode: str = DEFAULT_MODEL_CONTROL_MODE,
         load_models: Sequence[str] = (),
         extra_args: Sequence[str] = (),
@@ -312,6 +313,7 @@ class TritonServer:
         self.http_port = http_port or None
         self.grpc_port = grpc_port or None
         self.metrics_port = metrics_port or None
+        self.metrics_host = host if metrics_host is None else metrics_host  # behind the gateway: the public host
         self.model_control_mode = model_control_mode
         self.load_models = list(load_models)
         self.extra_args = list(extra_args)
@@ -345,7 +347,7 @@ class TritonServer:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+        return f"http://{client_host(self.metrics_host)}:{self.metrics_port}/metrics"
 
     @property
     def pid(self) -> int | None:
@@ -365,7 +367,7 @@ class TritonServer:
             f"--http-port={self.http_port}",
             f"--grpc-address={self.host}",
             f"--grpc-port={self.grpc_port}",
-            f"--metrics-address={self.host}",
+            f"--metrics-address={self.metrics_host}",
             f"--metrics-port={self.metrics_port}",
             f"--model-control-mode={self.model_control_mode}",
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
@@ -402,15 +404,19 @@ class TritonServer:
                 f"build it with `{BUILD_COMMAND}`"
             )
         home = prepare_triton_home(self.triton_home)
-        missing = [n for n in ("http_port", "grpc_port", "metrics_port") if not getattr(self, n)]
-        for name, port in zip(missing, free_ports(self.host or "0.0.0.0", len(missing))):
+        bound = {"http_port": self.host or "0.0.0.0", "grpc_port": self.host or "0.0.0.0",
+                 "metrics_port": self.metrics_host or "0.0.0.0"}
+        missing = [n for n in bound if not getattr(self, n)]
+        # a port free on the wildcard address is free on each: the choice when the hosts differ
+        choose_on = bound["http_port"] if len(set(bound.values())) == 1 else "0.0.0.0"
+        for name, port in zip(missing, free_ports(choose_on, len(missing))):
             setattr(self, name, port)
         listening = ("http_port", "grpc_port") + (("metrics_port",) if self.serves_metrics else ())
-        taken = [f"{name.split('_')[0]} {port}" for name in listening
-                 if name not in missing and port_taken(self.host or "0.0.0.0", port := getattr(self, name))]
+        taken = [f"{name.split('_')[0]} {port} on {bound[name]}" for name in listening
+                 if name not in missing and port_taken(bound[name], port := getattr(self, name))]
         if taken:  # else its health check would find the other server ready, and this one would die unseen
-            raise ServerStartError(f"port in use on {self.host or '0.0.0.0'}: {', '.join(taken)} (another server "
-                                   f"running?); stop it or choose other ports")
+            raise ServerStartError(f"port in use: {', '.join(taken)} (another server running?); stop it or choose "
+                                   "other ports")
         if self.log_file is None:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
@@ -634,6 +640,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def triton_server(args: argparse.Namespace, key: str | None) -> TritonServer:
+    """The tritonserver `args` ask for: behind the gateway on loopback ports, but for its metrics, which
+    Prometheus scrapes at the public host."""
+    behind = not args.no_gateway
+    return TritonServer(
+        args.model_repository,
+        host=DEFAULT_HOST if behind else args.host,
+        http_port=args.triton_http_port if behind else args.http_port,
+        grpc_port=args.triton_grpc_port if behind else args.grpc_port,
+        metrics_port=args.metrics_port,
+        metrics_host=args.host,
+        model_control_mode=args.model_control_mode,
+        load_models=args.load_model or (["*"] if args.model_control_mode == "explicit" else []),
+        extra_args=args.extra_args,
+        log_file=args.log_file,
+        startup_timeout=args.startup_timeout,
+        admin_key=key,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
@@ -653,19 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_repository(args.model_repository)
         for line in benchmark_notices(Path(args.model_repository)):
             print(line)
-        server = TritonServer(
-            args.model_repository,
-            host=DEFAULT_HOST if behind else args.host,
-            http_port=args.triton_http_port if behind else args.http_port,
-            grpc_port=args.triton_grpc_port if behind else args.grpc_port,
-            metrics_port=args.metrics_port,
-            model_control_mode=args.model_control_mode,
-            load_models=args.load_model or (["*"] if args.model_control_mode == "explicit" else []),
-            extra_args=args.extra_args,
-            log_file=args.log_file,
-            startup_timeout=args.startup_timeout,
-            admin_key=admin_key(create=True),
-        )
+        server = triton_server(args, admin_key(create=True))
         if behind:
             keys = args.api_keys or DEFAULT_PREFIX / "api_keys"
             if not keys.exists():

@@ -240,6 +240,34 @@ def test_a_huge_grpc_request_is_refused_at_once_and_nobody_notices(stack):
         assert running.result().output_tokens == 64
 
 
+def test_a_malformed_grpc_request_is_refused_by_name_and_its_stream_serves_the_next(stack):
+    """Bytes that are no ModelInferRequest, and one whose raw contents are not one per input, each get
+    their error on the stream; the next request on that stream is answered."""
+    import grpc
+    import numpy as np
+    from tritonclient.grpc import service_pb2
+
+    good = service_pb2.ModelInferRequest(model_name="dualend", id="good")
+    for name, datatype, raw in (("text_input", "BYTES", len(PROMPT).to_bytes(4, "little") + PROMPT.encode()),
+                                ("max_tokens", "INT32", np.int32(4).tobytes())):
+        good.inputs.add(name=name, datatype=datatype, shape=[1])
+        good.raw_input_contents.append(raw)
+    mixed = service_pb2.ModelInferRequest()
+    mixed.CopyFrom(good)
+    mixed.id = "mixed"
+    del mixed.raw_input_contents[1]
+    with grpc.insecure_channel(stack.grpc_url) as channel:
+        call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        responses = call(iter([b"\xff\xff\xff", mixed.SerializeToString(), good.SerializeToString()]), timeout=60,
+                         metadata=[("authorization", f"Bearer {stack.key}")])
+        answers = [service_pb2.ModelStreamInferResponse.FromString(raw) for raw in responses]
+    assert [(a.infer_response.id, bool(a.error_message)) for a in answers] == [("", True), ("mixed", True),
+                                                                                ("good", False)]
+    assert "does not decode" in answers[0].error_message
+    assert "raw_input_contents holds 1 entries for 2 inputs" in answers[1].error_message
+    assert [o.name for o in answers[2].infer_response.outputs] and answers[2].infer_response.raw_output_contents
+
+
 def test_stream_true_on_the_generate_route_is_a_400_and_on_generate_stream_it_streams(stack):
     import json
 

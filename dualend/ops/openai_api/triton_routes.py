@@ -19,6 +19,7 @@ import aiohttp
 import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from dualend.serving.contract import COUNTERS, merge_counters
@@ -102,6 +103,19 @@ def _set_first_bytes(request: service_pb2.ModelInferRequest, input_name: str, va
             elements[0] = value
         else:
             elements.append(value)
+
+
+def decoded_request(raw: bytes, request: service_pb2.ModelInferRequest) -> None:
+    """`raw` read into `request` (in place, so that what did decode can be named in an error); ApiError
+    400 when it does not decode, or holds raw contents that are not one per input (the layouts mixed)."""
+    try:
+        request.ParseFromString(raw)
+    except DecodeError:
+        raise ApiError(400, "the stream's request is not a ModelInferRequest (it does not decode)") from None
+    raw_count, inputs = len(request.raw_input_contents), len(request.inputs)
+    if raw_count and raw_count != inputs:
+        raise ApiError(400, f"raw_input_contents holds {raw_count} entries for {inputs} inputs: give every input "
+                            "its raw contents, or none (typed contents)")
 
 
 def streamed(request: service_pb2.ModelInferRequest) -> bool:
@@ -250,8 +264,9 @@ class FrontedStream:
     async def send(self, requests) -> None:
         try:
             async for raw in requests:
-                request = service_pb2.ModelInferRequest.FromString(raw)
+                request = service_pb2.ModelInferRequest()
                 try:
+                    decoded_request(raw, request)
                     request_id = self.admit(request)
                 except ApiError as error:
                     self.out.put_nowait(error_response(request.id, request.model_name, request.model_version, error))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dualend.ops import hidden_argument
+from dualend.ops.host import free_ports
 from dualend.ops.launch import ServerStartError, TritonServer
 from dualend.ops.repository_api import ADMIN_HEADER
 
@@ -357,3 +358,31 @@ def test_a_port_another_server_listens_on_is_refused_before_tritonserver_starts(
         with pytest.raises(ServerStartError, match=f"port in use: http {port} on 127.0.0.1"):
             server.start()
         assert server.pid is None
+
+
+def test_a_front_whose_restart_timed_out_is_started_again_until_stopped(tmp_path):
+    """The watchdog's `ensure_running` retries a start that failed by timeout (it gave up on it for good);
+    once stopped by the launcher, nothing starts it."""
+    import sys
+
+    from dualend.ops.openai_api.app import ServiceSettings
+    from dualend.ops.openai_api.process import ApiService, ServiceStartError
+
+    class Mute(ApiService):  # never answers /health
+        starts = 0
+
+        def command(self):
+            Mute.starts += 1
+            return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    service = Mute(ServiceSettings("127.0.0.1:1", tmp_path, port=free_ports("127.0.0.1", 1)[0]), "127.0.0.1", None,
+                   startup_timeout_s=0.3)
+    with pytest.raises(ServiceStartError, match="did not answer"):
+        service.start()
+    assert service.process is None
+    with pytest.raises(ServiceStartError, match="did not answer"):
+        service.ensure_running()
+    assert Mute.starts == 2
+    service.stop()
+    service.ensure_running()
+    assert Mute.starts == 2

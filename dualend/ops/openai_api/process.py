@@ -26,6 +26,7 @@ class ApiService:
         self.settings, self.metrics_host, self.metrics_port = settings, metrics_host, metrics_port
         self.log_file, self.startup_timeout_s = log_file, startup_timeout_s
         self.process: subprocess.Popen | None = None
+        self.wanted = False  # started and not stopped: the watchdog keeps it running (retrying failed starts)
 
     @property
     def url(self) -> str:
@@ -56,6 +57,7 @@ class ApiService:
         return args
 
     def start(self) -> "ApiService":
+        self.wanted = True
         output = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self.process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=output,
                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -69,18 +71,22 @@ class ApiService:
                 return self
             except (urllib.error.URLError, OSError):
                 time.sleep(0.1)
-        self.stop()
+        self._end_process()
         raise ServiceStartError(f"the OpenAI-compatible service did not answer on {self.url} within "
                                 f"{self.startup_timeout_s:g} s")
 
     def ensure_running(self) -> None:
-        """The watchdog's check: a service that died is started again."""
-        if self.process is not None and self.process.poll() is not None:
-            log.error("watchdog: the OpenAI-compatible service exited (code %s); starting it again",
-                      self.process.returncode)
+        """The watchdog's check: a service that died, or whose start failed, is started again."""
+        if self.wanted and (self.process is None or self.process.poll() is not None):
+            log.error("watchdog: the OpenAI-compatible service is not running (%s); starting it again",
+                      "its start failed" if self.process is None else f"exit code {self.process.returncode}")
             self.start()
 
     def stop(self) -> None:
+        self.wanted = False
+        self._end_process()
+
+    def _end_process(self) -> None:
         process, self.process = self.process, None
         if process is None or process.poll() is not None:
             return

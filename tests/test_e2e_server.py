@@ -780,6 +780,7 @@ def test_liveness_fails_while_the_watchdog_marks_a_component_it_cannot_restore(t
         try:
             status, body = live()
             assert status == 503 and "cannot be restored; restart the server" in body
+            assert not launched.ready()  # every route refuses now: out of a Service's endpoints at once
         finally:
             mark.unlink()
         assert live()[0] == 200 and launched.ready()

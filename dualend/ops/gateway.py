@@ -261,7 +261,9 @@ http {{
             proxy_pass http://triton_http;
         }}
         location = /v2/health/ready {{
-            # ready when the first deployment served is, whatever another model's state
+            # ready when the first deployment served is, whatever another model's state; never while the
+            # server waits to be restarted (every route refuses then: out of the Service before liveness acts)
+            if (-f {prefix}/down/{STUCK_MARK}) {{ return 503 '{{"error":"a failed component cannot be restored; restart the server"}}'; }}
             if (-f {prefix}/down/{followed}) {{ return 503 '{{"error":"restoring a failed component"}}'; }}
             proxy_pass http://triton_http/v2/models/{followed}/ready;
         }}

@@ -240,32 +240,49 @@ def test_a_huge_grpc_request_is_refused_at_once_and_nobody_notices(stack):
         assert running.result().output_tokens == 64
 
 
-def test_a_malformed_grpc_request_is_refused_by_name_and_its_stream_serves_the_next(stack):
-    """Bytes that are no ModelInferRequest, and one whose raw contents are not one per input, each get
-    their error on the stream; the next request on that stream is answered."""
-    import grpc
+def raw_grpc_request(model: str, request_id: str, max_tokens: int = 4):
+    """A ModelInferRequest of PROMPT, its inputs in raw contents, as a client library lays them out."""
     import numpy as np
     from tritonclient.grpc import service_pb2
 
-    good = service_pb2.ModelInferRequest(model_name="dualend", id="good")
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
     for name, datatype, raw in (("text_input", "BYTES", len(PROMPT).to_bytes(4, "little") + PROMPT.encode()),
-                                ("max_tokens", "INT32", np.int32(4).tobytes())):
-        good.inputs.add(name=name, datatype=datatype, shape=[1])
-        good.raw_input_contents.append(raw)
-    mixed = service_pb2.ModelInferRequest()
-    mixed.CopyFrom(good)
-    mixed.id = "mixed"
-    del mixed.raw_input_contents[1]
+                                ("max_tokens", "INT32", np.int32(max_tokens).tobytes())):
+        request.inputs.add(name=name, datatype=datatype, shape=[1])
+        request.raw_input_contents.append(raw)
+    return request
+
+
+def raw_grpc_stream(stack, sent: list[bytes]) -> list:
+    """The ModelStreamInferResponses of one ModelStreamInfer stream that carries `sent`, as bytes."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
     with grpc.insecure_channel(stack.grpc_url) as channel:
         call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
-        responses = call(iter([b"\xff\xff\xff", mixed.SerializeToString(), good.SerializeToString()]), timeout=60,
-                         metadata=[("authorization", f"Bearer {stack.key}")])
-        answers = [service_pb2.ModelStreamInferResponse.FromString(raw) for raw in responses]
+        responses = call(iter(sent), timeout=60, metadata=[("authorization", f"Bearer {stack.key}")])
+        return [service_pb2.ModelStreamInferResponse.FromString(raw) for raw in responses]
+
+
+def test_a_malformed_grpc_request_is_refused_by_name_and_its_stream_serves_the_next(stack):
+    """Bytes that are no ModelInferRequest, and one whose raw contents are not one per input, each get
+    their error on the stream; the next request on that stream is answered."""
+    mixed = raw_grpc_request("dualend", "mixed")
+    del mixed.raw_input_contents[1]
+    answers = raw_grpc_stream(stack, [b"\xff\xff\xff", mixed.SerializeToString(),
+                                      raw_grpc_request("dualend", "good").SerializeToString()])
     assert [(a.infer_response.id, bool(a.error_message)) for a in answers] == [("", True), ("mixed", True),
                                                                                 ("good", False)]
     assert "does not decode" in answers[0].error_message
     assert "raw_input_contents holds 1 entries for 2 inputs" in answers[1].error_message
     assert [o.name for o in answers[2].infer_response.outputs] and answers[2].infer_response.raw_output_contents
+
+
+def test_the_canary_splits_grpc_streams_too_and_answers_name_the_deployment(stack):
+    answers = raw_grpc_stream(stack, [raw_grpc_request("llm", str(i)).SerializeToString() for i in range(8)])
+    assert sorted(a.infer_response.id for a in answers) == [str(i) for i in range(8)]
+    assert not any(a.error_message for a in answers)
+    assert {a.infer_response.model_name for a in answers} <= {"dualend", "baseline"}
 
 
 def test_stream_true_on_the_generate_route_is_a_400_and_on_generate_stream_it_streams(stack):

@@ -45,14 +45,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualend.serving.model_config import ModelConfigError, read_model_config
-from dualend.serving.repository import PUBLIC_DEPLOYMENTS, served_deployments
+from dualend.serving.repository import CANARY_MODEL, PUBLIC_DEPLOYMENTS, served_deployments
 
 from .api_keys import read_keys
 from .host import client_host
 from .openai_api.translation import RETRY_AFTER_S
 from .watchdog import STUCK_MARK
 
-CANARY_MODEL = "llm"
 DEFAULT_PREFIX = Path(__file__).resolve().parents[2] / "build" / "gateway"
 REQUEST_CHECK = Path(__file__).resolve().parent / "gateway_request.js"
 NJS_MODULE = Path("/usr/lib/nginx/modules/ngx_http_js_module.so")

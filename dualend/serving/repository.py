@@ -18,6 +18,8 @@ from .model_config import shared_model_config
 # splits between them) and SmolLM2, imported from its package at build time, alone (8-bit), converted to
 # pairs, with a draft head whose drafts are verified, and in fp32 (transformers' text).
 PUBLIC_DEPLOYMENTS = ("dualend", "baseline", "smollm2", "smollm2_dualend", "smollm2_mtp", "smollm2_exact")
+CANARY_MODEL = "llm"  # the gateway's and the front's name for the canary: one of its pair by the canary weight
+CANARY_PAIR = ("dualend", "baseline")  # the baseline by the weight, else dualend
 
 
 def max_sequence_latents(raw_context_limit: int, max_new_tokens: int, pair_size: int) -> int:

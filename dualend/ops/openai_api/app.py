@@ -37,8 +37,8 @@ from starlette.routing import Route
 from dualend.engine.tokenizer import TextTokenizer
 from dualend.serving.contract import COUNTERS, Limits, merge_counters, new_token_room
 from dualend.serving.outcomes import Outcome
-from dualend.serving.repository import (PUBLIC_DEPLOYMENTS, pipeline_name, served_config, served_deployments,
-                                        served_generation)
+from dualend.serving.repository import (CANARY_MODEL, CANARY_PAIR, PUBLIC_DEPLOYMENTS, pipeline_name, served_config,
+                                        served_deployments, served_generation)
 
 from ..api_keys import ApiKey, client_of, keyed_salt, read_keys
 from ..host import TO_LOCAL_SERVER, UNLIMITED_MESSAGES
@@ -48,8 +48,6 @@ from .triton_routes import GrpcFront, HttpGenerate
 from .translation import (ApiError, Generation, chunk_body, finish_reason, parse_body, parse_chat,
                           parse_completion, response_body, triton_error, triton_inputs, usage, usage_chunk)
 
-CANARY_MODEL = "llm"
-CANARY_PAIR = ("dualend", "baseline")  # `llm` goes to the baseline by the canary weight, else to dualend
 TICK_S = 0.1  # how often a waiting request checks its deployment's marks
 READY_TTL_S = 1.0  # how long tritonserver's answer on whether a deployment is ready is reused
 READY_TIMEOUT_S = 2.0

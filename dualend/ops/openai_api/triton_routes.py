@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from dualend.serving.contract import COUNTERS, merge_counters
+from dualend.serving.repository import CANARY_MODEL
 
 from ..api_keys import ApiKey, keyed_salt
 from ..host import TO_LOCAL_SERVER
@@ -267,6 +268,8 @@ class FrontedStream:
                 request = service_pb2.ModelInferRequest()
                 try:
                     decoded_request(raw, request)
+                    if request.model_name == CANARY_MODEL:  # split as the gateway splits HTTP requests
+                        request.model_name = await self.service.resolve(CANARY_MODEL)
                     request_id = self.admit(request)
                 except ApiError as error:
                     self.out.put_nowait(error_response(request.id, request.model_name, request.model_version, error))

@@ -362,6 +362,17 @@ def test_accepted_eos_draft_ends_generation():
     assert [s.tokens for s in steps] == [[3]] and steps[0].finish_reason == "eos"
 
 
+def test_a_vocabulary_whose_bos_is_its_eos_ends_on_it_and_other_bos_never_come():
+    from dualend.engine.decode import SequenceDecoder
+    logits = np.zeros(8, np.float32)
+    logits[5] = 10.0  # the model's top token: 5
+
+    def first(eos, bos, **params):
+        return SequenceDecoder(2, 0, eos, bos, SamplingParams(max_tokens=4, **params), 1.0, 1).first_token(logits)
+    assert first(eos=5, bos=5) == 5  # GPT-2's <|endoftext|>: the answer ends
+    assert first(eos=6, bos=5) != 5 and first(eos=5, bos=5, ignore_eos=True) != 5
+
+
 @pytest.mark.parametrize("params, message", [
     (SamplingParams(temperature=-0.5), "temperature"),
     (SamplingParams(top_p=0.0), "top_p"),

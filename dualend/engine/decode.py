@@ -210,7 +210,8 @@ class SequenceDecoder:
         self.synthetic = (None if synthetic_acceptance is None
                           else SyntheticAcceptance(synthetic_acceptance, params.seed))
         self.use_mtp = pair_size == 2 and (self.synthetic is not None or drafting_enabled(threshold))
-        self.banned = [pad_id, bos_id] + ([eos_id] if params.ignore_eos else [])
+        # BOS never starts an answer, but a vocabulary that writes one token for both (GPT-2's) must end on it
+        self.banned = [pad_id] + ([bos_id] if bos_id != eos_id else []) + ([eos_id] if params.ignore_eos else [])
         self.position = prompt_pairs - 1  # pair index of the hidden state the next step reads
         self.produced = 0
         self.next_pair: list[int] = []

@@ -419,14 +419,32 @@ def test_an_unexpected_error_ends_the_requests_in_the_loop_and_the_loop_goes_on(
     first = submit(loop, engine, tiny_tokenizer, 1, PROMPTS[0])
     for _ in range(3):
         loop.run_once()  # prefilled, decoding
+    logged = []
+    loop.log_error = logged.append
     compress = loop.executor.compress
     loop.executor.compress = lambda pairs: (_ for _ in ()).throw(MemoryError("no room"))
     assert loop.run_once() is False  # the error ends what was running, and the loop rests a moment
     assert first.error == "internal error in the decode loop: MemoryError('no room')"
+    assert len(logged) == 1 and "Traceback" in logged[0] and "MemoryError: no room" in logged[0]  # for the operator
     loop.executor.compress = compress
     later = submit(loop, engine, tiny_tokenizer, 2, PROMPTS[1])
     run_until_idle(loop)
     assert later.responses[-1].finish_reason and later.error is None
+
+
+def test_a_request_whose_admission_fails_gets_its_last_word_and_the_ones_after_it_are_taken_in(exported,
+                                                                                                  tiny_tokenizer):
+    _, directory = exported["dualend"]
+    engine, loop = make_loop(directory, tiny_tokenizer, 1.0)
+    logged = []
+    loop.log_error = logged.append
+    admit = loop._admit
+    loop._admit = lambda sequence: admit(sequence) if sequence.request_id != 1 else 1 / 0
+    broken, healthy = (submit(loop, engine, tiny_tokenizer, n, PROMPTS[n]) for n in (1, 2))
+    run_until_idle(loop)
+    assert broken.error == "internal error admitting this request" and broken.outcome == Outcome.STEP_FAILED
+    assert healthy.responses[-1].finish_reason and healthy.error is None
+    assert len(logged) == 1 and "ZeroDivisionError" in logged[0]
 
 
 def test_a_sequence_whose_step_fails_ends_alone_and_the_others_finish(exported, tiny_tokenizer):

@@ -17,6 +17,7 @@ import queue
 import secrets
 import threading
 import time
+import traceback
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -320,8 +321,10 @@ class _Inbox:
 class DecodeLoop:
     def __init__(self, executor: Executor, tokenizer: TextTokenizer, scheduler: Scheduler, threshold: float,
                  observer: Observer | None = None, cancel_check_s: float = 0.5, clock=time.monotonic,
-                 synthetic_acceptance: float | None = None, draft_max_batch: int = 0, draft_min_acceptance: float = 0.0):
+                 synthetic_acceptance: float | None = None, draft_max_batch: int = 0, draft_min_acceptance: float = 0.0,
+                 log_error=None):
         self.executor, self.tokenizer, self.scheduler = executor, tokenizer, scheduler
+        self.log_error = log_error or (lambda message: None)  # (message): an internal error, with its traceback
         self.draft_max_batch = draft_max_batch  # verified drafts only while at most this many decode (0: always)
         self.draft_min_acceptance = draft_min_acceptance  # each sequence's decode.DraftPacer
         self.threshold, self.observer = threshold, observer or PhaseMetrics()
@@ -404,6 +407,8 @@ class DecodeLoop:
         try:
             busy = self._iterate()
         except Exception as error:  # noqa: BLE001 - a dead loop would leave every stream hanging
+            self.log_error(f"decode loop: an iteration failed, ending its {len(self.live)} requests:\n"
+                           f"{traceback.format_exc()}")
             for sequence in list(self.live.values()):
                 try:
                     self._end(sequence, error=f"internal error in the decode loop: {error!r}",
@@ -561,6 +566,7 @@ class DecodeLoop:
             self._end(sequence)
 
     def _end_failed(self, sequence: LiveSequence, error: Exception) -> None:
+        self.log_error(f"decode loop: request {sequence.request_id} failed:\n{traceback.format_exc()}")
         if sequence.request_id in self.live:
             self._end(sequence, error=f"internal error decoding this request: {error!r}",
                       outcome=Outcome.STEP_FAILED)
@@ -574,7 +580,11 @@ class DecodeLoop:
             self._drained = drain
         now = self.clock()
         for sequence in submitted:
-            refusal = self._admit(sequence)
+            try:
+                refusal = self._admit(sequence)
+            except Exception:  # noqa: BLE001 - one request's admission; the others are still taken in
+                self.log_error(f"decode loop: admitting request {sequence.request_id} failed:\n{traceback.format_exc()}")
+                refusal = Outcome.STEP_FAILED, "internal error admitting this request"
             if refusal is not None:
                 outcome, message = refusal
                 self.observer.refused(outcome)

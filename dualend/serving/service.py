@@ -51,7 +51,7 @@ class DecodeService:
         metrics.synthetic_acceptance(config.synthetic_rate)
         self.loop = DecodeLoop(executor, exported.tokenizer(), self.scheduler, config.acceptance_threshold, metrics,
                                synthetic_acceptance=config.synthetic_rate, draft_max_batch=config.draft_max_batch,
-                               draft_min_acceptance=config.draft_min_acceptance)
+                               draft_min_acceptance=config.draft_min_acceptance, log_error=log_warning)
         self.guard, self.sends = guard, SendThread(log_warning)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.loop.serve_forever, args=(self.stopping,), daemon=True)

@@ -240,6 +240,34 @@ def test_a_huge_grpc_request_is_refused_at_once_and_nobody_notices(stack):
         assert running.result().output_tokens == 64
 
 
+def test_a_key_added_or_revoked_counts_without_a_restart_and_a_bad_edit_keeps_the_keys_in_force(stack):
+    """What the launcher does every half second (`follow_keys`) puts the keys file's change in force at
+    nginx; the service in front rereads the file by itself."""
+    import json
+
+    keys_file, before = stack.root / "keys", (stack.root / "keys").read_text()
+    added = secrets.token_hex(24)
+
+    def answers(key):  # nginx's generate route, and the front's /v1
+        status, _ = http(stack, "/v2/models/dualend/generate", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 2}',
+                         key=False, headers={"Authorization": f"Bearer {key}"})
+        v1, _ = http(stack, "/v1/completions", json.dumps({"model": "dualend", "prompt": PROMPT, "max_tokens": 2}).encode(),
+                     key=False, headers={"Authorization": f"Bearer {key}"})
+        return status, v1
+    try:
+        assert answers(added) == (401, 401)
+        keys_file.write_text(before + f"second {added}\n")
+        assert stack.follow_keys() and answers(added) == (200, 200) and answers(stack.key) == (200, 200)
+        keys_file.write_text(f"second {added}\n")  # the first key revoked
+        assert stack.follow_keys() and answers(stack.key) == (401, 401) and answers(added) == (200, 200)
+        keys_file.write_text(f"second {added} max_requests=lots\n")  # a bad edit: the keys before stay
+        assert not stack.follow_keys() and answers(added) == (200, 200)
+    finally:
+        keys_file.write_text(before)
+        stack.follow_keys()
+    assert answers(stack.key) == (200, 200) and answers(added) == (401, 401)
+
+
 def raw_grpc_request(model: str, request_id: str, max_tokens: int = 4):
     """A ModelInferRequest of PROMPT, its inputs in raw contents, as a client library lays them out."""
     import numpy as np

@@ -67,6 +67,42 @@ def read_keys(path: Path, default_max_requests: int = DEFAULT_MAX_REQUESTS) -> d
     return keys
 
 
+class KeysFile:
+    """The keys file, read again once it changes, so that a key added or revoked takes effect without a
+    restart. A change that does not read (a typo mid-edit) keeps the keys read before, and says why."""
+
+    def __init__(self, path: Path, on_error=print):
+        self.path, self.on_error = Path(path), on_error
+        self._stamp, self._reported = self._stamp_now(), None
+        self.keys = read_keys(self.path)  # at start a bad file is refused outright
+
+    def _stamp_now(self) -> tuple[int, int, int]:
+        status = self.path.stat()
+        return status.st_mtime_ns, status.st_size, status.st_ino
+
+    def current(self) -> dict[str, ApiKey]:
+        self.changed()
+        return self.keys
+
+    def changed(self) -> bool:
+        """Whether the file now holds other keys than before (taken in as `keys` when it does)."""
+        try:
+            stamp = self._stamp_now()
+            if stamp == self._stamp:
+                return False
+            self._stamp = stamp
+            keys = read_keys(self.path)
+        except (OSError, KeysFileError) as error:
+            message = f"API keys not reread: {error}; the keys read before stay in force"
+            if message != self._reported:  # once per problem, not per request
+                self.on_error(message)
+                self._reported = message
+            return False
+        self._reported = None
+        found, self.keys = keys != self.keys, keys
+        return found
+
+
 def keyed_salt(name: str, salt: str = "") -> str:
     """A request's `cache_salt` under its key's name (names hold no /): one key's prefixes are its own."""
     return f"{name}/{salt}"

@@ -47,7 +47,7 @@ from pathlib import Path
 from dualend.serving.model_config import ModelConfigError, read_model_config
 from dualend.serving.repository import CANARY_MODEL, PUBLIC_DEPLOYMENTS, served_deployments
 
-from .api_keys import read_keys
+from .api_keys import KeysFile, KeysFileError, read_keys
 from .host import client_host
 from .openai_api.translation import RETRY_AFTER_S
 from .watchdog import STUCK_MARK
@@ -369,6 +369,8 @@ class Gateway:
     def __init__(self, settings: GatewaySettings, prefix: Path = DEFAULT_PREFIX):
         self.settings, self.prefix = settings, Path(prefix).resolve()
         self.process: subprocess.Popen | None = None
+        self.keys = KeysFile(settings.keys_file, lambda message: print(f"gateway: {message}", file=sys.stderr,
+                                                                         flush=True)) if settings.keys_file else None
 
     @property
     def config_path(self) -> Path:
@@ -436,9 +438,22 @@ class Gateway:
         raise GatewayError(f"nginx did not listen on {self.http_url} within 10 s")
 
     def set_baseline_percent(self, percent: float, timeout_s: float = 10.0) -> None:
-        """New canary weight, applied by a graceful reload: no request in flight is dropped. Returns
-        once new workers serve it (the old ones stop taking connections as the new ones start)."""
+        """New canary weight, applied by a graceful reload."""
         self.settings.baseline_percent = percent
+        self.reload(timeout_s)
+
+    def follow_keys(self) -> bool:
+        """Once the keys file holds other keys: the config rendered with them and reloaded gracefully, so
+        that a key added or revoked counts at once (a change that does not read keeps the keys in force).
+        True when it reloaded."""
+        if self.keys is None or not self.keys.changed():
+            return False
+        self.reload()
+        return True
+
+    def reload(self, timeout_s: float = 10.0) -> None:
+        """The config written again and nginx reloaded gracefully: no request in flight is dropped.
+        Returns once new workers serve it (the old ones stop taking connections as the new ones start)."""
         self.write_config()
         master = int((self.prefix / "nginx.pid").read_text())
         before = _children(master)
@@ -446,7 +461,7 @@ class Gateway:
         deadline = time.monotonic() + timeout_s
         while not (_children(master) - before and all(_stopping(pid) for pid in before)):
             if time.monotonic() > deadline:
-                raise GatewayError(f"nginx (pid {master}) did not switch its workers to the new split within "
+                raise GatewayError(f"nginx (pid {master}) did not switch its workers to the new config within "
                                    f"{timeout_s:g} s; see {self.prefix / 'error.log'}")
             time.sleep(0.02)
 
@@ -496,7 +511,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         Gateway.running(args.prefix).set_baseline_percent(args.baseline_percent)
-    except (OSError, GatewayError) as error:
+    except (OSError, GatewayError, KeysFileError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"gateway: {args.baseline_percent:g}% of {CANARY_MODEL} requests now go to the baseline")

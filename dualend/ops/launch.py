@@ -640,6 +640,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def follow_keys(gateway) -> None:
+    """A changed keys file in force at the gateway (the service in front rereads it by itself)."""
+    from .gateway import GatewayError
+    try:
+        if gateway.follow_keys():
+            print(f"gateway: API keys reread from {gateway.settings.keys_file}", flush=True)
+    except GatewayError as error:
+        print(f"error: the gateway did not take the new API keys: {error}", file=sys.stderr, flush=True)
+
+
 def triton_server(args: argparse.Namespace, key: str | None) -> TritonServer:
     """The tritonserver `args` ask for: behind the gateway on loopback ports, but for its metrics, which
     Prometheus scrapes at the public host."""
@@ -730,6 +740,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if gateway is not None and time.monotonic() >= next_rotation:
                     gateway.rotate_logs()
                     next_rotation += LOG_CHECK_S
+                if gateway is not None:
+                    follow_keys(gateway)
                 time.sleep(0.5)
             restarts = [at for at in restarts if time.monotonic() - at < SERVER_RESTART_WINDOW_S]
             print(f"error: tritonserver exited with code {server.poll()}; last lines of "

@@ -40,7 +40,7 @@ from dualend.serving.outcomes import Outcome
 from dualend.serving.repository import (CANARY_MODEL, CANARY_PAIR, PUBLIC_DEPLOYMENTS, pipeline_name, served_config,
                                         served_deployments, served_generation)
 
-from ..api_keys import ApiKey, client_of, keyed_salt, read_keys
+from ..api_keys import ApiKey, KeysFile, client_of, keyed_salt
 from ..host import TO_LOCAL_SERVER, UNLIMITED_MESSAGES
 from ..usage import UsageStore, seconds_to_next_day
 from .front import ClientGone, DisconnectAwareStream, DownMarks, KeyCaps, Progress, Readiness, unless_gone
@@ -115,7 +115,8 @@ def load_deployment(repository: Path, name: str) -> Deployment | None:
 class Service:
     def __init__(self, settings: ServiceSettings):
         self.settings = settings
-        self.keys = read_keys(settings.keys_file) if settings.keys_file else None
+        self.keys_file = KeysFile(settings.keys_file, lambda message: print(message, file=sys.stderr, flush=True)) \
+            if settings.keys_file else None
         self.caps = KeyCaps()
         down_dir = settings.gateway_prefix / "down" if settings.gateway_prefix else None
         self.marks = DownMarks(down_dir)
@@ -194,13 +195,19 @@ class Service:
     async def model_ready(self, deployment: str) -> bool:
         return await self.client.is_model_ready(deployment, client_timeout=READY_TIMEOUT_S)
 
+    @property
+    def keys(self) -> dict[str, ApiKey] | None:
+        """The API keys in force (the file's as it is now), None without a keys file: anyone may call."""
+        return self.keys_file.current() if self.keys_file else None
+
     def authorize(self, request: Request) -> ApiKey:
         return self.authorize_header(request.headers.get("authorization"))
 
     def authorize_header(self, authorization: str | None) -> ApiKey:
-        if self.keys is None:  # no keys, no one to be fair between: no cap
+        keys = self.keys
+        if keys is None:  # no keys, no one to be fair between: no cap
             return ApiKey("anonymous", "", sys.maxsize)
-        client = client_of(authorization, self.keys)
+        client = client_of(authorization, keys)
         if client is None:
             raise ApiError(401, "missing or unknown API key: send Authorization: Bearer <key>", code="invalid_api_key")
         return client

@@ -414,7 +414,9 @@ class Gateway:
         os.replace(staged, self.config_path)
         raw = dataclasses.asdict(self.settings) | {name: str(getattr(self.settings, name) or "") or None
                                                    for name in ("keys_file", "model_repository")}
-        (self.prefix / "settings.json").write_text(json.dumps(raw, indent=1))
+        staged = self.prefix / "settings.json.new"  # replaced whole: the front may read it at any moment
+        staged.write_text(json.dumps(raw, indent=1))
+        os.replace(staged, self.prefix / "settings.json")
 
     def start(self) -> "Gateway":
         shutil.rmtree(self.prefix / "down", ignore_errors=True)  # marks left by a run that crashed

@@ -637,6 +637,28 @@ def test_sigterm_ends_every_stream_with_a_clear_error_and_leaves_nothing_behind(
         assert not [r for r in regions if os.path.exists(f"/dev/shm/{r}")]
 
 
+def test_a_tritonserver_killed_between_assemble_and_reload_is_started_again_with_the_named_generation_alone(
+        tmp_path):
+    """The launcher starts a dead tritonserver again as a start would: generation 2, which `builder.assemble`
+    wrote and named in the ensemble, is served, and generation 1 is not loaded beside it."""
+    import signal
+    import subprocess
+
+    with Launched(tmp_path) as launched:
+        assemble_dualend(tmp_path)  # generation 2; no `client.reload` yet
+        os.kill(launched.server_pid, signal.SIGKILL)
+
+        def new_server():
+            found = subprocess.run(["pgrep", "-P", str(launched.process.pid), "tritonserver"], capture_output=True)
+            return found.stdout.split() not in ([], [str(launched.server_pid).encode()])
+        assert wait_for(new_server, 30)
+        assert wait_for(launched.ready, 120)
+        assert launched.stream(8).output_tokens == 8
+        steps = ("backbone", "compressor", "mtp_verify", "postprocessing", "preprocessing")
+        generations = sorted(p.name for p in launched.repository.iterdir() if p.name.startswith("dualend_v"))
+        assert generations == [f"dualend_v2_{step}" for step in steps]
+
+
 def test_a_killed_backbone_is_restored_without_a_human(tmp_path):
     """kill -9 of the backbone's stub under 4 live streams: they end with an error within 5 s, the
     deployment reports not ready while the watchdog reloads it, and serves again within 15 s."""

@@ -337,6 +337,28 @@ def test_generations_no_ensemble_serves_are_pruned_before_the_source_check(tmp_p
     assert check_repository(tmp_path) == tmp_path
 
 
+def test_a_tritonserver_restarted_by_the_launcher_starts_as_a_start_does_from_the_repository_as_it_is(tmp_path):
+    """A crash between `builder.assemble` (generation 2 named by the ensemble) and `client.reload`: the
+    restart does not load generation 1 beside it."""
+    from dualend.ops.launch import parse_args, restart_server
+
+    for generation in (1, 2):
+        (tmp_path / f"dualend_v{generation}_mtp_verify" / "1").mkdir(parents=True)
+    (tmp_path / "dualend").mkdir()
+    (tmp_path / "dualend" / "config.pbtxt").write_text('ensemble_scheduling { step [ { model_name: "dualend_v2_preprocessing" } ] }')
+    calls = []
+
+    class Server:
+        def stop(self, **options):
+            calls.append("stop")
+
+        def start(self):
+            calls.append(("start", sorted(p.name for p in tmp_path.iterdir())))
+
+    restart_server(Server(), parse_args(["--model-repository", str(tmp_path), "--no-source-check"]))
+    assert calls == ["stop", ("start", ["dualend", "dualend_v2_mtp_verify"])]
+
+
 def test_loading_a_deployment_loads_its_backbone_which_its_ensemble_does_not_name(tmp_path):
     from dualend.ops.launch import models_to_load
 

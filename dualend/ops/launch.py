@@ -640,6 +640,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def prepare_repository(args: argparse.Namespace) -> None:
+    """Before tritonserver starts: the generations no ensemble serves removed, the adapters checked against
+    this checkout, the benchmark-only deployments named."""
+    for pipeline in prune_unserved_generations(Path(args.model_repository)):
+        print(f"removed {pipeline}_*: assembled but never swapped in, or replaced", flush=True)
+    if not args.no_source_check:
+        check_repository(args.model_repository)
+    for line in benchmark_notices(Path(args.model_repository)):
+        print(line, flush=True)
+
+
+def restart_server(server: TritonServer, args: argparse.Namespace) -> None:
+    """tritonserver started again as a start starts it, from the repository as it is now: after a crash
+    between `builder.assemble` and `client.reload` it serves the generation the ensemble names (as a
+    restart of the launcher would), checked, and the older one is not loaded beside it."""
+    server.stop(keep_log=True, drain=False)
+    prepare_repository(args)
+    server.start()
+
+
 def follow_keys(gateway) -> None:
     """A changed keys file in force at the gateway (the service in front rereads it by itself)."""
     from .gateway import GatewayError
@@ -683,12 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         behind = not args.no_gateway
         state = hold_state() if behind else None  # held until the end below
-        for pipeline in prune_unserved_generations(Path(args.model_repository)):
-            print(f"removed {pipeline}_*: assembled but never swapped in, or replaced")
-        if not args.no_source_check:
-            check_repository(args.model_repository)
-        for line in benchmark_notices(Path(args.model_repository)):
-            print(line)
+        prepare_repository(args)
         server = triton_server(args, admin_key(create=True))
         if behind:
             keys = args.api_keys or DEFAULT_PREFIX / "api_keys"
@@ -751,8 +766,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # tritonserver 2.51 aborts (boost::interprocess::lock_exception) when a Python stub dies
             # holding a lock it shares with the server: started again, as a supervisor would
             restarts.append(time.monotonic())
-            server.stop(keep_log=True, drain=False)
-            server.start()
+            restart_server(server, args)
             print(f"tritonserver started again (pid {server.pid}; {len(restarts)} of {args.server_restarts} restarts "
                   f"in {SERVER_RESTART_WINDOW_S / 60:.0f} minutes)", flush=True)
     except KeyboardInterrupt:

@@ -39,6 +39,7 @@ def recipe(run: Path) -> dict:
     return {"lora_rank": meta["spec"]["lora_rank"],
             **{k: meta["recipe"].get(k) for k in ("lr", "hidden_weight", "autocast", "batch_size", "seq_tokens")},
             "compressor_init": meta["spec"].get("compressor_init", "mean"),
+            **({"mtp_layer_full": True} if meta["spec"].get("mtp_layer_full") else {}),
             **{k: meta["recipe"][k] for k in OPTIONAL_KEYS if meta["recipe"].get(k)}}
 
 

@@ -431,6 +431,8 @@ def cmd_convert(args) -> None:
                  "or auto (bf16 where the device multiplies bf16 natively)")
     if args.decay_tokens and args.decay_minutes:
         sys.exit("--decay-tokens and --decay-minutes each set the rate's schedule: give one")
+    if args.mtp_layer_full and not args.lora_rank:
+        sys.exit("--mtp-layer-full: with --lora-rank 0 every block trains its own weights already")
     if args.compressor_init not in conversion.COMPRESSOR_STARTS:
         sys.exit(f"--compressor-init {args.compressor_init}: expected one of {', '.join(conversion.COMPRESSOR_STARTS)}")
     if args.teacher_cache and args.teacher_cache < args.batch_size:

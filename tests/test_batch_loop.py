@@ -356,7 +356,6 @@ class Recorder:
         return lambda *args: self.calls.setdefault(name, []).append(args)
 
 
-
 def test_the_phases_add_up_over_known_requests(exported, tiny_tokenizer):
     _, directory = exported["dualend"]
     engine, loop = make_loop(directory, tiny_tokenizer, -1.0, max_running=2, max_queue=8)
@@ -438,13 +437,19 @@ def test_a_request_whose_admission_fails_gets_its_last_word_and_the_ones_after_i
     engine, loop = make_loop(directory, tiny_tokenizer, 1.0)
     logged = []
     loop.log_error = logged.append
-    admit = loop._admit
-    loop._admit = lambda sequence: admit(sequence) if sequence.request_id != 1 else 1 / 0
+    submit_to_scheduler = loop.scheduler.submit
+
+    def placed_then_failed(sequence):  # fails after the scheduler gave it a place and blocks
+        submit_to_scheduler(sequence)
+        if sequence.request_id == 1:
+            raise ZeroDivisionError("admission")
+    loop.scheduler.submit = placed_then_failed
     broken, healthy = (submit(loop, engine, tiny_tokenizer, n, PROMPTS[n]) for n in (1, 2))
     run_until_idle(loop)
     assert broken.error == "internal error admitting this request" and broken.outcome == Outcome.STEP_FAILED
     assert healthy.responses[-1].finish_reason and healthy.error is None
     assert len(logged) == 1 and "ZeroDivisionError" in logged[0]
+    assert not loop.scheduler.running and loop.scheduler.used_blocks == 0  # its place and blocks came back
 
 
 def test_a_sequence_whose_step_fails_ends_alone_and_the_others_finish(exported, tiny_tokenizer):

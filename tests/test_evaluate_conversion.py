@@ -71,7 +71,6 @@ def test_an_answer_is_right_when_it_holds_an_accepted_string_as_whole_words(answ
     assert answered_right(answer, ["Paris", "8", "eight"]) == right
 
 
-
 def test_the_task_questions_are_distinct_answerable_and_never_a_training_prompt():
     questions = json.loads(evaluate_conversion.DEFAULTS["questions"].read_text())["questions"]
     asked = [q for q, _ in questions]
@@ -79,6 +78,7 @@ def test_the_task_questions_are_distinct_answerable_and_never_a_training_prompt(
     assert all(accepted and all(a.strip() for a in accepted) for _, accepted in questions)
     trained = set(open_prompts("train")) | set(conversion.chat_prompts("train", 2048, seed=13))
     assert not trained & set(asked)
+
 
 @pytest.fixture(scope="module")
 def converted(base, tmp_path_factory):  # noqa: F811

@@ -242,29 +242,41 @@ def test_a_huge_grpc_request_is_refused_at_once_and_nobody_notices(stack):
 
 def test_a_key_added_or_revoked_counts_without_a_restart_and_a_bad_edit_keeps_the_keys_in_force(stack):
     """What the launcher does every half second (`follow_keys`) puts the keys file's change in force at
-    nginx; the service in front rereads the file by itself."""
+    nginx, keeping the canary weight `weight` set since the start; the service in front rereads the file
+    by itself, at each request of an open gRPC stream too."""
     import json
 
     keys_file, before = stack.root / "keys", (stack.root / "keys").read_text()
     added = secrets.token_hex(24)
 
     def answers(key):  # nginx's generate route, and the front's /v1
+        sent = json.dumps({"model": "dualend", "prompt": PROMPT, "max_tokens": 2}).encode()
         status, _ = http(stack, "/v2/models/dualend/generate", b'{"text_input": "Q: 1+1\\nA:", "max_tokens": 2}',
                          key=False, headers={"Authorization": f"Bearer {key}"})
-        v1, _ = http(stack, "/v1/completions", json.dumps({"model": "dualend", "prompt": PROMPT, "max_tokens": 2}).encode(),
-                     key=False, headers={"Authorization": f"Bearer {key}"})
+        v1, _ = http(stack, "/v1/completions", sent, key=False, headers={"Authorization": f"Bearer {key}"})
         return status, v1
+
+    def revoked_mid_stream():
+        yield raw_grpc_request("dualend", "before").SerializeToString()
+        keys_file.write_text(before)
+        yield raw_grpc_request("dualend", "after").SerializeToString()
     try:
+        Gateway.running(stack.root / "nginx").set_baseline_percent(50)  # as `gateway weight` does, apart
         assert answers(added) == (401, 401)
         keys_file.write_text(before + f"second {added}\n")
         assert stack.follow_keys() and answers(added) == (200, 200) and answers(stack.key) == (200, 200)
+        assert "50% baseline" in (stack.root / "nginx" / "nginx.conf").read_text()
         keys_file.write_text(f"second {added}\n")  # the first key revoked
         assert stack.follow_keys() and answers(stack.key) == (401, 401) and answers(added) == (200, 200)
         keys_file.write_text(f"second {added} max_requests=lots\n")  # a bad edit: the keys before stay
         assert not stack.follow_keys() and answers(added) == (200, 200)
+        keys_file.write_text(f"second {added}\n")
+        errors = {a.infer_response.id: a.error_message for a in raw_grpc_stream(stack, revoked_mid_stream(), added)}
+        assert errors["before"] == "" and "missing or unknown API key" in errors["after"]
     finally:
         keys_file.write_text(before)
         stack.follow_keys()
+        Gateway.running(stack.root / "nginx").set_baseline_percent(10)
     assert answers(stack.key) == (200, 200) and answers(added) == (401, 401)
 
 
@@ -281,14 +293,14 @@ def raw_grpc_request(model: str, request_id: str, max_tokens: int = 4):
     return request
 
 
-def raw_grpc_stream(stack, sent: list[bytes]) -> list:
-    """The ModelStreamInferResponses of one ModelStreamInfer stream that carries `sent`, as bytes."""
+def raw_grpc_stream(stack, sent, key: str | None = None) -> list:
+    """The ModelStreamInferResponses of one ModelStreamInfer stream that carries `sent` (serialized requests)."""
     import grpc
     from tritonclient.grpc import service_pb2
 
     with grpc.insecure_channel(stack.grpc_url) as channel:
         call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
-        responses = call(iter(sent), timeout=60, metadata=[("authorization", f"Bearer {stack.key}")])
+        responses = call(iter(sent), timeout=60, metadata=[("authorization", f"Bearer {key or stack.key}")])
         return [service_pb2.ModelStreamInferResponse.FromString(raw) for raw in responses]
 
 
@@ -420,7 +432,6 @@ def test_a_client_over_its_rate_is_refused_with_429(stack):
     assert "rate limit" in next(body for s, body in statuses if s == 429)
     refused = [e for e in grpc_statuses if e is not None]
     assert len(refused) >= 3 and all("rate limit: over 2 requests/s" in e for e in refused), grpc_statuses
-
 
 
 def test_keys_match_exactly_and_no_file_of_the_gateway_holds_one(stack):

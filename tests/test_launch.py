@@ -179,7 +179,8 @@ def test_behind_the_gateway_tritonserver_listens_on_loopback_but_serves_its_metr
     """Prometheus (compose, the pod's annotations) scrapes port 8002 of the service's host; the gateway fronts
     only the inference and health ports."""
     from dualend.ops.launch import parse_args, triton_server
-    command = triton_server(parse_args(["--host", "0.0.0.0", "--model-repository", str(tmp_path)]), None).command(tmp_path)
+    behind = triton_server(parse_args(["--host", "0.0.0.0", "--model-repository", str(tmp_path)]), None)
+    command = behind.command(tmp_path)
     assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=0.0.0.0"} <= set(command)
     alone = triton_server(parse_args(["--host", "0.0.0.0", "--no-gateway", "--model-repository", str(tmp_path)]), None)
     assert {"--http-address=0.0.0.0", "--metrics-address=0.0.0.0"} <= set(alone.command(tmp_path))
@@ -345,7 +346,8 @@ def test_a_tritonserver_restarted_by_the_launcher_starts_as_a_start_does_from_th
     for generation in (1, 2):
         (tmp_path / f"dualend_v{generation}_mtp_verify" / "1").mkdir(parents=True)
     (tmp_path / "dualend").mkdir()
-    (tmp_path / "dualend" / "config.pbtxt").write_text('ensemble_scheduling { step [ { model_name: "dualend_v2_preprocessing" } ] }')
+    named = 'ensemble_scheduling { step [ { model_name: "dualend_v2_preprocessing" } ] }'
+    (tmp_path / "dualend" / "config.pbtxt").write_text(named)
     calls = []
 
     class Server:

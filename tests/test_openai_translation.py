@@ -504,7 +504,7 @@ def test_refusals_worth_retrying_say_when_and_the_others_do_not(tmp_path, tiny_t
         return asyncio.run(service.generate(Request(scope, receive)))
 
     request = {"model": "dualend", "prompt": "Q: 1+1\nA:", "stream": True}
-    with service.caps.admit(service.keys[key_hash(key)]):  # alice's one place is taken
+    with service.caps.admit(service.keys_file.keys[key_hash(key)]):  # alice's one place is taken
         over_cap = post(request)
     malformed = post(request | {"max_tokens": 0})
     (tmp_path / "gateway" / "down").mkdir(parents=True)

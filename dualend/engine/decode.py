@@ -210,8 +210,7 @@ class SequenceDecoder:
         self.synthetic = (None if synthetic_acceptance is None
                           else SyntheticAcceptance(synthetic_acceptance, params.seed))
         self.use_mtp = pair_size == 2 and (self.synthetic is not None or drafting_enabled(threshold))
-        # BOS never starts an answer, but a vocabulary that writes one token for both (GPT-2's) must end on it
-        self.banned = [pad_id] + ([bos_id] if bos_id != eos_id else []) + ([eos_id] if params.ignore_eos else [])
+        self.banned = never_generated(pad_id, bos_id, eos_id, params.ignore_eos)
         self.position = prompt_pairs - 1  # pair index of the hidden state the next step reads
         self.produced = 0
         self.next_pair: list[int] = []
@@ -333,6 +332,12 @@ class VerifyingDecoder(SequenceDecoder):
             self.draft = int(np.argmax(masked)) if self.draft_probs is None else self.sampler.draw(self.draft_probs)
             self.next_pair = [tokens[-1], self.draft]
         return step
+
+
+def never_generated(pad_id: int, bos_id: int, eos_id: int, ignore_eos: bool = False) -> list[int]:
+    """The tokens an answer never holds: PAD, BOS (unless it is EOS too, as GPT-2's one token for both:
+    the answer must end on it), and EOS when it is ignored."""
+    return [pad_id] + ([bos_id] if bos_id != eos_id else []) + ([eos_id] if ignore_eos else [])
 
 
 def _masked(logits: np.ndarray, banned: list[int]) -> np.ndarray:

@@ -67,13 +67,29 @@ def read_keys(path: Path, default_max_requests: int = DEFAULT_MAX_REQUESTS) -> d
     return keys
 
 
+class OncePerProblem:
+    """`report(message)` passed on only when the message differs from the last one: a problem said once,
+    not at every look (`clear()` once it is gone)."""
+
+    def __init__(self, report):
+        self.report, self.last = report, None
+
+    def __call__(self, message: str) -> None:
+        if message != self.last:
+            self.report(message)
+            self.last = message
+
+    def clear(self) -> None:
+        self.last = None
+
+
 class KeysFile:
     """The keys file, read again once it changes, so that a key added or revoked takes effect without a
     restart. A change that does not read (a typo mid-edit) keeps the keys read before, and says why."""
 
     def __init__(self, path: Path, on_error=print):
-        self.path, self.on_error = Path(path), on_error
-        self._stamp, self._reported = self._stamp_now(), None
+        self.path, self.on_error = Path(path), OncePerProblem(on_error)
+        self._stamp = self._stamp_now()
         self.keys = read_keys(self.path)  # at start a bad file is refused outright
 
     def _stamp_now(self) -> tuple[int, int, int]:
@@ -93,12 +109,9 @@ class KeysFile:
             self._stamp = stamp
             keys = read_keys(self.path)
         except (OSError, KeysFileError) as error:
-            message = f"API keys not reread: {error}; the keys read before stay in force"
-            if message != self._reported:  # once per problem, not per request
-                self.on_error(message)
-                self._reported = message
+            self.on_error(f"API keys not reread: {error}; the keys read before stay in force")
             return False
-        self._reported = None
+        self.on_error.clear()
         found, self.keys = keys != self.keys, keys
         return found
 

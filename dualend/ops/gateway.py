@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualend.serving.model_config import ModelConfigError, read_model_config
-from dualend.serving.repository import CANARY_MODEL, PUBLIC_DEPLOYMENTS, served_deployments
+from dualend.serving.repository import CANARY_MODEL, CANARY_PAIR, PUBLIC_DEPLOYMENTS, served_deployments
 
-from .api_keys import KeysFile, KeysFileError, read_keys
+from .api_keys import ApiKey, KeysFile, KeysFileError, OncePerProblem
 from .host import client_host
 from .openai_api.translation import RETRY_AFTER_S
 from .watchdog import STUCK_MARK
@@ -121,8 +121,9 @@ def public_inputs(model_repository: Path) -> dict[str, dict]:
             for i in inputs}
 
 
-def render(settings: GatewaySettings, prefix: Path) -> str:
-    keys = read_keys(settings.keys_file).values() if settings.keys_file else []
+def render(settings: GatewaySettings, prefix: Path, api_keys: dict[str, ApiKey] | None = None) -> str:
+    """nginx's config; `api_keys` those in force (None: no keys, anyone may call)."""
+    keys = list((api_keys or {}).values())
     caps = sorted({key.max_requests for key in keys})  # without keys, no one to be fair between: no cap
     cap_maps = "\n".join(  # one zone per cap: a key counts in its own cap's zone only
         f'    map $client $cap_{cap} {{\n        default "";\n'
@@ -135,12 +136,13 @@ def render(settings: GatewaySettings, prefix: Path) -> str:
     http_caps = "" if settings.openai_api else cap_limits
     grpc_caps = "" if settings.front_grpc else cap_limits
     generate_upstream = "openai_api" if settings.openai_api else "triton_http"
+    baseline, dualend = CANARY_PAIR[1], CANARY_PAIR[0]
     if settings.baseline_percent <= 0:
-        split = "* dualend;"
+        split = f"* {dualend};"
     elif settings.baseline_percent >= 100:
-        split = "* baseline;"
+        split = f"* {baseline};"
     else:
-        split = f"{settings.baseline_percent:g}% baseline;\n        * dualend;"
+        split = f"{settings.baseline_percent:g}% {baseline};\n        * {dualend};"
     check = 'if ($client = "") { return 401 \'{"error":"missing or unknown API key: send Authorization: Bearer <key>"}\'; }' \
         if keys else ""
     grpc_check = ('if ($client = "") { add_header grpc-status 16; add_header grpc-message "missing or unknown API key"; '
@@ -369,8 +371,9 @@ class Gateway:
     def __init__(self, settings: GatewaySettings, prefix: Path = DEFAULT_PREFIX):
         self.settings, self.prefix = settings, Path(prefix).resolve()
         self.process: subprocess.Popen | None = None
-        self.keys = KeysFile(settings.keys_file, lambda message: print(f"gateway: {message}", file=sys.stderr,
-                                                                         flush=True)) if settings.keys_file else None
+        self.report = OncePerProblem(lambda message: print(f"gateway: {message}", file=sys.stderr, flush=True))
+        self.keys = KeysFile(settings.keys_file, self.report) if settings.keys_file else None
+        self.keys_in_force = self.keys.keys if self.keys else None  # those of the config nginx runs
 
     @property
     def config_path(self) -> Path:
@@ -401,12 +404,12 @@ class Gateway:
         if self.settings.model_repository is None:
             raise GatewayError("the gateway needs the model repository whose public inputs it checks")
         inputs = json.dumps(public_inputs(self.settings.model_repository))
-        clients = json.dumps({digest: key.name for digest, key in read_keys(self.settings.keys_file).items()}
-                             if self.settings.keys_file else None)
+        keys = self.keys.keys if self.keys else None
+        clients = json.dumps({digest: key.name for digest, key in keys.items()} if keys else None)
         (self.prefix / "request_check.js").write_text(
             f"const INPUTS = {inputs};\nconst CLIENTS = {clients};\n\n{REQUEST_CHECK.read_text('utf-8')}")
         staged = self.config_path.with_suffix(".new")
-        staged.write_text(render(self.settings, self.prefix))
+        staged.write_text(render(self.settings, self.prefix, keys))
         check = subprocess.run([nginx_binary(), "-t", "-q", "-p", str(self.prefix), "-c", str(staged)],
                                capture_output=True, text=True)
         if check.returncode:
@@ -414,7 +417,7 @@ class Gateway:
         os.replace(staged, self.config_path)
         raw = dataclasses.asdict(self.settings) | {name: str(getattr(self.settings, name) or "") or None
                                                    for name in ("keys_file", "model_repository")}
-        staged = self.prefix / "settings.json.new"  # replaced whole: the front may read it at any moment
+        staged = self.prefix / f"settings.json.{os.getpid()}"  # replaced whole: the front may read it at any time
         staged.write_text(json.dumps(raw, indent=1))
         os.replace(staged, self.prefix / "settings.json")
 
@@ -448,9 +451,19 @@ class Gateway:
         """Once the keys file holds other keys: the config rendered with them and reloaded gracefully, so
         that a key added or revoked counts at once (a change that does not read keeps the keys in force).
         True when it reloaded."""
-        if self.keys is None or not self.keys.changed():
+        if self.keys is None:
             return False
-        self.reload()
+        self.keys.changed()
+        if self.keys.keys == self.keys_in_force:
+            return False
+        try:  # the split as it is now (`weight` may have changed it since the start)
+            self.settings.baseline_percent = json.loads((self.prefix / "settings.json").read_text())["baseline_percent"]
+            self.reload()
+        except (OSError, ValueError, KeyError, GatewayError) as error:  # tried again at the next look
+            self.report(f"the API keys' change is not in force yet: {error}")
+            return False
+        self.keys_in_force = self.keys.keys
+        self.report.clear()
         return True
 
     def reload(self, timeout_s: float = 10.0) -> None:

@@ -660,16 +660,6 @@ def restart_server(server: TritonServer, args: argparse.Namespace) -> None:
     server.start()
 
 
-def follow_keys(gateway) -> None:
-    """A changed keys file in force at the gateway (the service in front rereads it by itself)."""
-    from .gateway import GatewayError
-    try:
-        if gateway.follow_keys():
-            print(f"gateway: API keys reread from {gateway.settings.keys_file}", flush=True)
-    except GatewayError as error:
-        print(f"error: the gateway did not take the new API keys: {error}", file=sys.stderr, flush=True)
-
-
 def triton_server(args: argparse.Namespace, key: str | None) -> TritonServer:
     """The tritonserver `args` ask for: behind the gateway on loopback ports, but for its metrics, which
     Prometheus scrapes at the public host."""
@@ -712,7 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gateway = Gateway(GatewaySettings("", "", Path(args.model_repository).resolve(), host=args.host,
                                               http_port=args.http_port, grpc_port=args.grpc_port, keys_file=keys,
                                               baseline_percent=args.baseline_percent))
-    except (RepositoryMissingError, ValueError, GatewayError) as err:
+    except (RepositoryMissingError, ValueError, GatewayError, KeysFileError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -755,8 +745,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if gateway is not None and time.monotonic() >= next_rotation:
                     gateway.rotate_logs()
                     next_rotation += LOG_CHECK_S
-                if gateway is not None:
-                    follow_keys(gateway)
+                if gateway is not None and gateway.follow_keys():  # the front rereads the file by itself
+                    print(f"gateway: API keys reread from {gateway.settings.keys_file}", flush=True)
                 time.sleep(0.5)
             restarts = [at for at in restarts if time.monotonic() - at < SERVER_RESTART_WINDOW_S]
             print(f"error: tritonserver exited with code {server.poll()}; last lines of "

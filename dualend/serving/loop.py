@@ -583,8 +583,14 @@ class DecodeLoop:
             try:
                 refusal = self._admit(sequence)
             except Exception:  # noqa: BLE001 - one request's admission; the others are still taken in
-                self.log_error(f"decode loop: admitting request {sequence.request_id} failed:\n{traceback.format_exc()}")
-                refusal = Outcome.STEP_FAILED, "internal error admitting this request"
+                self.log_error(f"decode loop: admitting request {sequence.request_id} failed:\n"
+                               f"{traceback.format_exc()}")
+                self.live[sequence.request_id] = sequence  # so that its end frees what the scheduler gave it
+                try:
+                    self._end(sequence, error="internal error admitting this request", outcome=Outcome.STEP_FAILED)
+                except Exception:  # noqa: BLE001 - the client is gone; the other submissions go on
+                    self.live.pop(sequence.request_id, None)
+                continue
             if refusal is not None:
                 outcome, message = refusal
                 self.observer.refused(outcome)

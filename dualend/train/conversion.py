@@ -116,7 +116,8 @@ def build_student(base: LanguageModel, spec: ConversionSpec) -> LanguageModel:
     student.mtp.layer.requires_grad_(spec.mtp_layer_full)  # or its weights stay the base's; adapters, norms train
     for norm in (student.mtp.layer.attn_norm, student.mtp.layer.ffn_norm):
         norm.requires_grad_(True)
-    for block in list(student.backbone.layers[spec.frozen_layers:]) + ([] if spec.mtp_layer_full else [student.mtp.layer]):
+    adapted = list(student.backbone.layers[spec.frozen_layers:]) + ([] if spec.mtp_layer_full else [student.mtp.layer])
+    for block in adapted:
         if spec.lora_rank:
             _add_lora(block, spec)
         else:

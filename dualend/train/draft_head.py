@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dualend.engine.checkpoint import Checkpoint
-from dualend.engine.decode import Sampler, SamplingParams
+from dualend.engine.decode import Sampler, SamplingParams, never_generated
 from dualend.engine.model import LanguageModel, ModelConfig
 from dualend.engine.onnx_engine import OnnxBatch, OnnxComponents
 from dualend.engine.reference import TorchBatch
@@ -127,7 +127,7 @@ def teacher_records(teacher: LanguageModel | OnnxComponents, prompts: list[list[
     try:
         logits, hidden = batch.restart()
         while True:
-            logits[:, [pad, bos]] = -np.inf
+            logits[:, never_generated(pad, bos, eos)] = -np.inf
             chosen = np.array([samplers[row](logits[row]) if row in running else eos for row in range(len(prompts))])
             for row in list(running):
                 tokens[row].append(int(chosen[row]))

@@ -195,19 +195,13 @@ class Service:
     async def model_ready(self, deployment: str) -> bool:
         return await self.client.is_model_ready(deployment, client_timeout=READY_TIMEOUT_S)
 
-    @property
-    def keys(self) -> dict[str, ApiKey] | None:
-        """The API keys in force (the file's as it is now), None without a keys file: anyone may call."""
-        return self.keys_file.current() if self.keys_file else None
-
     def authorize(self, request: Request) -> ApiKey:
         return self.authorize_header(request.headers.get("authorization"))
 
     def authorize_header(self, authorization: str | None) -> ApiKey:
-        keys = self.keys
-        if keys is None:  # no keys, no one to be fair between: no cap
+        if self.keys_file is None:  # no keys, no one to be fair between: no cap
             return ApiKey("anonymous", "", sys.maxsize)
-        client = client_of(authorization, keys)
+        client = client_of(authorization, self.keys_file.current())  # the file as it is now
         if client is None:
             raise ApiError(401, "missing or unknown API key: send Authorization: Bearer <key>", code="invalid_api_key")
         return client
@@ -343,7 +337,7 @@ class Service:
                                         lambda prompt: self.deployment(deployment).room(prompt))
             else:
                 generation = parse_completion(parsed)
-            if self.keys is not None:  # one key's prefixes are its own, whatever salt it sends (names hold no /)
+            if self.keys_file is not None:  # one key's prefixes are its own, whatever salt it sends (names hold no /)
                 generation.cache_salt, generation.client = keyed_salt(client.name, generation.cache_salt), client.name
             self.deployment(deployment)
             admission = self.admit(client, deployment)

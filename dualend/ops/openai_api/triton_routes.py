@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import grpc
+from google.protobuf.message import DecodeError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from dualend.serving.contract import COUNTERS, merge_counters
@@ -226,13 +226,14 @@ class GrpcFront:
         return handle
 
     async def stream_infer(self, requests, context):
+        authorization = dict(context.invocation_metadata()).get("authorization")
         try:
-            client = self.service.authorize_header(dict(context.invocation_metadata()).get("authorization"))
+            client = self.service.authorize_header(authorization)
         except ApiError as error:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, error.message)
         upstream = self.channel.stream_stream(f"/{GRPC_SERVICE}/ModelStreamInfer")(
             metadata=forwarded_metadata(context))
-        await FrontedStream(self, client, context, upstream).run(requests)
+        await FrontedStream(self, client, authorization, context, upstream).run(requests)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -244,8 +245,9 @@ class FrontedStream:
     final response, so the front knows when every request ends; the client gets its own ids back, and
     the empty final response only if it asked for it."""
 
-    def __init__(self, front: GrpcFront, client: ApiKey, context, upstream):
+    def __init__(self, front: GrpcFront, client: ApiKey, authorization: str | None, context, upstream):
         self.front, self.service, self.client, self.context, self.upstream = front, front.service, client, context, upstream
+        self.authorization = authorization  # checked again at each request: a key revoked mid-stream ends there
         self.in_flight: dict[str, InFlight] = {}
         self.out: asyncio.Queue = asyncio.Queue()  # serialized responses for the client; None: the stream ends
         self.client_done = False
@@ -268,6 +270,7 @@ class FrontedStream:
                 request = service_pb2.ModelInferRequest()
                 try:
                     decoded_request(raw, request)
+                    self.client = self.service.authorize_header(self.authorization)
                     if request.model_name == CANARY_MODEL:  # split as the gateway splits HTTP requests
                         request.model_name = await self.service.resolve(CANARY_MODEL)
                     request_id = self.admit(request)
@@ -279,7 +282,7 @@ class FrontedStream:
                 if not streamed(request):  # asked of tritonserver as a stream, so its progress shows
                     self.in_flight[request_id].gathered = []
                     stream_it(request)
-                if self.service.keys is not None:
+                if self.service.keys_file is not None:
                     key_request(request, self.client.name)
                 await self.upstream.write(request.SerializeToString())
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -391,7 +394,8 @@ class HttpGenerate:
         try:
             client = self.service.authorize(request)
             whole = route == "generate"  # asked of generate_stream and joined here, so its progress shows
-            body = upstream_body(await request.body(), whole, client.name if self.service.keys is not None else None)
+            keyed = client.name if self.service.keys_file is not None else None
+            body = upstream_body(await request.body(), whole, keyed)
             self.service.check_quota(client)
             admission = self.service.admit(client, deployment)
         except ApiError as error:

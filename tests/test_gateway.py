@@ -2,6 +2,7 @@
 launcher runs them, and tritonserver's own closed doors: API keys, public routes only, a bounded body,
 rate limits, the canary split, the admin key."""
 import secrets
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -256,8 +257,11 @@ def test_a_key_added_or_revoked_counts_without_a_restart_and_a_bad_edit_keeps_th
         v1, _ = http(stack, "/v1/completions", sent, key=False, headers={"Authorization": f"Bearer {key}"})
         return status, v1
 
-    def revoked_mid_stream():
+    answered = threading.Event()
+
+    def revoked_mid_stream():  # once the stream was let in and answered its first request
         yield raw_grpc_request("dualend", "before").SerializeToString()
+        answered.wait(60)
         keys_file.write_text(before)
         yield raw_grpc_request("dualend", "after").SerializeToString()
     try:
@@ -271,7 +275,8 @@ def test_a_key_added_or_revoked_counts_without_a_restart_and_a_bad_edit_keeps_th
         keys_file.write_text(f"second {added} max_requests=lots\n")  # a bad edit: the keys before stay
         assert not stack.follow_keys() and answers(added) == (200, 200)
         keys_file.write_text(f"second {added}\n")
-        errors = {a.infer_response.id: a.error_message for a in raw_grpc_stream(stack, revoked_mid_stream(), added)}
+        errors = {a.infer_response.id: a.error_message
+                  for a in raw_grpc_stream(stack, revoked_mid_stream(), added, answered)}
         assert errors["before"] == "" and "missing or unknown API key" in errors["after"]
     finally:
         keys_file.write_text(before)
@@ -293,15 +298,20 @@ def raw_grpc_request(model: str, request_id: str, max_tokens: int = 4):
     return request
 
 
-def raw_grpc_stream(stack, sent, key: str | None = None) -> list:
-    """The ModelStreamInferResponses of one ModelStreamInfer stream that carries `sent` (serialized requests)."""
+def raw_grpc_stream(stack, sent, key: str | None = None, answered: threading.Event | None = None) -> list:
+    """The ModelStreamInferResponses of one ModelStreamInfer stream that carries `sent` (serialized requests);
+    `answered` is set at the first response."""
     import grpc
     from tritonclient.grpc import service_pb2
 
     with grpc.insecure_channel(stack.grpc_url) as channel:
         call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
-        responses = call(iter(sent), timeout=60, metadata=[("authorization", f"Bearer {key or stack.key}")])
-        return [service_pb2.ModelStreamInferResponse.FromString(raw) for raw in responses]
+        answers = []
+        for raw in call(iter(sent), timeout=60, metadata=[("authorization", f"Bearer {key or stack.key}")]):
+            answers.append(service_pb2.ModelStreamInferResponse.FromString(raw))
+            if answered is not None:
+                answered.set()
+        return answers
 
 
 def test_a_malformed_grpc_request_is_refused_by_name_and_its_stream_serves_the_next(stack):

@@ -409,7 +409,7 @@ def start_from_adapters(student, teacher, directory: str, base_id: str, spec: co
     and minutes they were trained for), for the recipe."""
     adapters, meta = conversion.load_adapters(directory)
     found = conversion.ConversionSpec(**meta["spec"])
-    if spec.mtp_layer_full and replace(found, mtp_layer_full=True) == spec and not found.mtp_layer_full:
+    if not found.mtp_layer_full and replace(found, mtp_layer_full=True) == spec:
         adapters, found = conversion.mtp_layer_unfolded(teacher, adapters, found)
     if (meta["base"]["checkpoint_id"], found) != (base_id, spec):
         sys.exit(f"{directory} converts base {meta['base']['checkpoint_id']} with {meta['spec']}, "

@@ -137,3 +137,16 @@ def test_the_gateways_retry_later_refusals_carry_retry_after(tmp_path):
     status, headers, body = triton_too_many
     assert (status, headers["Retry-After"], body["error"].split(":")[0]) == (429, str(RETRY_AFTER_S[429]), "rate limit")
     assert headers["X-Dualend-Deployment"] == "dualend"  # kept beside the location's own header
+
+
+def test_the_gateway_says_each_bad_keys_edit_once_and_again_after_a_good_one(tmp_path, capsys):
+    keys = tmp_path / "keys"
+    write_new_keys(keys)
+    good = keys.read_text()
+    gateway = Gateway(GatewaySettings("127.0.0.1:1", "127.0.0.1:2", keys_file=keys), tmp_path / "prefix")
+    for text in ("default short\n", "default  short\n", good, "default short\n"):  # bad, the same bad, good, bad
+        keys.write_text(text)
+        gateway.keys.changed()
+        gateway.keys.changed()  # the same file looked at again says nothing more
+    said = [line for line in capsys.readouterr().err.splitlines() if "API keys not reread" in line]
+    assert len(said) == 2 and said[0] == said[1]

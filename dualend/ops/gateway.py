@@ -371,8 +371,10 @@ class Gateway:
     def __init__(self, settings: GatewaySettings, prefix: Path = DEFAULT_PREFIX):
         self.settings, self.prefix = settings, Path(prefix).resolve()
         self.process: subprocess.Popen | None = None
-        self.report = OncePerProblem(lambda message: print(f"gateway: {message}", file=sys.stderr, flush=True))
-        self.keys = KeysFile(settings.keys_file, self.report) if settings.keys_file else None
+        def say(message: str) -> None:
+            print(f"gateway: {message}", file=sys.stderr, flush=True)
+        self.keys = KeysFile(settings.keys_file, say) if settings.keys_file else None  # says each problem once
+        self.report = OncePerProblem(say)  # a reload that failed, retried at each look
         self.keys_in_force = self.keys.keys if self.keys else None  # those of the config nginx runs
 
     @property

@@ -17,7 +17,6 @@ answers right, and how many of its answers are fp32's word for word.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,7 +25,7 @@ import numpy as np
 import onnx
 from tqdm import tqdm
 
-from builder.evaluate_conversion import DEFAULTS as GATE_DEFAULTS
+from builder.evaluate_conversion import DEFAULTS as GATE_DEFAULTS, task_questions
 from builder.evaluate_conversion import answered_right
 from builder.export import WEIGHT_BITS, export_checkpoint, export_matches
 from builder.quantize import constant_weight_matmuls
@@ -155,7 +154,7 @@ def task_answers(directory: Path, questions: list, max_tokens: int, threads: int
 
 
 def print_task_check(directories: dict[str, Path], max_tokens: int, threads: int) -> None:
-    questions = json.loads(Path(GATE_DEFAULTS["questions"]).read_text(encoding="utf-8"))["questions"]
+    questions = task_questions()
     answers = {p: task_answers(d, questions, max_tokens, threads) for p, d in directories.items()}
     reference = answers.get("fp32")
     print(f"\ntask check: {len(questions)} short chat questions ({Path(GATE_DEFAULTS['questions']).name}), greedy, "

@@ -132,10 +132,15 @@ def answered_right(answer: str, accepted: list[str]) -> bool:
     return any(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", answer, re.IGNORECASE) for a in accepted)
 
 
+def task_questions(path: str | Path = DEFAULTS["questions"]) -> list[tuple[str, list[str]]]:
+    """The task check's (question, accepted answers)."""
+    return [(q, accepted) for q, accepted in json.loads(Path(path).read_text(encoding="utf-8"))["questions"]]
+
+
 def task_check(dualend: Checkpoint, baseline: Checkpoint, threshold: float, args) -> dict:
     """The questions under the chat template, greedy: the baseline drafting off, the converted model
     at `threshold`; which each answers right, and how many of the baseline's right ones it keeps."""
-    questions = json.loads(Path(args.questions).read_text(encoding="utf-8"))["questions"]
+    questions = task_questions(args.questions)
     tokenizer = baseline.tokenizer
     encoded = [tokenizer.encode_prompt(tokenizer.user_turn(q)) for q, _ in questions]
     params = [SamplingParams(max_tokens=args.task_tokens)] * len(encoded)
@@ -146,10 +151,13 @@ def task_check(dualend: Checkpoint, baseline: Checkpoint, threshold: float, args
         base_text, dual_text = tokenizer.decode(b.tokens), tokenizer.decode(d.tokens)
         answers.append({"question": question, "baseline": base_text, "dualend": dual_text,
                         "baseline_right": answered_right(base_text, accepted),
-                        "dualend_right": answered_right(dual_text, accepted)})
+                        "dualend_right": answered_right(dual_text, accepted),
+                        "baseline_stopped": b.finish_reason == "eos", "dualend_stopped": d.finish_reason == "eos"})
     return {"questions": len(answers), "baseline_right": sum(a["baseline_right"] for a in answers),
             "dualend_right": sum(a["dualend_right"] for a in answers),
             "dualend_right_of_baselines": sum(a["baseline_right"] and a["dualend_right"] for a in answers),
+            "baseline_stopped": sum(a["baseline_stopped"] for a in answers),
+            "dualend_stopped_of_baselines": sum(a["baseline_stopped"] and a["dualend_stopped"] for a in answers),
             "answers": answers}
 
 
@@ -216,7 +224,10 @@ def markdown(report: dict) -> str:
     task = report["task"]
     lines += ["", f"## Task check: {task['questions']} short chat questions (builder/data/chat_questions.json)", "",
               f"The baseline answers {task['baseline_right']} right; the converted model {task['dualend_right']}, "
-              f"{task['dualend_right_of_baselines']} of the baseline's (wanted: all but {TASK_MARGIN}).", "",
+              f"{task['dualend_right_of_baselines']} of the baseline's (wanted: all but {TASK_MARGIN}). "
+              f"The baseline's answer ends (EOS) within {report['settings']['task_tokens']} tokens on "
+              f"{task['baseline_stopped']} questions, the converted model's on {task['dualend_stopped_of_baselines']} "
+              "of those.", "",
               "| question | baseline | converted |", "|---|---|---|"]
     lines += [f"| {a['question']} | {'right' if a['baseline_right'] else 'wrong'}: {_cell(a['baseline'])} | "
               f"{'right' if a['dualend_right'] else 'wrong'}: {_cell(a['dualend'])} |" for a in task["answers"]]

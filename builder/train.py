@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from builder.evaluate_conversion import task_questions
 from dualend.engine.checkpoint import CONFIG, Checkpoint, load_checkpoint
 from dualend.engine.model import LanguageModel, ModelConfig, count_parameters, default_ffn_hidden
 from dualend.engine.onnx_engine import OnnxComponents
@@ -56,6 +57,7 @@ from dualend.engine.tokenizer import TextTokenizer, train_tokenizer
 from dualend.train import conversion, draft_head
 from dualend.train.data import FAMILIES, examples, stdlib_chunks
 from dualend.train.open_prompts import open_prompts
+from dualend.train.short_questions import short_questions
 from dualend.train.parallel import Replicas
 from dualend.train.evaluation import evaluate_pass1
 from dualend.train.training import (
@@ -83,15 +85,18 @@ DEFAULTS = dict(
 STARTED_FROM = "started_from.json"  # in a run folder: the adapters it started from (--init-adapters)
 CONVERT_DEFAULTS = dict(
     lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
-    time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, open_prompts=0, chat_fraction=0.25,
-    chat_tokens=96, hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2, device="cpu",
-    compressor_init="mean", decay_tokens=0, decay_minutes=0.0, hidden_fade_minutes=0.0, teacher_cache=0,
+    time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, open_prompts=0, short_prompts=0,
+    chat_fraction=0.25, chat_tokens=96, hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2,
+    device="cpu", compressor_init="mean", decay_tokens=0, decay_minutes=0.0, hidden_fade_minutes=0.0, teacher_cache=0,
 )
 CONVERT_HELP = {
     "open_prompts": "beside the --chat-prompts task questions, the teacher's answers to this many open-ended requests "
                     "(dualend.train.open_prompts: explain, describe, advise, write) in the chat rows (a run with chat "
                     "rows logs open_ figures on --eval-rows held-out requests, on topics training never sees, with or "
                     "without them)",
+    "short_prompts": "and to this many short questions with short answers (dualend.train.short_questions: capitals, "
+                     "colours, counts, words, arithmetic; never a task-check question nor its subject), which end "
+                     "with EOS where the task questions and open requests, cut at --chat-tokens, seldom do",
     "hidden_fade_minutes": "the final-hidden-state target's weight falls linearly from --hidden-weight to 0 over this "
                            "many minutes of this invocation's training, as --decay-minutes counts (0: constant)",
     "teacher_cache": "train on this many samples of the data stream (text and chat answers mixed as without it), the "
@@ -101,8 +106,8 @@ CONVERT_HELP = {
 # `draft-head`: per invocation, --time-limit-minutes of training and/or up to --steps in all (neither: none).
 DRAFT_HEAD_DEFAULTS = dict(
     batch_size=8, seq_tokens=192, lr=1e-3, warmup=20, time_limit_minutes=10.0, eval_every=25, eval_rows=32,
-    chat_prompts=384, open_prompts=0, chat_fraction=0.6, chat_tokens=96, seed=0, threads=2, draft_vocab=8192,
-    decay_tokens=0, decay_minutes=0.0, steps=0, greedy_weight=0.0,
+    chat_prompts=384, open_prompts=0, short_prompts=0, chat_fraction=0.6, chat_tokens=96, seed=0, threads=2,
+    draft_vocab=8192, decay_tokens=0, decay_minutes=0.0, steps=0, greedy_weight=0.0,
 )
 DRAFT_HEAD_HELP = {"greedy_weight": "add this weight x the head's cross-entropy against the base's top token to the "
                                     "KL (greedy requests keep a draft only when it is that token; 0: KL alone)",
@@ -360,34 +365,52 @@ def cmd_merge(args) -> None:
 def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer, teacher_id: str,
               replicas: Replicas, open_held_out: bool = True) -> tuple[list, list, list]:
     """The teacher's greedy answers under the chat template, made once per run folder (`chat.json`, by the
-    main replica): (train: to --chat-prompts task questions and --open-prompts open-ended requests,
-    `open_prompts`; held out: to --eval-rows task questions; to as many open-ended requests on topics
-    training never sees, where `open_held_out`). None for a tokenizer without a chat template."""
-    if not tokenizer.chat_template or not (args.chat_prompts or args.open_prompts):
+    main replica): (train: to --chat-prompts task questions, --open-prompts open-ended requests
+    (`open_prompts`) and --short-prompts short questions (`short_questions`); held out: to --eval-rows task
+    questions; to as many open-ended requests on topics training never sees, where `open_held_out`). Answers
+    already in the folder's `chat.json` for the same teacher and --chat-tokens are kept, so that changing
+    the counts makes only the new ones. None for a tokenizer without a chat template."""
+    if not tokenizer.chat_template or not (args.chat_prompts or args.open_prompts or args.short_prompts):
         return [], [], []
     path = run / "chat.json"
     if not replicas.main:
         replicas.wait_for_main()  # the main replica has written it
     cached = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     made_for = {"task": args.chat_prompts, "open": args.open_prompts, "held_out": args.eval_rows,
-                "open_held_out": args.eval_rows if open_held_out else 0, "seed": args.seed, "tokens": args.chat_tokens}
+                "open_held_out": args.eval_rows if open_held_out else 0, "seed": args.seed, "tokens": args.chat_tokens,
+                **({"short": args.short_prompts} if args.short_prompts else {})}
     if cached.get("teacher") != teacher_id or cached.get("prompts") != made_for:
         started = time.time()
         prompts = {"train": conversion.chat_prompts("train", args.chat_prompts, args.seed)
-                   + open_prompts("train", args.seed)[:args.open_prompts],
+                   + open_prompts("train", args.seed)[:args.open_prompts]
+                   + short_questions(args.short_prompts, args.seed, exclude=frozenset(q for q, _ in task_questions())),
                    "calibration": conversion.chat_prompts("calibration", args.eval_rows, args.seed),
                    "open_held_out": open_prompts("held_out", args.seed)[:made_for["open_held_out"]]}
-        with torch.device("cpu"):  # the reference decoder runs on the CPU
-            made = {split: conversion.teacher_chat_samples(on_cpu(teacher), tokenizer, questions, args.chat_tokens,
-                                                           rows=16 if replicas.device.type == "cpu" else 64)
-                    for split, questions in prompts.items()}
+        same_answers = (cached.get("teacher"), cached.get("prompts", {}).get("tokens")) == (teacher_id, args.chat_tokens)
+        known = {tuple(p): c for split in prompts if same_answers for p, c in cached.get(split, [])}
+        made = {split: answered(teacher, tokenizer, questions, known, args.chat_tokens, replicas)
+                for split, questions in prompts.items()}
         cached = {"teacher": teacher_id, "prompts": made_for,
                   **{split: [[s.prompt, s.completion] for s in samples] for split, samples in made.items()}}
         path.write_text(json.dumps(cached) + "\n", encoding="utf-8")
-        print(f"chat data: {sum(map(len, prompts.values()))} teacher answers in {time.time() - started:.0f} s")
+        print(f"chat data: {sum(map(len, prompts.values()))} teacher answers ({len(known)} kept) "
+              f"in {time.time() - started:.0f} s")
     if replicas.main:
         replicas.wait_for_main()
     return tuple([Sample(p, c) for p, c in cached[split]] for split in ("train", "calibration", "open_held_out"))
+
+
+def answered(teacher: LanguageModel, tokenizer: TextTokenizer, questions: list[str], known: dict,
+             max_tokens: int, replicas: Replicas) -> list[Sample]:
+    """The teacher's answers to `questions`, in their order: those in `known` (encoded prompt -> answer)
+    as they are, the others made (on the CPU, where the reference decoder runs)."""
+    encoded = [tuple(tokenizer.encode_prompt(tokenizer.user_turn(q))) for q in questions]
+    missing = [q for q, e in zip(questions, encoded) if e not in known]
+    with torch.device("cpu"):
+        for sample in conversion.teacher_chat_samples(on_cpu(teacher), tokenizer, missing, max_tokens,
+                                                      rows=16 if replicas.device.type == "cpu" else 64):
+            known[tuple(sample.prompt)] = sample.completion
+    return [Sample(list(e), known[e]) for e in encoded if e in known]
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -493,11 +516,11 @@ def cmd_convert(args) -> None:
     if state is not None:
         conversion.resume_optimizer(optimizer, state["optimizer"])
     stream = (None if args.teacher_cache  # batches come from the cache
-              else conversion.sample_stream(tokenizer, stream_key(data_seed, step), args.seq_tokens, chat_train,
-                                            args.chat_fraction))
+              else conversion.batch_stream(tokenizer, stream_key(data_seed, step), args.seq_tokens, chat_train,
+                                           args.chat_fraction, args.batch_size))
     keys = ("batch_size", "seq_tokens", "lr", "warmup", "decay_tokens", "decay_minutes", "chat_prompts",
-            "open_prompts", "chat_fraction", "chat_tokens", "hidden_weight", "hidden_fade_minutes", "confidence_weight",
-            "autocast", "seed", "teacher_cache", "compile")
+            "open_prompts", "short_prompts", "chat_fraction", "chat_tokens", "hidden_weight", "hidden_fade_minutes",
+            "confidence_weight", "autocast", "seed", "teacher_cache", "compile")
     recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
               **{k: getattr(args, k) for k in keys}, "replicas": replicas.world}
     if (run / STARTED_FROM).exists():  # the tokens count on from these; steps and minutes are this run's
@@ -554,7 +577,7 @@ def cmd_convert(args) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, decay_progress(args, tokens, elapsed - run_started_at), args.lr, args.warmup)
         batch = (conversion.taught_batch(data_rng.sample(cache, args.batch_size), pad, data_rng) if cache
-                 else conversion.conversion_batch([next(stream) for _ in range(args.batch_size)], pad, data_rng))
+                 else conversion.conversion_batch(next(stream), pad, data_rng))
         batch = {name: tensor.to(device) for name, tensor in batch.items()}
         with torch.autocast(**autocast):
             loss, parts = conversion.conversion_loss(student, teacher, batch,

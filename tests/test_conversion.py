@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,12 @@ import pytest
 import torch
 
 from builder import train
+from builder.evaluate_conversion import task_questions
 from dualend.engine.checkpoint import Checkpoint, load_checkpoint
 from dualend.engine.tokenizer import BOS, EOS, PAD, TextTokenizer
 from dualend.train import conversion
 from dualend.train.open_prompts import open_prompts
+from dualend.train.short_questions import short_questions, subject_questions
 from dualend.train.training import Sample, baseline_forward, dualend_batch
 from test_llama_family import hf_model, imported
 
@@ -258,6 +261,56 @@ def test_open_prompts_join_the_chat_rows_and_held_out_requests_are_evaluated_wit
     assert "open_nll_t1" in log[-1]
 
 
+def test_short_questions_join_the_chat_rows_and_answers_already_made_are_kept(base, tmp_path, monkeypatch):
+    """--short-prompts: the teacher's answers to short questions follow the task and open ones; a run folder
+    whose chat.json answered the other prompts (same teacher, same --chat-tokens) asks the teacher only the
+    new questions, and its earlier answers stay as they were."""
+    tokenizer = saved_with_chat_template(base, tmp_path / "base")
+    args = ["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
+            "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--chat-prompts", "2", "--open-prompts", "2",
+            "--chat-tokens", "4", "--chat-fraction", "1.0", "--steps", "1", "--autocast", "none"]
+    train.main(args)
+    before = json.loads((tmp_path / "run" / "chat.json").read_text())
+    asked, teacher_chat_samples = [], conversion.teacher_chat_samples
+    monkeypatch.setattr(conversion, "teacher_chat_samples",
+                        lambda teacher, tok, prompts, *a, **k: asked.extend(prompts) or teacher_chat_samples(
+                            teacher, tok, prompts, *a, **k))
+    (tmp_path / "run" / "state.pt").unlink()
+    train.main(args + ["--short-prompts", "3"])
+    chat = json.loads((tmp_path / "run" / "chat.json").read_text())
+    short = short_questions(3, 0, exclude=frozenset(q for q, _ in task_questions()))
+    assert asked == short
+    assert chat["prompts"] == {**before["prompts"], "short": 3}
+    assert chat["train"][:4] == before["train"] and chat["calibration"] == before["calibration"]
+    assert [p for p, _ in chat["train"][4:]] == [tokenizer.encode_prompt(tokenizer.user_turn(q)) for q in short]
+    assert chat["open_held_out"] == before["open_held_out"]
+
+
+def test_short_questions_are_distinct_and_never_a_task_check_question_nor_its_subject():
+    """The task check stays held out: no short question is one of its questions, and no subject (every part
+    of it) stands as whole words in one of them."""
+    asked = [q for q, _ in task_questions()]
+    every = short_questions(10 ** 5, 13, exclude=frozenset(asked))
+    assert len(every) == len(set(every)) > 2000 and not set(every) & set(asked)
+    assert short_questions(40, 13) == every[:40] and short_questions(40, 14) != every[:40]
+    assert sum(q.startswith("What is ") and q[8].isdigit() for q in every[:400]) == 100  # every fourth a sum
+    for subject, question in subject_questions():
+        assert "{" not in question
+        assert not [a for a in asked if all(re.search(rf"(?<!\w){re.escape(part)}(?!\w)", a, re.IGNORECASE)
+                                           for part in subject.split("|"))], subject
+    assert "What is 2 plus 2?" in asked and "What is 2 plus 2?" not in every
+
+
+def test_a_batch_is_chat_answers_or_text_windows_never_both(tiny_tokenizer):
+    chat = [Sample([1, 2], [3, 4]), Sample([1, 2], [5, 6, 7])]
+    stream = conversion.batch_stream(tiny_tokenizer, 0, 24, chat, 0.4, rows=4)
+    kinds = [{s in chat for s in next(stream)} for _ in range(400)]
+    assert all(len(kind) == 1 for kind in kinds)
+    assert 120 <= sum(True in kind for kind in kinds) <= 200
+    assert all(len(s.prompt) + len(s.completion) == 24 for s in next(conversion.batch_stream(
+        tiny_tokenizer, 0, 24, [], 0.4, rows=4)))
+
+
 def test_a_draft_head_run_on_its_base_trains_on_the_answers_to_open_requests_too(base, tmp_path):
     """draft-head --open-prompts: the same chat rows as convert's (task answers, then open ones); its
     held-out rows stay the task answers, so no held-out open answers are made."""
@@ -435,9 +488,9 @@ def test_a_replica_resumed_at_step_1000k_does_not_replay_another_replicas_data(t
     """Replica r's data seed is seed + 1000 r: resumed at step 1000, replica 0's seed summed with the
     step was replica 1's fresh seed."""
     def first_windows(rank: int, step: int) -> list[list[int]]:
-        stream = conversion.sample_stream(tiny_tokenizer, train.stream_key(train.replica_data_seed(13, rank), step),
-                                          24, [], 0.0)
-        return [[*s.prompt, *s.completion] for s in (next(stream) for _ in range(4))]
+        stream = conversion.batch_stream(tiny_tokenizer, train.stream_key(train.replica_data_seed(13, rank), step),
+                                         24, [], 0.0, rows=4)
+        return [[*s.prompt, *s.completion] for s in next(stream)]
 
     assert first_windows(0, 1000) != first_windows(1, 0)
     assert train.stream_key(13, 0) == 13  # a fresh run's data as before

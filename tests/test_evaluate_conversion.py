@@ -137,6 +137,10 @@ def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_ste
     asked = [q for q, _ in json.loads(evaluate_conversion.DEFAULTS["questions"].read_text())["questions"]]
     assert [a["question"] for a in task["answers"]] == asked  # every question of the file, in its order
     assert task["dualend_right_of_baselines"] == sum(a["baseline_right"] and a["dualend_right"] for a in task["answers"])
+    assert task["dualend_stopped_of_baselines"] == sum(a["baseline_stopped"] and a["dualend_stopped"]
+                                                       for a in task["answers"]) <= task["baseline_stopped"]
+    assert (f"within 4 tokens on {task['baseline_stopped']} questions, the converted model's on "
+            f"{task['dualend_stopped_of_baselines']} of those") in (reports / "quality_tiny.md").read_text()
     assert report["verdict"]["passed"] == all(report["verdict"]["met"].values())
     assert json.loads((reports / "quality_tiny.json").read_text())["threshold"] == report["threshold"]
     assert "NOT PASSED" in (reports / "quality_tiny.md").read_text() or report["verdict"]["passed"]

@@ -285,6 +285,18 @@ def sample_stream(tokenizer: TextTokenizer, seed: int | str, tokens: int, chat: 
         yield rng.choice(chat) if chat and rng.random() < chat_fraction else next(text)
 
 
+def batch_stream(tokenizer: TextTokenizer, seed: int | str, tokens: int, chat: list[Sample], chat_fraction: float,
+                 rows: int) -> Iterator[list[Sample]]:
+    """Batches of `rows` samples: chat answers with probability `chat_fraction`, else text windows, never
+    both, since a batch is as wide as its longest row and a chat row beside `tokens`-token text windows
+    was mostly padding (reports/conversion_recipes/short_answers/)."""
+    rng = random.Random(seed)
+    text = text_samples(tokenizer, "train", seed, tokens)
+    while True:
+        chat_batch = chat and rng.random() < chat_fraction
+        yield [rng.choice(chat) if chat_batch else next(text) for _ in range(rows)]
+
+
 # The teacher's outputs cached ------------------------------------------------------------------
 
 @dataclass

@@ -94,12 +94,16 @@ CONVERT_HELP = {
                     "(dualend.train.open_prompts: explain, describe, advise, write) in the chat rows (a run with chat "
                     "rows logs open_ figures on --eval-rows held-out requests, on topics training never sees, with or "
                     "without them)",
-    "short_prompts": "and to this many short questions with short answers (dualend.train.short_questions: capitals, "
-                     "colours, counts, words, arithmetic; never a task-check question nor its subject), which end "
-                     "with EOS where the task questions and open requests, cut at --chat-tokens, seldom do",
+    "short_prompts": "and the teacher's answers to this many short questions with short answers "
+                     "(dualend.train.short_questions: capitals, colours, counts, words, arithmetic; held apart from "
+                     "the task check's), which end with EOS where the task questions and open requests, cut at "
+                     "--chat-tokens, seldom do",
+    "chat_fraction": "the share of batches made of chat rows (the others are text windows; a batch is never both); "
+                     "with --teacher-cache, the share of rows in the cache",
     "hidden_fade_minutes": "the final-hidden-state target's weight falls linearly from --hidden-weight to 0 over this "
                            "many minutes of this invocation's training, as --decay-minutes counts (0: constant)",
-    "teacher_cache": "train on this many samples of the data stream (text and chat answers mixed as without it), the "
+    "teacher_cache": "train on this many samples of the data stream (text windows and chat answers, each batch drawn from "
+                     "them at random, so rows of both kinds), the "
                      "teacher's hidden states for them made once and kept in the run folder, so that its blocks never "
                      "run again (0: fresh samples, the teacher reads each batch)",
 }
@@ -112,7 +116,8 @@ DRAFT_HEAD_DEFAULTS = dict(
 DRAFT_HEAD_HELP = {"greedy_weight": "add this weight x the head's cross-entropy against the base's top token to the "
                                     "KL (greedy requests keep a draft only when it is that token; 0: KL alone)",
                    "open_prompts": "beside the --chat-prompts task questions, the base's answers to this many "
-                                   "open-ended requests (dualend.train.open_prompts) in the chat rows"}
+                                   "open-ended requests (dualend.train.open_prompts) in the chat rows",
+                   "short_prompts": "and to this many short questions (dualend.train.short_questions)"}
 
 RECORD_SOURCES = {"open": "open-ended chat requests (dualend.train.open_prompts)",
                   "task": "the project's task questions under the chat template",
@@ -369,7 +374,7 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
     (`open_prompts`) and --short-prompts short questions (`short_questions`); held out: to --eval-rows task
     questions; to as many open-ended requests on topics training never sees, where `open_held_out`). Answers
     already in the folder's `chat.json` for the same teacher and --chat-tokens are kept, so that changing
-    the counts makes only the new ones. None for a tokenizer without a chat template."""
+    the counts makes only the new ones. Empty lists for a tokenizer without a chat template."""
     if not tokenizer.chat_template or not (args.chat_prompts or args.open_prompts or args.short_prompts):
         return [], [], []
     path = run / "chat.json"
@@ -386,14 +391,18 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
                    + short_questions(args.short_prompts, args.seed, exclude=frozenset(q for q, _ in task_questions())),
                    "calibration": conversion.chat_prompts("calibration", args.eval_rows, args.seed),
                    "open_held_out": open_prompts("held_out", args.seed)[:made_for["open_held_out"]]}
-        same_answers = (cached.get("teacher"), cached.get("prompts", {}).get("tokens")) == (teacher_id, args.chat_tokens)
-        known = {tuple(p): c for split in prompts if same_answers for p, c in cached.get(split, [])}
-        made = {split: answered(teacher, tokenizer, questions, known, args.chat_tokens, replicas)
+        if (cached.get("teacher"), cached.get("prompts", {}).get("tokens")) == (teacher_id, args.chat_tokens):
+            known = {tuple(p): c for split in prompts for p, c in cached.get(split, [])}
+        else:
+            known = {}
+        rows = 16 if replicas.device.type == "cpu" else 64
+        made = {split: answered(teacher, tokenizer, questions, known, args.chat_tokens, rows)
                 for split, questions in prompts.items()}
         cached = {"teacher": teacher_id, "prompts": made_for,
-                  **{split: [[s.prompt, s.completion] for s in samples] for split, samples in made.items()}}
+                  **{split: [[s.prompt, s.completion] for s, _ in samples] for split, samples in made.items()}}
         path.write_text(json.dumps(cached) + "\n", encoding="utf-8")
-        print(f"chat data: {sum(map(len, prompts.values()))} teacher answers ({len(known)} kept) "
+        kept = sum(was_known for samples in made.values() for _, was_known in samples)
+        print(f"chat data: {sum(map(len, prompts.values()))} teacher answers ({kept} of them kept from before) "
               f"in {time.time() - started:.0f} s")
     if replicas.main:
         replicas.wait_for_main()
@@ -401,16 +410,17 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
 
 
 def answered(teacher: LanguageModel, tokenizer: TextTokenizer, questions: list[str], known: dict,
-             max_tokens: int, replicas: Replicas) -> list[Sample]:
-    """The teacher's answers to `questions`, in their order: those in `known` (encoded prompt -> answer)
-    as they are, the others made (on the CPU, where the reference decoder runs)."""
+             max_tokens: int, rows: int) -> list[tuple[Sample, bool]]:
+    """The teacher's answers to `questions`, in their order, each with whether it was in `known` (encoded
+    prompt -> answer) already; the others are made (on the CPU, where the reference decoder runs)."""
     encoded = [tuple(tokenizer.encode_prompt(tokenizer.user_turn(q))) for q in questions]
-    missing = [q for q, e in zip(questions, encoded) if e not in known]
-    with torch.device("cpu"):
-        for sample in conversion.teacher_chat_samples(on_cpu(teacher), tokenizer, missing, max_tokens,
-                                                      rows=16 if replicas.device.type == "cpu" else 64):
-            known[tuple(sample.prompt)] = sample.completion
-    return [Sample(list(e), known[e]) for e in encoded if e in known]
+    was_known = [e in known for e in encoded]
+    missing = [q for q, k in zip(questions, was_known) if not k]
+    if missing:
+        with torch.device("cpu"):
+            for sample in conversion.teacher_chat_samples(on_cpu(teacher), tokenizer, missing, max_tokens, rows):
+                known[tuple(sample.prompt)] = sample.completion
+    return [(Sample(list(e), known[e]), k) for e, k in zip(encoded, was_known) if e in known]
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -522,7 +532,8 @@ def cmd_convert(args) -> None:
             "open_prompts", "short_prompts", "chat_fraction", "chat_tokens", "hidden_weight", "hidden_fade_minutes",
             "confidence_weight", "autocast", "seed", "teacher_cache", "compile")
     recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
-              **{k: getattr(args, k) for k in keys}, "replicas": replicas.world}
+              **{k: getattr(args, k) for k in keys}, "replicas": replicas.world,
+              "batches": "mixed rows" if args.teacher_cache else "one kind"}
     if (run / STARTED_FROM).exists():  # the tokens count on from these; steps and minutes are this run's
         recipe["started_from"] = json.loads((run / STARTED_FROM).read_text(encoding="utf-8"))
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16")
@@ -618,6 +629,8 @@ def teacher_cache(args, run: Path, teacher: LanguageModel, tokenizer: TextTokeni
     path = run / f"teacher_cache_{replicas.rank}.pt"
     meta = {"teacher": base_ref["checkpoint_id"], "samples": args.teacher_cache, "seq_tokens": args.seq_tokens,
             "chat_fraction": args.chat_fraction, "chat_samples": len(chat), "chat_tokens": args.chat_tokens,
+            **({k: getattr(args, k) for k in ("chat_prompts", "open_prompts", "short_prompts")} if args.short_prompts
+               else {}),
             "autocast": args.autocast, "seed": data_seed}
     if path.exists():
         cache, made_with = conversion.load_taught(path)

@@ -25,8 +25,7 @@ import numpy as np
 import onnx
 from tqdm import tqdm
 
-from builder.evaluate_conversion import DEFAULTS as GATE_DEFAULTS, task_questions
-from builder.evaluate_conversion import answered_right
+from builder.evaluate_conversion import DEFAULTS as GATE_DEFAULTS, answered_right, task_questions
 from builder.export import WEIGHT_BITS, export_checkpoint, export_matches
 from builder.quantize import constant_weight_matmuls
 from client.api import median_and_spread

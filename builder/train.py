@@ -102,10 +102,10 @@ CONVERT_HELP = {
                      "with --teacher-cache, the share of rows in the cache",
     "hidden_fade_minutes": "the final-hidden-state target's weight falls linearly from --hidden-weight to 0 over this "
                            "many minutes of this invocation's training, as --decay-minutes counts (0: constant)",
-    "teacher_cache": "train on this many samples of the data stream (text windows and chat answers, each batch drawn from "
-                     "them at random, so rows of both kinds), the "
-                     "teacher's hidden states for them made once and kept in the run folder, so that its blocks never "
-                     "run again (0: fresh samples, the teacher reads each batch)",
+    "teacher_cache": "train on this many samples of the data stream (text windows and chat answers, each batch "
+                     "drawn from them at random, so rows of both kinds), the teacher's hidden states for them made "
+                     "once and kept in the run folder, so that its blocks never run again (0: fresh samples, the "
+                     "teacher reads each batch)",
 }
 # `draft-head`: per invocation, --time-limit-minutes of training and/or up to --steps in all (neither: none).
 DRAFT_HEAD_DEFAULTS = dict(

@@ -264,7 +264,7 @@ def test_open_prompts_join_the_chat_rows_and_held_out_requests_are_evaluated_wit
 def test_short_questions_join_the_chat_rows_and_answers_already_made_are_kept(base, tmp_path, monkeypatch):
     """--short-prompts: the teacher's answers to short questions follow the task and open ones; a run folder
     whose chat.json answered the other prompts (same teacher, same --chat-tokens) asks the teacher only the
-    new questions, and its earlier answers stay as they were."""
+    new questions, and its earlier answers stay as they were; answers of another length are all made again."""
     tokenizer = saved_with_chat_template(base, tmp_path / "base")
     args = ["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
             "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--chat-prompts", "2", "--open-prompts", "2",
@@ -284,6 +284,12 @@ def test_short_questions_join_the_chat_rows_and_answers_already_made_are_kept(ba
     assert chat["train"][:4] == before["train"] and chat["calibration"] == before["calibration"]
     assert [p for p, _ in chat["train"][4:]] == [tokenizer.encode_prompt(tokenizer.user_turn(q)) for q in short]
     assert chat["open_held_out"] == before["open_held_out"]
+    asked.clear()
+    (tmp_path / "run" / "state.pt").unlink()
+    longer = args + ["--short-prompts", "3"]
+    longer[longer.index("--chat-tokens") + 1] = "3"
+    train.main(longer)  # answers of another length: all made again
+    assert len(asked) == len(chat["train"]) + len(chat["calibration"]) + len(chat["open_held_out"]) == 11
 
 
 def test_short_questions_are_distinct_and_never_a_task_check_question_nor_its_subject():

@@ -158,6 +158,23 @@ def test_the_gates_open_requests_are_held_out_topics_alternating_between_calibra
     assert evaluate_conversion.open_figures(None, base, args) is None
 
 
+def test_the_task_check_counts_the_baselines_answers_that_end_and_the_converted_ones_ending_with_them(
+        converted, tmp_path, monkeypatch):
+    """Which answers end (EOS) and which run out of tokens, from each model's generations: the baseline's
+    answers 0 and 2 end, the converted model's 1 and 2."""
+    questions = tmp_path / "questions.json"
+    questions.write_text(json.dumps({"questions": [["Q0?", ["a"]], ["Q1?", ["b"]], ["Q2?", ["c"]]]}))
+    base = load_checkpoint(converted / "base")
+    dual = conversion.merged_checkpoint(base, converted / "adapters")
+    finished = {id(base.model): ["eos", "length", "eos"], id(dual.model): ["length", "eos", "eos"]}
+    monkeypatch.setattr(evaluate_conversion, "generate_batch", lambda batch, params, threshold: [
+        Generation(tokens=[5], finish_reason=reason) for reason in finished[id(batch.model)]])
+    task = evaluate_conversion.task_check(dual, base, 1.0, argparse.Namespace(questions=questions, task_tokens=4))
+    assert [(a["baseline_stopped"], a["dualend_stopped"]) for a in task["answers"]] == [
+        (True, False), (False, True), (True, True)]
+    assert (task["baseline_stopped"], task["dualend_stopped_of_baselines"]) == (2, 1)
+
+
 def test_the_gate_refuses_a_dual_end_model_converted_from_another_base(converted, tmp_path):
     with pytest.raises(SystemExit, match="was converted from"):
         evaluate_conversion.main(["--dualend", str(converted / "merged"), "--baseline", str(converted / "merged"),

@@ -279,10 +279,8 @@ def conversion_batch(samples: list[Sample], pad_id: int, rng: random.Random) -> 
 
 def sample_stream(tokenizer: TextTokenizer, seed: int | str, tokens: int, chat: list[Sample],
                   chat_fraction: float) -> Iterator[Sample]:
-    rng = random.Random(seed)
-    text = text_samples(tokenizer, "train", seed, tokens)
-    while True:
-        yield rng.choice(chat) if chat and rng.random() < chat_fraction else next(text)
+    """One sample at a time, a chat answer with probability `chat_fraction` (`batch_stream`'s batches of one)."""
+    return (batch[0] for batch in batch_stream(tokenizer, seed, tokens, chat, chat_fraction, rows=1))
 
 
 def batch_stream(tokenizer: TextTokenizer, seed: int | str, tokens: int, chat: list[Sample], chat_fraction: float,

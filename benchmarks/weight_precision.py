@@ -12,7 +12,9 @@ change from fp32, how often the top token equals fp32's, the quantized nodes and
 `--timing` then times decode steps of all precisions, taking turns, after `--timing-context` latents.
 `--task-check` also asks each export the conversion gate's short chat questions
 (builder/data/chat_questions.json, under the chat template, greedy, `--task-tokens` at most): how many it
-answers right, and how many of its answers are fp32's word for word.
+answers right, and how many of its answers are fp32's word for word. `--first-tokens QUESTION` prints each
+export's five likeliest first tokens of the answer to QUESTION (under the chat template), with their
+log-probabilities: how near a tie the quantized weights may flip.
 """
 from __future__ import annotations
 
@@ -165,6 +167,21 @@ def print_task_check(directories: dict[str, Path], max_tokens: int, threads: int
         print(f" {precision:>7} | {right:5} | {same}")
 
 
+def first_tokens(directory: Path, question: str, threads: int, count: int = 5) -> list[tuple[int, float]]:
+    """The `count` likeliest first tokens of the export's answer to `question` under its chat template, with
+    their log-probabilities."""
+    engine = OnnxComponents(directory, threads, max_sequences=1)
+    tokenizer = engine.exported.tokenizer()
+    ids = np.array(tokenizer.encode_prompt(tokenizer.user_turn(question)), np.int64)
+    pair = engine.pair_size
+    if len(ids) % pair:
+        raise SystemExit(f"--first-tokens {question!r}: {len(ids)} prompt tokens, not whole pairs of {pair}")
+    logits = engine.backbone.prefill(1, engine.compress(ids.reshape(-1, pair)), 0).logits.astype(np.float64)
+    shifted = logits - logits.max()
+    log_probs = shifted - np.log(np.exp(shifted).sum())
+    return [(int(token), float(log_probs[token])) for token in np.argsort(-log_probs)[:count]]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=str(DEFAULTS["checkpoint"]))
@@ -180,6 +197,8 @@ def main(argv=None) -> None:
     parser.add_argument("--timing-steps", type=int, default=DEFAULTS["timing_steps"])
     parser.add_argument("--task-check", action="store_true", help="also ask each export the task check's questions")
     parser.add_argument("--task-tokens", type=int, default=DEFAULTS["task_tokens"])
+    parser.add_argument("--first-tokens", metavar="QUESTION", action="append", default=[],
+                        help="also print each export's likeliest first answer tokens to QUESTION (repeatable)")
     args = parser.parse_args(argv)
     checkpoint = load_checkpoint(args.checkpoint)
     name = Path(args.checkpoint).name
@@ -203,6 +222,12 @@ def main(argv=None) -> None:
         print(f" {precision} backbone: {graph_summary(directory / 'backbone' / 'model.onnx')}; "
               f"weight_quantization {quantization}")
 
+    for question in args.first_tokens:
+        print(f"\nfirst answer token to {question!r} under the chat template: top 5, log-probability")
+        for precision, directory in directories.items():
+            decode = ExportedModel.open(directory).tokenizer().decode
+            likeliest = first_tokens(directory, question, args.threads)
+            print(f" {precision:>7} | " + "  ".join(f"{decode([token])!r} {value:.2f}" for token, value in likeliest))
     if args.task_check:
         print_task_check(directories, args.task_tokens, args.threads)
     if args.timing:

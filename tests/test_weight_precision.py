@@ -4,11 +4,16 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 from benchmarks import weight_precision
 from builder.evaluate_conversion import DEFAULTS as GATE_DEFAULTS
 from conftest import tiny_model
 from dualend.engine.checkpoint import Checkpoint
+from dualend.engine.decode import SamplingParams
+from dualend.engine.onnx_engine import OnnxComponents
 from dualend.engine.tokenizer import BOS, EOS, PAD, TextTokenizer
+from dualend.serving.offline import generate_text
 
 
 def test_each_precision_is_measured_against_fp32_and_its_export_reused(tiny_tokenizer, tmp_path, capsys):
@@ -35,3 +40,27 @@ def test_each_precision_is_measured_against_fp32_and_its_export_reused(tiny_toke
     assert re.search(r"^ batch +1: fp32 [\d.]+ \([\d.]+-[\d.]+\) \| int4 [\d.]+", out, re.M)
     weight_precision.main(options)
     assert "exporting" not in capsys.readouterr().out  # the exports match the checkpoint: reused
+
+
+def test_the_first_answer_tokens_are_the_likeliest_with_the_greedy_answers_first(tiny_tokenizer, tmp_path, capsys):
+    """The tiny model's chat template holds the question only; a question of odd length leaves no whole pairs."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer = TextTokenizer(tiny_tokenizer.tokenizer, {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
+                                                         "add_bos_token": True, "chat_template": template})
+    Checkpoint(tiny_model(tokenizer, 2, seed=1), tokenizer).save(tmp_path / "tiny")
+    by_parity = {len(tokenizer.encode_prompt(text)) % 2: text for text in (f"Name a colour{'!' * n}" for n in range(6))}
+    even, odd = by_parity[0], by_parity[1]
+    weight_precision.main(["--checkpoint", str(tmp_path / "tiny"), "--export-dir", str(tmp_path / "exports"),
+                           "--precisions", "fp32", "--chunks", "1", "--tokens", "8", "--threads", "1",
+                           "--first-tokens", even])
+    assert re.search(rf"first answer token to {even!r}.*\n +fp32 \| ('.*' -?\d+\.\d\d +){{4}}'.*' -?\d+\.\d\d$",
+                     capsys.readouterr().out, re.M)
+    directory = tmp_path / "exports" / "tiny-fp32"
+    top = weight_precision.first_tokens(directory, even, 1)
+    values = [value for _, value in top]
+    assert len(top) == 5 and values == sorted(values, reverse=True) and sum(math.exp(v) for v in values) <= 1
+    engine = OnnxComponents(directory, 1, max_sequences=1)
+    greedy = generate_text(engine, tokenizer, even, SamplingParams(max_tokens=1, ignore_eos=True), 1.0)
+    assert greedy.tokens == [top[0][0]]
+    with pytest.raises(SystemExit, match="not whole pairs of 2"):
+        weight_precision.first_tokens(directory, odd, 1)

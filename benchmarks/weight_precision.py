@@ -70,6 +70,12 @@ def held_out_rows(checkpoint: Checkpoint, chunks: int, tokens: int, seed: int) -
     return np.array(rows, np.int64)
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities along the last axis."""
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
 def teacher_forced(directory: Path, rows: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
     """NLL and top token of each backbone prediction, [chunks, latents - 1]: the logits after latent i
     predict the first token of pair i + 1."""
@@ -85,8 +91,7 @@ def teacher_forced(directory: Path, rows: np.ndarray, threads: int) -> tuple[np.
     for index in tqdm(range(count - 1), desc=directory.name, leave=False):
         if index > 0:
             logits = np.stack([out.logits for out in runner.step(ids, latents[:, index])])  # [B, V]
-        shifted = logits - logits.max(-1, keepdims=True)
-        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        log_probs = log_softmax(logits)
         nll[:, index] = -log_probs[np.arange(len(rows)), gold[:, index]]
         top[:, index] = logits.argmax(-1)
     return nll, top
@@ -167,9 +172,9 @@ def print_task_check(directories: dict[str, Path], max_tokens: int, threads: int
         print(f" {precision:>7} | {right:5} | {same}")
 
 
-def first_tokens(directory: Path, question: str, threads: int, count: int = 5) -> list[tuple[int, float]]:
-    """The `count` likeliest first tokens of the export's answer to `question` under its chat template, with
-    their log-probabilities."""
+def first_tokens(directory: Path, question: str, threads: int, count: int = 5) -> list[tuple[int, str, float]]:
+    """The `count` likeliest first tokens of the export's answer to `question` under its chat template: token
+    id, text and log-probability."""
     engine = OnnxComponents(directory, threads, max_sequences=1)
     tokenizer = engine.exported.tokenizer()
     ids = np.array(tokenizer.encode_prompt(tokenizer.user_turn(question)), np.int64)
@@ -177,9 +182,9 @@ def first_tokens(directory: Path, question: str, threads: int, count: int = 5) -
     if len(ids) % pair:
         raise SystemExit(f"--first-tokens {question!r}: {len(ids)} prompt tokens, not whole pairs of {pair}")
     logits = engine.backbone.prefill(1, engine.compress(ids.reshape(-1, pair)), 0).logits.astype(np.float64)
-    shifted = logits - logits.max()
-    log_probs = shifted - np.log(np.exp(shifted).sum())
-    return [(int(token), float(log_probs[token])) for token in np.argsort(-log_probs)[:count]]
+    log_probs = log_softmax(logits)
+    return [(int(token), tokenizer.decode([int(token)]), float(log_probs[token]))
+            for token in np.argsort(-log_probs)[:count]]
 
 
 def main(argv=None) -> None:
@@ -225,9 +230,8 @@ def main(argv=None) -> None:
     for question in args.first_tokens:
         print(f"\nfirst answer token to {question!r} under the chat template: top 5, log-probability")
         for precision, directory in directories.items():
-            decode = ExportedModel.open(directory).tokenizer().decode
             likeliest = first_tokens(directory, question, args.threads)
-            print(f" {precision:>7} | " + "  ".join(f"{decode([token])!r} {value:.2f}" for token, value in likeliest))
+            print(f" {precision:>7} | " + "  ".join(f"{text!r} {value:.2f}" for _, text, value in likeliest))
     if args.task_check:
         print_task_check(directories, args.task_tokens, args.threads)
     if args.timing:

@@ -43,12 +43,14 @@ def test_each_precision_is_measured_against_fp32_and_its_export_reused(tiny_toke
 
 
 def test_the_first_answer_tokens_are_the_likeliest_with_the_greedy_answers_first(tiny_tokenizer, tmp_path, capsys):
-    """The tiny model's chat template holds the question only; a question of odd length leaves no whole pairs."""
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    """The question under the chat template; a prompt of odd length leaves no whole pairs for this pair model."""
+    template = "{% for m in messages %}Q: {{ m['content'] }} A:{% endfor %}"
     tokenizer = TextTokenizer(tiny_tokenizer.tokenizer, {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
                                                          "add_bos_token": True, "chat_template": template})
     Checkpoint(tiny_model(tokenizer, 2, seed=1), tokenizer).save(tmp_path / "tiny")
-    by_parity = {len(tokenizer.encode_prompt(text)) % 2: text for text in (f"Name a colour{'!' * n}" for n in range(6))}
+    by_parity = {len(tokenizer.encode_prompt(tokenizer.user_turn(text))) % 2: text
+                 for text in (f"Name a colour{'!' * n}" for n in range(6))}
+    assert set(by_parity) == {0, 1}, "the candidate questions should give prompts of both parities"
     even, odd = by_parity[0], by_parity[1]
     weight_precision.main(["--checkpoint", str(tmp_path / "tiny"), "--export-dir", str(tmp_path / "exports"),
                            "--precisions", "fp32", "--chunks", "1", "--tokens", "8", "--threads", "1",
@@ -57,10 +59,13 @@ def test_the_first_answer_tokens_are_the_likeliest_with_the_greedy_answers_first
                      capsys.readouterr().out, re.M)
     directory = tmp_path / "exports" / "tiny-fp32"
     top = weight_precision.first_tokens(directory, even, 1)
-    values = [value for _, value in top]
-    assert len(top) == 5 and values == sorted(values, reverse=True) and sum(math.exp(v) for v in values) <= 1
+    values = [value for _, _, value in top]
+    assert len(top) == 5 and values == sorted(values, reverse=True)
+    every = weight_precision.first_tokens(directory, even, 1, count=tokenizer.vocab_size)
+    assert abs(math.log(sum(math.exp(value) for _, _, value in every))) < 1e-6  # a distribution over the vocabulary
     engine = OnnxComponents(directory, 1, max_sequences=1)
-    greedy = generate_text(engine, tokenizer, even, SamplingParams(max_tokens=1, ignore_eos=True), 1.0)
-    assert greedy.tokens == [top[0][0]]
+    greedy = generate_text(engine, tokenizer, tokenizer.user_turn(even), SamplingParams(max_tokens=1, ignore_eos=True),
+                           1.0)
+    assert greedy.tokens == [top[0][0]] and top[0][1] == tokenizer.decode([top[0][0]])
     with pytest.raises(SystemExit, match="not whole pairs of 2"):
         weight_precision.first_tokens(directory, odd, 1)

@@ -68,7 +68,7 @@ def main(argv=None) -> None:
         conversion.frozen_linears_in(torch.bfloat16, teacher, student)
     kl = conversion.compile_step(teacher, student) if args.compile else conversion.kl_rows
     warmup = 3 if args.compile else 1  # graphs for each mode and argument pattern the blocks see
-    stream, rng = conversion.sample_stream(base.tokenizer, 0, args.seq_tokens, [], 0.0), random.Random(0)
+    stream, rng = conversion.text_samples(base.tokenizer, "train", 0, args.seq_tokens), random.Random(0)
     batches = [conversion.conversion_batch([next(stream) for _ in range(args.batch_size)], pad, rng)
                for _ in range(args.steps + warmup)]
     if args.teacher_cache:

@@ -98,14 +98,13 @@ CONVERT_HELP = {
                      "(dualend.train.short_questions: capitals, colours, counts, words, arithmetic; held apart from "
                      "the task check's), which end with EOS where the task questions and open requests, cut at "
                      "--chat-tokens, seldom do",
-    "chat_fraction": "the share of batches made of chat rows (the others are text windows; a batch is never both); "
-                     "with --teacher-cache, the share of rows in the cache",
+    "chat_fraction": "the share of batches made of chat rows (the others are text windows; a batch is never both)",
     "hidden_fade_minutes": "the final-hidden-state target's weight falls linearly from --hidden-weight to 0 over this "
                            "many minutes of this invocation's training, as --decay-minutes counts (0: constant)",
-    "teacher_cache": "train on this many samples of the data stream (text windows and chat answers, each batch "
-                     "drawn from them at random, so rows of both kinds), the teacher's hidden states for them made "
-                     "once and kept in the run folder, so that its blocks never run again (0: fresh samples, the "
-                     "teacher reads each batch)",
+    "teacher_cache": "train on this many samples of the data stream (text windows and chat answers; each batch "
+                     "drawn at random from one kind, as --chat-fraction says), the teacher's hidden states for them "
+                     "made once and kept in the run folder, so that its blocks never run again (0: fresh samples, "
+                     "the teacher reads each batch)",
 }
 # `draft-head`: per invocation, --time-limit-minutes of training and/or up to --steps in all (neither: none).
 DRAFT_HEAD_DEFAULTS = dict(
@@ -532,8 +531,7 @@ def cmd_convert(args) -> None:
             "open_prompts", "short_prompts", "chat_fraction", "chat_tokens", "hidden_weight", "hidden_fade_minutes",
             "confidence_weight", "autocast", "seed", "teacher_cache", "compile")
     recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
-              **{k: getattr(args, k) for k in keys}, "replicas": replicas.world,
-              "batches": "mixed rows" if args.teacher_cache else "one kind"}
+              **{k: getattr(args, k) for k in keys}, "replicas": replicas.world, "batches": "one kind"}
     if (run / STARTED_FROM).exists():  # the tokens count on from these; steps and minutes are this run's
         recipe["started_from"] = json.loads((run / STARTED_FROM).read_text(encoding="utf-8"))
     autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16")
@@ -572,10 +570,11 @@ def cmd_convert(args) -> None:
         record_and_save()
     deadline = time.time() + 60 * args.time_limit_minutes if args.time_limit_minutes else math.inf
     run_started_at = elapsed  # a resumed run's schedule counts its minutes from here
-    cache, cache_seconds = [], 0.0
+    cache, cache_seconds = None, 0.0
     if args.teacher_cache:
         with torch.autocast(**autocast):
-            cache, seconds = teacher_cache(args, run, teacher, tokenizer, chat_train, data_seed, base_ref, replicas)
+            taught, seconds = teacher_cache(args, run, teacher, tokenizer, chat_train, data_seed, base_ref, replicas)
+        cache = conversion.CachedBatches(taught, args.batch_size, args.chat_fraction)
         cache_seconds = replicas.total(seconds) / replicas.world  # training time on one clock: minutes, schedules
         elapsed += cache_seconds
     bar = tqdm(desc="convert", initial=step, total=args.steps or None, file=sys.stdout, mininterval=30,
@@ -587,7 +586,7 @@ def cmd_convert(args) -> None:
         student.train()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, decay_progress(args, tokens, elapsed - run_started_at), args.lr, args.warmup)
-        batch = (conversion.taught_batch(data_rng.sample(cache, args.batch_size), pad, data_rng) if cache
+        batch = (conversion.taught_batch(cache.draw(data_rng), pad, data_rng) if cache
                  else conversion.conversion_batch(next(stream), pad, data_rng))
         batch = {name: tensor.to(device) for name, tensor in batch.items()}
         with torch.autocast(**autocast):
@@ -631,15 +630,16 @@ def teacher_cache(args, run: Path, teacher: LanguageModel, tokenizer: TextTokeni
             "chat_fraction": args.chat_fraction, "chat_samples": len(chat), "chat_tokens": args.chat_tokens,
             **({k: getattr(args, k) for k in ("chat_prompts", "open_prompts", "short_prompts")} if args.short_prompts
                else {}),
-            "autocast": args.autocast, "seed": data_seed}
+            "autocast": args.autocast, "seed": data_seed, "batches": "one kind"}
     if path.exists():
         cache, made_with = conversion.load_taught(path)
         if made_with != meta:
             sys.exit(f"{path} holds a teacher cache made otherwise ({made_with}, not {meta}); choose another --run")
         return cache, 0.0
     started = time.time()
-    stream = conversion.sample_stream(tokenizer, data_seed, args.seq_tokens, chat, args.chat_fraction)
-    cache = conversion.taught_samples(teacher, [next(stream) for _ in range(args.teacher_cache)], teacher.cfg.pad_id)
+    batches = conversion.batch_stream(tokenizer, data_seed, args.seq_tokens, chat, args.chat_fraction, args.batch_size)
+    samples = list(itertools.islice((s for batch in batches for s in batch), args.teacher_cache))
+    cache = conversion.taught_samples(teacher, samples, teacher.cfg.pad_id, chat)
     conversion.save_taught(cache, meta, path)
     seconds = time.time() - started
     tokens = sum(len(t.hidden) for t in cache)
@@ -691,13 +691,12 @@ class BaseRunDraftData:
         self.stream, self.ids = None, ids  # the --init-head's; otherwise its draft tokens are chosen when it ships
 
     def start(self, step: int) -> None:
-        self.stream = conversion.sample_stream(self.base.tokenizer, stream_key(self.args.seed, step),
-                                               self.args.seq_tokens, self.chat_train, self.args.chat_fraction)
+        self.stream = conversion.batch_stream(self.base.tokenizer, stream_key(self.args.seed, step), self.args.seq_tokens,
+                                              self.chat_train, self.args.chat_fraction, self.args.batch_size)
 
     def train_loss(self, model: LanguageModel) -> tuple[torch.Tensor, dict, int]:
         """The loss of the next batch, its figures, and the tokens it read."""
-        tokens, valid, start = token_rows([next(self.stream) for _ in range(self.args.batch_size)],
-                                          self.base.config.pad_id, self.args.seq_tokens)
+        tokens, valid, start = token_rows(next(self.stream), self.base.config.pad_id, self.args.seq_tokens)
         return *draft_head.draft_loss(model, tokens, valid, start, self.args.greedy_weight), int(valid.sum())
 
     def held_out_figures(self, model: LanguageModel) -> dict:
@@ -716,7 +715,7 @@ class BaseRunDraftData:
         return draft_head.frequent_tokens(targets, self.args.draft_vocab, always=[self.base.config.eos_id])
 
     def describe(self) -> dict:
-        return {}
+        return {"batches": "one kind"}
 
 
 class RecordDraftData:

@@ -321,6 +321,18 @@ def test_a_batch_is_chat_answers_or_text_windows_never_both(tiny_tokenizer):
         tiny_tokenizer, 0, 24, [], 0.4, rows=4)))
 
 
+def test_cached_batches_are_one_kind_too_drawn_as_the_chat_fraction_says():
+    hidden = torch.zeros(4, 2)
+    cache = [conversion.TaughtSample(Sample([1, 2], [3, 4]), hidden, chat=i < 6) for i in range(20)]
+    draws = conversion.CachedBatches(cache, 4, 0.4)
+    rng = random.Random(0)
+    kinds = [{t.chat for t in draws.draw(rng)} for _ in range(400)]
+    assert all(len(kind) == 1 for kind in kinds)
+    assert 120 <= sum(True in kind for kind in kinds) <= 200
+    assert all(not t.chat for t in conversion.CachedBatches(cache, 8, 0.9).draw(rng))  # 6 chat rows: too few
+    assert len(conversion.CachedBatches(cache[:5] + cache[-2:], 6, 0.5).draw(rng)) == 6  # neither kind has 6
+
+
 def test_a_draft_head_run_on_its_base_trains_on_the_answers_to_open_requests_too(base, tmp_path):
     """draft-head --open-prompts: the same chat rows as convert's (task answers, then open ones); its
     held-out rows stay the task answers, so no held-out open answers are made."""
@@ -413,15 +425,19 @@ def test_convert_runs_on_cuda_in_bf16_with_chat_rows(base, tmp_path):
     assert (tmp_path / "run" / "adapters" / conversion.ADAPTERS).exists()
 
 
-def test_a_batch_of_cached_teacher_states_gives_the_loss_of_the_teacher_itself(base, tiny_tokenizer, monkeypatch):
+def test_a_batch_of_cached_teacher_states_gives_the_loss_of_the_teacher_itself(base, tiny_tokenizer, monkeypatch,
+                                                                                 tmp_path):
     """--teacher-cache: the cached hidden states stand in for the teacher's blocks (fp16 rounding
-    aside), also for rows of different lengths, and the blocks do not run for such a batch."""
+    aside), also for rows of different lengths, and the blocks do not run for such a batch; a cached
+    chat row stays marked as one when read back."""
     student = conversion.build_student(base.model, SPEC)
     stream = conversion.text_samples(tiny_tokenizer, "train", 0, 24)
     third = next(stream)
     samples = [next(stream), next(stream), Sample(third.prompt, third.completion[:9])]
-    taught = conversion.taught_samples(base.model, samples, tiny_tokenizer.pad_id, rows=2)
+    taught = conversion.taught_samples(base.model, samples, tiny_tokenizer.pad_id, chat=samples[2:], rows=2)
     assert [len(t.hidden) for t in taught] == [len(s.prompt) + len(s.completion) for s in samples]
+    conversion.save_taught(taught, {}, tmp_path / "cache.pt")
+    assert [t.chat for t in conversion.load_taught(tmp_path / "cache.pt")[0]] == [False, False, True]
     live_batch = conversion.conversion_batch(samples, tiny_tokenizer.pad_id, random.Random(5))
     live, _ = conversion.conversion_loss(student, base.model, live_batch)
     cached_batch = conversion.taught_batch(taught, tiny_tokenizer.pad_id, random.Random(5))
@@ -438,6 +454,7 @@ def test_convert_makes_its_teacher_cache_once_and_reads_it_back_when_resumed(bas
     train.main([*options, "--steps", "2"])
     cache, meta = conversion.load_taught(tmp_path / "run" / "teacher_cache_0.pt")
     assert len(cache) == 3 and meta["samples"] == 3 and all(len(t.hidden) == 32 for t in cache)
+    assert meta["batches"] == "one kind" and not any(t.chat for t in cache)  # no chat prompts: text windows only
     recipe = conversion.load_adapters(tmp_path / "run" / "adapters")[1]["recipe"]
     assert recipe["teacher_cache"] == 3 and recipe["steps"] == 2
     monkeypatch.setattr(conversion, "taught_samples", lambda *a: pytest.fail("the cache was made again"))

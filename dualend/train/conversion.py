@@ -277,12 +277,6 @@ def conversion_batch(samples: list[Sample], pad_id: int, rng: random.Random) -> 
     return dualend_batch(samples, pad_id, rng, reject_ratio=draw_reject_ratio(rng))
 
 
-def sample_stream(tokenizer: TextTokenizer, seed: int | str, tokens: int, chat: list[Sample],
-                  chat_fraction: float) -> Iterator[Sample]:
-    """One sample at a time, a chat answer with probability `chat_fraction` (`batch_stream`'s batches of one)."""
-    return (batch[0] for batch in batch_stream(tokenizer, seed, tokens, chat, chat_fraction, rows=1))
-
-
 def batch_stream(tokenizer: TextTokenizer, seed: int | str, tokens: int, chat: list[Sample], chat_fraction: float,
                  rows: int) -> Iterator[list[Sample]]:
     """Batches of `rows` samples: chat answers with probability `chat_fraction`, else text windows, never
@@ -304,17 +298,38 @@ class TaughtSample:
     the sample skips the teacher's blocks."""
     sample: Sample
     hidden: torch.Tensor
+    chat: bool = False  # a chat answer, not a text window
 
 
 @torch.no_grad()
-def taught_samples(teacher: LanguageModel, samples: list[Sample], pad_id: int, rows: int = 8) -> list[TaughtSample]:
-    taught, device = [], teacher.output_weight.device
+def taught_samples(teacher: LanguageModel, samples: list[Sample], pad_id: int, chat: list[Sample] = (),
+                   rows: int = 8) -> list[TaughtSample]:
+    """`samples` with the teacher's hidden states; those that are rows of `chat` marked so."""
+    taught, device, chat_rows = [], teacher.output_weight.device, {id(s) for s in chat}
     for start in range(0, len(samples), rows):
         chunk = samples[start:start + rows]
         hidden = teacher_hidden(teacher, baseline_batch(chunk, pad_id)["tokens"].to(device)).half().cpu()
-        taught += [TaughtSample(s, hidden[i, :len(s.prompt) + len(s.completion)].clone())
+        taught += [TaughtSample(s, hidden[i, :len(s.prompt) + len(s.completion)].clone(), id(s) in chat_rows)
                    for i, s in enumerate(chunk)]
     return taught
+
+
+class CachedBatches:
+    """Batches of cached samples of one kind each, as `batch_stream` draws them: chat answers with probability
+    `chat_fraction`, else text windows. A kind with fewer than `rows` samples is not drawn; where neither has
+    that many, a batch takes any rows."""
+
+    def __init__(self, cache: list[TaughtSample], rows: int, chat_fraction: float):
+        self.rows, self.chat_fraction, self.cache = rows, chat_fraction, cache
+        self.chat, self.text = [t for t in cache if t.chat], [t for t in cache if not t.chat]
+
+    def draw(self, rng: random.Random) -> list[TaughtSample]:
+        chat, text = len(self.chat) >= self.rows, len(self.text) >= self.rows
+        if chat and text:
+            pool = self.chat if rng.random() < self.chat_fraction else self.text
+        else:
+            pool = self.chat if chat else self.text if text else self.cache
+        return rng.sample(pool, self.rows)
 
 
 def taught_batch(taught: list[TaughtSample], pad_id: int, rng: random.Random) -> dict[str, torch.Tensor]:
@@ -328,14 +343,14 @@ def taught_batch(taught: list[TaughtSample], pad_id: int, rng: random.Random) ->
 
 def save_taught(taught: list[TaughtSample], meta: dict, path: Path) -> None:
     rows = [{"prompt": t.sample.prompt, "completion": t.sample.completion, "silent": sorted(t.sample.silent),
-             "hidden": t.hidden} for t in taught]
+             "hidden": t.hidden, "chat": t.chat} for t in taught]
     torch.save({"meta": meta, "rows": rows}, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").rename(path)
 
 
 def load_taught(path: Path) -> tuple[list[TaughtSample], dict]:
     saved = torch.load(path, weights_only=True)
-    return [TaughtSample(Sample(r["prompt"], r["completion"], frozenset(r["silent"])), r["hidden"])
+    return [TaughtSample(Sample(r["prompt"], r["completion"], frozenset(r["silent"])), r["hidden"], r.get("chat", False))
             for r in saved["rows"]], saved["meta"]
 
 

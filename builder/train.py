@@ -691,8 +691,9 @@ class BaseRunDraftData:
         self.stream, self.ids = None, ids  # the --init-head's; otherwise its draft tokens are chosen when it ships
 
     def start(self, step: int) -> None:
-        self.stream = conversion.batch_stream(self.base.tokenizer, stream_key(self.args.seed, step), self.args.seq_tokens,
-                                              self.chat_train, self.args.chat_fraction, self.args.batch_size)
+        args = self.args
+        self.stream = conversion.batch_stream(self.base.tokenizer, stream_key(args.seed, step), args.seq_tokens,
+                                              self.chat_train, args.chat_fraction, args.batch_size)
 
     def train_loss(self, model: LanguageModel) -> tuple[torch.Tensor, dict, int]:
         """The loss of the next batch, its figures, and the tokens it read."""

@@ -350,7 +350,8 @@ def save_taught(taught: list[TaughtSample], meta: dict, path: Path) -> None:
 
 def load_taught(path: Path) -> tuple[list[TaughtSample], dict]:
     saved = torch.load(path, weights_only=True)
-    return [TaughtSample(Sample(r["prompt"], r["completion"], frozenset(r["silent"])), r["hidden"], r.get("chat", False))
+    return [TaughtSample(Sample(r["prompt"], r["completion"], frozenset(r["silent"])), r["hidden"],
+                         r.get("chat", False))  # a cache made before rows kept their kind: its meta says so
             for r in saved["rows"]], saved["meta"]
 
 

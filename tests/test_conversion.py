@@ -467,6 +467,18 @@ def test_convert_makes_its_teacher_cache_once_and_reads_it_back_when_resumed(bas
         train.main([*options[:-1], "1", "--run", str(tmp_path / "other"), "--steps", "1"])
 
 
+def test_a_teacher_cache_of_chat_batches_holds_chat_rows_marked_so(base, tmp_path):
+    saved_with_chat_template(base, tmp_path / "base")
+    train.main(["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
+                "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--eval-every", "1000",
+                "--chat-prompts", "4", "--chat-tokens", "8", "--chat-fraction", "1.0", "--autocast", "none",
+                "--teacher-cache", "3", "--steps", "1"])
+    cache, _ = conversion.load_taught(tmp_path / "run" / "teacher_cache_0.pt")
+    chat = json.loads((tmp_path / "run" / "chat.json").read_text())["train"]
+    assert len(cache) == 3 and all(t.chat for t in cache)
+    assert all([*t.sample.prompt, *t.sample.completion] in [[*p, *a] for p, a in chat] for t in cache)
+
+
 def test_a_run_out_of_time_while_making_its_teacher_cache_keeps_the_caches_minutes(base, tmp_path):
     """The cache is part of the run's training time (its schedules count it): saved even when no step follows."""
     base.save(tmp_path / "base")

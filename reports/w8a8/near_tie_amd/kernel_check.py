@@ -10,7 +10,7 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from builder.quantize import ACTIVATION_ZERO_POINT
-from dualend.engine.onnx_engine import ExportedModel
+from dualend.engine.onnx_engine import ExportedModel, in_place_backbone_inputs
 
 exported = ExportedModel.open(sys.argv[1])
 tokenizer = exported.tokenizer()
@@ -33,7 +33,7 @@ layers, count = exported.settings["n_layers"], len(ids)
 past = np.zeros((1, exported.settings["n_kv_heads"], count, exported.settings["head_dim"]), np.float32)
 feed = {"latents": latents, "seqlens_k": np.array([count - 1], np.int32),
         "total_sequence_length": np.array(count, np.int32)}
-feed |= {f"past_{kind}_{i}": past for kind in ("keys", "values") for i in range(layers)}
+feed |= {name: past for name in in_place_backbone_inputs(layers)[len(feed):]}
 outputs = dict(zip(["logits", *watched], session.run(None, feed)))
 differing = []
 for node in products:

@@ -54,7 +54,7 @@ DEFAULTS = dict(dualend=ROOT / "build" / "checkpoints" / "smollm2_dualend",
                 baseline=ROOT / "build" / "checkpoints" / "smollm2", name="smollm2_dualend",
                 adapters=ROOT / "checkpoints" / "smollm2_dualend",
                 reports=ROOT / "reports", chat_prompts=16, open_prompts=16, text_prompts=16, prompt_tokens=96,
-                answer_tokens=96, text_rows=8, text_tokens=256, gate=0.02, agreement_floor=0.5, task_tokens=48,
+                answer_tokens=96, text_rows=64, text_tokens=256, gate=0.02, agreement_floor=0.5, task_tokens=48,
                 questions=ROOT / "builder" / "data" / "chat_questions.json", threads=2)
 THRESHOLDS = (-1.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 TARGETS = {"nll_gap": 0.10, "chat_tokens_per_step": 1.6, "top_token_agreement": 0.90}
@@ -161,6 +161,11 @@ def task_check(dualend: Checkpoint, baseline: Checkpoint, threshold: float, args
             "answers": answers}
 
 
+def standard_error(values: list[float]) -> float | None:
+    """The standard error of the mean of `values` (None for fewer than two)."""
+    return round(float(np.std(values, ddof=1) / np.sqrt(len(values))), 4) if len(values) > 1 else None
+
+
 def text_figures(dualend: Checkpoint, baseline: Checkpoint, threshold: float, args) -> dict:
     samples = conversion.text_samples(baseline.tokenizer, "report", 1, args.text_tokens)
     chunks = [[*s.prompt, *s.completion] for _, s in zip(range(args.text_rows), samples)]
@@ -170,7 +175,9 @@ def text_figures(dualend: Checkpoint, baseline: Checkpoint, threshold: float, ar
     held = conversion.held_out(baseline.model, [s for _, s in zip(range(args.text_rows), conversion.text_samples(
         baseline.tokenizer, "report", 2, args.text_tokens))], baseline.config.pad_id)
     agreement = conversion.evaluate(dualend.model, held)
+    row_gaps = dual_loss.nll.mean(1) - base_loss.nll.mean(1)
     return {"nll_baseline": round(float(base_loss.nll.mean()), 4), "nll_dualend": round(float(dual_loss.nll.mean()), 4),
+            "nll_gap_by_row": [round(float(g), 4) for g in row_gaps],
             "tokens_per_step": round(tokens_per_step(dual_loss), 4),
             "by_position": {"baseline": loss_by_position(base_loss, args.text_tokens),
                             "dualend": loss_by_position(dual_loss, args.text_tokens)},
@@ -233,8 +240,9 @@ def markdown(report: dict) -> str:
               f"{'right' if a['dualend_right'] else 'wrong'}: {_cell(a['dualend'])} |" for a in task["answers"]]
     text = report["text"]
     lines += ["", "## report split: text, teacher-forced", "",
-              f"NLL per token: baseline {text['nll_baseline']}, dual-end {text['nll_dualend']} at the threshold "
-              f"({text['tokens_per_step']} tokens per step); top token as the baseline's: t1 "
+              f"NLL per token over {report['settings']['text_rows']} rows: baseline {text['nll_baseline']}, dual-end "
+              f"{text['nll_dualend']} at the threshold ({text['tokens_per_step']} tokens per step; the gap's standard "
+              f"error over rows {standard_error(text['nll_gap_by_row'])}); top token as the baseline's: t1 "
               f"{text['top_token_agreement']['agree_t1']}, t2 {text['top_token_agreement']['agree_t2']}; "
               f"confidence ECE {text['reliability']['ece']}.", "", "| positions | baseline | dual-end |", "|---|---|---|"]
     lines += [f"| {b['positions']} | {b['all']} | {d['all']} |"

@@ -53,6 +53,12 @@ def test_calibration_takes_the_fastest_threshold_whose_higher_ones_all_hold_the_
     assert calibrate({"chat": chat, "text": text}, gate=0.02) == 0.7
 
 
+def test_the_standard_error_is_the_spread_of_the_values_over_the_root_of_their_count():
+    assert evaluate_conversion.standard_error([1.0, 3.0]) == 1.0  # sample std sqrt(2), over sqrt(2)
+    assert evaluate_conversion.standard_error([0.5, 0.5, 0.5, 0.5]) == 0.0
+    assert evaluate_conversion.standard_error([0.5]) is None
+
+
 def test_no_threshold_is_kept_whose_chat_answers_fall_below_the_absolute_floor():
     speed = {t: 2.0 - i * 0.1 for i, t in enumerate(THRESHOLDS)}
     # within the gate of drafting off everywhere, but drafting off itself agrees only 0.3 with the base
@@ -131,6 +137,10 @@ def test_the_quality_gate_runs_end_to_end_and_drafting_off_emits_one_token_a_ste
         assert text["-1.0"]["tokens_per_step_no_eos"] == 2.0 and text["-1.0"]["acceptance_rate"] == 1.0
         assert all(0.0 <= row["agreement"] <= 1.0 for kind in report[split].values() for row in kind.values())
     assert set(report["verdict"]["met"]) == set(evaluate_conversion.TARGETS) | {"task_answers"}
+    gaps = report["text"]["nll_gap_by_row"]  # rows of equal length: their mean gap is the gate's
+    assert len(gaps) == 2 and sum(gaps) / 2 == pytest.approx(report["verdict"]["measured"]["nll_gap"], abs=2e-4)
+    assert (f"the gap's standard error over rows {evaluate_conversion.standard_error(gaps)})"
+            in (reports / "quality_tiny.md").read_text())
     task = report["task"]
     assert task["questions"] == len(task["answers"]) >= 40
     assert report["verdict"]["targets"]["task_answers"] == task["baseline_right"] - TASK_MARGIN

@@ -422,6 +422,20 @@ def test_a_log_past_its_bound_is_copied_aside_and_emptied_and_nginx_writes_on(st
     assert stack.rotate_logs(max_bytes=1 << 30) == []  # under the bound: left alone
 
 
+def test_a_gateway_whose_port_another_server_holds_refuses_to_start(stack):
+    """Before: tritonserver on the gateway's port answered the start probe, so the launcher said the
+    gateway served while nginx had exited and clients reached tritonserver without keys."""
+    from dualend.ops.gateway import IDENTITY_ROUTE, GatewayError
+
+    assert http(stack, IDENTITY_ROUTE, key=False) == (200, stack.identity)
+    held = int(stack.triton.http_url.rsplit(":", 1)[1])
+    second = Gateway(GatewaySettings(stack.triton.http_url, stack.triton.grpc_url, stack.repository,
+                                     http_port=held, grpc_port=free_ports("127.0.0.1", 1)[0]), stack.root / "second")
+    with pytest.raises(GatewayError, match="nginx exited at start: .*Address already in use"):
+        second.start()
+    assert http(stack, "/v2/health/live", key=False)[0] == 200  # the running gateway is untouched
+
+
 def test_a_client_over_its_rate_is_refused_with_429(stack):
     ports = free_ports("127.0.0.1", 2)
     strict = Gateway(GatewaySettings(stack.triton.http_url, stack.triton.grpc_url, stack.repository,

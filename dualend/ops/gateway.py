@@ -34,6 +34,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -64,6 +65,9 @@ LOG_MAX_BYTES = 64 * 2**20  # each nginx log, before the launcher moves it aside
 
 class GatewayError(RuntimeError):
     pass
+
+
+IDENTITY_ROUTE = "/dualend/gateway-identity"  # answers the running gateway's identity (not a secret)
 
 
 @dataclass
@@ -121,8 +125,10 @@ def public_inputs(model_repository: Path) -> dict[str, dict]:
             for i in inputs}
 
 
-def render(settings: GatewaySettings, prefix: Path, api_keys: dict[str, ApiKey] | None = None) -> str:
-    """nginx's config; `api_keys` those in force (None: no keys, anyone may call)."""
+def render(settings: GatewaySettings, prefix: Path, api_keys: dict[str, ApiKey] | None = None,
+           identity: str = "") -> str:
+    """nginx's config; `api_keys` those in force (None: no keys, anyone may call); `identity`: what
+    IDENTITY_ROUTE answers, so that the launcher knows its own nginx from another server on the port."""
     keys = list((api_keys or {}).values())
     caps = sorted({key.max_requests for key in keys})  # without keys, no one to be fair between: no cap
     cap_maps = "\n".join(  # one zone per cap: a key counts in its own cap's zone only
@@ -256,6 +262,7 @@ http {{
         {v1_location}
         {model_location("", keyed=True)}
         {model_location("/ready", keyed=False)}
+        location = {IDENTITY_ROUTE} {{ return 200 '{identity}'; }}
         location = /v2/health/live {{
             # the watchdog's mark: a failed component cannot be restored without a restart
             if (-f {prefix}/down/{STUCK_MARK}) {{ return 503 '{{"error":"a failed component cannot be restored; restart the server"}}'; }}
@@ -376,6 +383,7 @@ class Gateway:
         self.keys = KeysFile(settings.keys_file, say) if settings.keys_file else None  # says each problem once
         self.report = OncePerProblem(say)  # a reload that failed, retried at each look
         self.keys_in_force = self.keys.keys if self.keys else None  # those of the config nginx runs
+        self.identity = secrets.token_hex(8)
 
     @property
     def config_path(self) -> Path:
@@ -411,7 +419,7 @@ class Gateway:
         (self.prefix / "request_check.js").write_text(
             f"const INPUTS = {inputs};\nconst CLIENTS = {clients};\n\n{REQUEST_CHECK.read_text('utf-8')}")
         staged = self.config_path.with_suffix(".new")
-        staged.write_text(render(self.settings, self.prefix, keys))
+        staged.write_text(render(self.settings, self.prefix, keys, self.identity))
         check = subprocess.run([nginx_binary(), "-t", "-q", "-p", str(self.prefix), "-c", str(staged)],
                                capture_output=True, text=True)
         if check.returncode:
@@ -430,19 +438,23 @@ class Gateway:
             [nginx_binary(), "-p", str(self.prefix), "-c", str(self.config_path), "-g", "daemon off;"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(self.prefix / "nginx.out", "ab"),
             start_new_session=True)
-        deadline = time.monotonic() + 10
+        deadline, answered = time.monotonic() + 10, False
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise GatewayError(f"nginx exited at start: {(self.prefix / 'nginx.out').read_text()[-2000:]}")
-            try:
-                urllib.request.urlopen(f"http://{self.http_url}/v2/health/live", timeout=1).close()
-                return self
+            try:  # another server on the port answers too, until nginx gives up binding it
+                with urllib.request.urlopen(f"http://{self.http_url}{IDENTITY_ROUTE}", timeout=1) as answer:
+                    if answer.read().decode(errors="replace") == self.identity:
+                        return self
+                answered = True
             except urllib.error.HTTPError:
-                return self  # nginx answers; the server behind it may still be starting
+                answered = True
             except (urllib.error.URLError, OSError):
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         self.stop()
-        raise GatewayError(f"nginx did not listen on {self.http_url} within 10 s")
+        raise GatewayError(f"nginx did not listen on {self.http_url} within 10 s"
+                           + ("; another server answers there" if answered else ""))
 
     def set_baseline_percent(self, percent: float, timeout_s: float = 10.0) -> None:
         """New canary weight, applied by a graceful reload."""

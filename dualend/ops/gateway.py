@@ -10,6 +10,7 @@ the `X-Dualend-Deployment` header:
     POST /v2/models/{dualend,baseline,llm}/generate[_stream]   key required; `llm` = canary split
     GET  /v2/models/{dualend,baseline}                          key required (metadata)
     GET  /v2/models/{dualend,baseline}/ready, /v2/health/{live,ready}   open, for health probes
+    GET  /dualend/gateway-identity          open: this start's random identity (the launcher's start probe)
     GET  /v1/models, POST /v1/completions, /v1/chat/completions   key required: the OpenAI-compatible
                                                                 service (dualend.ops.openai_api)
     gRPC inference.GRPCInferenceService/{ModelStreamInfer,ModelInfer,ModelMetadata,...}   key required
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fcntl
+import http.client
 import json
 import os
 import secrets
@@ -68,6 +70,7 @@ class GatewayError(RuntimeError):
 
 
 IDENTITY_ROUTE = "/dualend/gateway-identity"  # answers the running gateway's identity (not a secret)
+IDENTITY_FILE = "identity"  # in the prefix: that identity, for a reload from another process
 
 
 @dataclass
@@ -383,7 +386,8 @@ class Gateway:
         self.keys = KeysFile(settings.keys_file, say) if settings.keys_file else None  # says each problem once
         self.report = OncePerProblem(say)  # a reload that failed, retried at each look
         self.keys_in_force = self.keys.keys if self.keys else None  # those of the config nginx runs
-        self.identity = secrets.token_hex(8)
+        identity = self.prefix / IDENTITY_FILE  # a reload keeps the running start's identity
+        self.identity = identity.read_text(encoding="utf-8") if identity.exists() else ""
 
     @property
     def config_path(self) -> Path:
@@ -433,6 +437,9 @@ class Gateway:
 
     def start(self) -> "Gateway":
         shutil.rmtree(self.prefix / "down", ignore_errors=True)  # marks left by a run that crashed
+        self.identity = secrets.token_hex(8)  # new at each start: an nginx left by a crashed run is not this one
+        self.prefix.mkdir(parents=True, exist_ok=True)
+        (self.prefix / IDENTITY_FILE).write_text(self.identity, encoding="utf-8")
         self.write_config()
         self.process = subprocess.Popen(
             [nginx_binary(), "-p", str(self.prefix), "-c", str(self.config_path), "-g", "daemon off;"],
@@ -444,10 +451,10 @@ class Gateway:
                 raise GatewayError(f"nginx exited at start: {(self.prefix / 'nginx.out').read_text()[-2000:]}")
             try:  # another server on the port answers too, until nginx gives up binding it
                 with urllib.request.urlopen(f"http://{self.http_url}{IDENTITY_ROUTE}", timeout=1) as answer:
-                    if answer.read().decode(errors="replace") == self.identity:
+                    if answer.read(64).decode(errors="replace") == self.identity:
                         return self
                 answered = True
-            except urllib.error.HTTPError:
+            except (urllib.error.HTTPError, http.client.HTTPException):
                 answered = True
             except (urllib.error.URLError, OSError):
                 pass

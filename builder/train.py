@@ -436,16 +436,17 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def start_from_adapters(student, teacher, directory: str, base_id: str, spec: conversion.ConversionSpec) -> dict:
-    """Loads a run's (or the shipped) adapters into the student (those of an adapted MTP block folded into
-    its weights for a `mtp_layer_full` student); returns what they were (their sha256, the tokens, steps
-    and minutes they were trained for), for the recipe."""
+    """Loads a run's (or the shipped) adapters into the student, as the same model under its spec (an adapted MTP
+    block folded into its weights, adapters widened to a higher rank: `conversion.adapters_as`); returns what they
+    were (their sha256, the tokens, steps and minutes they were trained for), for the recipe."""
     adapters, meta = conversion.load_adapters(directory)
     found = conversion.ConversionSpec(**meta["spec"])
-    if not found.mtp_layer_full and replace(found, mtp_layer_full=True) == spec:
-        adapters, found = conversion.mtp_layer_unfolded(teacher, adapters, found)
-    if (meta["base"]["checkpoint_id"], found) != (base_id, spec):
-        sys.exit(f"{directory} converts base {meta['base']['checkpoint_id']} with {meta['spec']}, "
-                 f"not {base_id} with {asdict(spec)}")
+    if meta["base"]["checkpoint_id"] != base_id:
+        sys.exit(f"{directory} converts base {meta['base']['checkpoint_id']}, not {base_id}")
+    try:
+        adapters = conversion.adapters_as(teacher, adapters, found, spec)
+    except ValueError as error:
+        sys.exit(f"{directory}: {error}")
     unknown = sorted(set(adapters) - set(conversion.trainable_state(student)))
     if unknown:
         sys.exit(f"{directory} holds weights this student does not train: {unknown[:3]}")

@@ -363,9 +363,30 @@ def test_a_new_run_started_from_adapters_begins_where_they_ended(base, tmp_path)
     started_from = conversion.load_adapters(tmp_path / "second" / "adapters")[1]["recipe"]["started_from"]
     assert started_from["adapters_sha256"] == conversion.adapters_sha256(tmp_path / "first" / "adapters")
     assert started_from["steps"] == 3
-    with pytest.raises(SystemExit, match="lora_rank"):
-        train.main([*options[:3], "--lora-rank", "8", *options[5:], "--run", str(tmp_path / "third"),
+    with pytest.raises(SystemExit, match="lora_rank"):  # a lower rank is another model
+        train.main([*options[:3], "--lora-rank", "2", *options[5:], "--run", str(tmp_path / "third"),
                     "--init-adapters", str(tmp_path / "first" / "adapters")])
+
+
+def test_a_run_at_a_higher_rank_starts_from_lower_rank_adapters_as_the_same_model(base, tmp_path):
+    """--lora-rank above the adapters' (and another alpha): each adapter is widened, the old directions
+    rescaled to the new alpha / rank and the new ones starting at zero, so the first evaluation is the old
+    run's last; the new directions then train."""
+    base.save(tmp_path / "base")
+    options = ["convert", "--baseline", str(tmp_path / "base"), "--batch-size", "2", "--seq-tokens", "32",
+               "--eval-rows", "2", "--eval-every", "3", "--steps", "3", "--chat-prompts", "0", "--autocast", "none"]
+    train.main([*options, "--lora-rank", "4", "--run", str(tmp_path / "narrow")])
+    train.main([*options, "--lora-rank", "8", "--lora-alpha", "64", "--run", str(tmp_path / "wide"),
+                "--init-adapters", str(tmp_path / "narrow" / "adapters")])
+    narrow, wide = ([json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+                    for name in ("narrow", "wide"))
+    for key in ("nll_t1", "nll_t2", "agree_t1"):
+        assert wide[0][key] == pytest.approx(narrow[-1][key], abs=1e-4)
+    old, _ = conversion.load_adapters(tmp_path / "narrow" / "adapters")
+    new, meta = conversion.load_adapters(tmp_path / "wide" / "adapters")
+    assert meta["spec"]["lora_rank"] == 8 and new["backbone.layers.0.attn.qkv.lora_a"].shape[0] == 8
+    assert new["backbone.layers.0.attn.qkv.lora_b"][:, 4:].abs().sum() > 0  # the new directions trained
+    assert not torch.equal(new["backbone.layers.0.attn.qkv.lora_a"][:4], old["backbone.layers.0.attn.qkv.lora_a"])
 
 
 def test_a_run_training_the_mtp_block_whole_starts_from_adapted_ones_as_the_same_model_and_merges(base, tmp_path):

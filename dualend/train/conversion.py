@@ -161,17 +161,33 @@ def fold_lora(model: nn.Module) -> None:
                 setattr(module, name, child.merged())
 
 
-def mtp_layer_unfolded(base: LanguageModel, adapters: dict[str, torch.Tensor],
-                       spec: ConversionSpec) -> tuple[dict[str, torch.Tensor], ConversionSpec]:
-    """Adapters of `spec` (the MTP head's block adapted) as a start for the same with `mtp_layer_full`: that
-    block's adapters folded into its weights, which then train; the same model."""
-    if spec.mtp_layer_full or not spec.lora_rank:
-        raise ValueError(f"{spec}: the MTP head's block has no adapters to fold")
-    student = build_student(base, spec)
+def adapters_as(base: LanguageModel, adapters: dict[str, torch.Tensor], found: ConversionSpec,
+                wanted: ConversionSpec) -> dict[str, torch.Tensor]:
+    """Adapters of `found` as the start of a `wanted` student, the same model: with `mtp_layer_full` the MTP
+    head's block's adapters folded into its weights; at a higher rank each adapter widened (the new directions'
+    A drawn as a fresh adapter's, their B zero, the old B rescaled from `found`'s alpha / rank to `wanted`'s).
+    ValueError for any other change (a lower rank, a full fine-tune, another start, an adapted block again)."""
+    if found == wanted:
+        return adapters
+    if (replace(found, lora_rank=wanted.lora_rank, lora_alpha=wanted.lora_alpha, mtp_layer_full=wanted.mtp_layer_full)
+            != wanted or not 0 < found.lora_rank <= wanted.lora_rank or found.mtp_layer_full > wanted.mtp_layer_full):
+        raise ValueError(f"adapters of {asdict(found)} cannot start {asdict(wanted)}: only the MTP head's block "
+                         "trained whole or a higher lora_rank starts as the same model")
+    student = build_student(base, found)
     student.load_state_dict(adapters, strict=False)
-    fold_lora(student.mtp.layer)
-    student.mtp.layer.requires_grad_(True)
-    return trainable_state(student), replace(spec, mtp_layer_full=True)
+    if wanted.mtp_layer_full and not found.mtp_layer_full:
+        fold_lora(student.mtp.layer)
+        student.mtp.layer.requires_grad_(True)
+    grown = build_student(base, wanted)
+    old = dict(student.named_modules())
+    with torch.no_grad():
+        for name, module in grown.named_modules():
+            if isinstance(module, LoRALinear):
+                rank = found.lora_rank
+                module.lora_a[:rank] = old[name].lora_a
+                module.lora_b[:, :rank] = old[name].lora_b * (old[name].scale / module.scale)
+    kept = {n: t for n, t in trainable_state(student).items() if ".lora_" not in n}
+    return {**trainable_state(grown), **kept}
 
 
 def merge_adapters(base: LanguageModel, adapters: dict[str, torch.Tensor], spec: ConversionSpec) -> LanguageModel:

@@ -1010,8 +1010,9 @@ def main(argv=None) -> None:
     for key, value in CONVERT_DEFAULTS.items():
         convert.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value, help=CONVERT_HELP.get(key))
     convert.add_argument("--baseline", required=True, help="the token-level checkpoint to convert (the teacher)")
-    convert.add_argument("--init-adapters", help="start from these adapters (a run's, or the shipped ones); "
-                         "ignored when the run folder holds a state to resume")
+    convert.add_argument("--init-adapters", help="start from these adapters (a run's, or the shipped ones; at a "
+                         "--lora-rank at least theirs, each adapter widened as the same model); ignored when the run "
+                         "folder holds a state to resume")
     convert.add_argument("--run", "--run-dir", dest="run", required=True,
                          help="the run folder (under torchrun write --run-dir: torchrun reads --run as its --run-path)")
     convert.add_argument("--mtp-layer-full", action="store_true",

@@ -369,14 +369,14 @@ def test_a_new_run_started_from_adapters_begins_where_they_ended(base, tmp_path)
 
 
 def test_a_run_at_a_higher_rank_starts_from_lower_rank_adapters_as_the_same_model(base, tmp_path):
-    """--lora-rank above the adapters' (and another alpha): each adapter is widened, the old directions
-    rescaled to the new alpha / rank and the new ones starting at zero, so the first evaluation is the old
-    run's last; the new directions then train."""
+    """--lora-rank above the adapters' (the same alpha, so half the scale): each adapter is widened, the old
+    directions rescaled to the new alpha / rank and the new ones starting at zero, so the first evaluation is
+    the old run's last; the new directions then train."""
     base.save(tmp_path / "base")
     options = ["convert", "--baseline", str(tmp_path / "base"), "--batch-size", "2", "--seq-tokens", "32",
                "--eval-rows", "2", "--eval-every", "3", "--steps", "3", "--chat-prompts", "0", "--autocast", "none"]
     train.main([*options, "--lora-rank", "4", "--run", str(tmp_path / "narrow")])
-    train.main([*options, "--lora-rank", "8", "--lora-alpha", "64", "--run", str(tmp_path / "wide"),
+    train.main([*options, "--lora-rank", "8", "--run", str(tmp_path / "wide"),
                 "--init-adapters", str(tmp_path / "narrow" / "adapters")])
     narrow, wide = ([json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
                     for name in ("narrow", "wide"))

@@ -179,11 +179,10 @@ def adapters_as(base: LanguageModel, adapters: dict[str, torch.Tensor], found: C
         fold_lora(student.mtp.layer)
         student.mtp.layer.requires_grad_(True)
     grown = build_student(base, wanted)
-    old = dict(student.named_modules())
+    old, rank = dict(student.named_modules()), found.lora_rank
     with torch.no_grad():
         for name, module in grown.named_modules():
             if isinstance(module, LoRALinear):
-                rank = found.lora_rank
                 module.lora_a[:rank] = old[name].lora_a
                 module.lora_b[:, :rank] = old[name].lora_b * (old[name].scale / module.scale)
     kept = {n: t for n, t in trainable_state(student).items() if ".lora_" not in n}

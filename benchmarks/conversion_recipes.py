@@ -7,7 +7,9 @@ Each run folder's `log.jsonl` (one record per save) gives, against tokens traine
 minutes: the NLL gap of t1 and t2 to the teacher on the held-out text (student NLL - teacher NLL, the
 same rows for every run started from the same base and --eval-rows), top-1 agreement with the teacher,
 the t1 gap on held-out open-ended requests (where the log has it), and the run's tokens/s. Writes report.md
-(the last record of each run and its recipe) and curves.png.
+(the last record of each run and its recipe) and curves.png. Runs resumed from a copy of one run folder
+(an A/B from a common state) share its earlier records: `--from-step N` keeps each run's records from step N
+on, minutes counted from there.
 """
 from __future__ import annotations
 
@@ -21,13 +23,16 @@ FIGURES = (("gap_t1", "t1 NLL gap (nats)"), ("gap_t2", "t2 NLL gap (nats)"), ("a
            ("open_gap_t1", "open requests: t1 NLL gap"))
 
 
-def curve(run: Path) -> list[dict]:
-    """The run's records with the gaps computed: gap_t1, gap_t2 (student - teacher held-out NLL), and
-    open_gap_t1 on held-out open-ended requests where a record has it."""
+def curve(run: Path, from_step: int = 0) -> list[dict]:
+    """The run's records from `from_step` on with the gaps computed: gap_t1, gap_t2 (student - teacher
+    held-out NLL), and open_gap_t1 on held-out open-ended requests where a record has it; minutes counted
+    from the first record kept."""
     records = [json.loads(line) for line in (run / "log.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    records = [r for r in records if r["step"] >= from_step]
     if not records:
-        raise SystemExit(f"{run}: log.jsonl holds no record")
-    return [record | {"gap_t1": record["nll_t1"] - record["teacher_nll_t1"],
+        raise SystemExit(f"{run}: log.jsonl holds no record" + (f" from step {from_step}" if from_step else ""))
+    start = records[0]["minutes"]
+    return [record | {"minutes": round(record["minutes"] - start, 2), "gap_t1": record["nll_t1"] - record["teacher_nll_t1"],
                       "gap_t2": record["nll_t2"] - record["teacher_nll_t2"]}
             | ({"open_gap_t1": record["open_nll_t1"] - record["open_teacher_nll_t1"]}
                if "open_nll_t1" in record else {})
@@ -85,8 +90,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run folders of builder.train convert")
     parser.add_argument("--out", type=Path, default=Path("reports/conversion_recipes"))
+    parser.add_argument("--from-step", type=int, default=0,
+                        help="each run's records from this step on (runs resumed from a common state)")
     args = parser.parse_args(argv)
-    curves = {run.name: curve(run) for run in args.runs}
+    curves = {run.name: curve(run, args.from_step) for run in args.runs}
     recipes = {run.name: recipe(run) for run in args.runs}
     args.out.mkdir(parents=True, exist_ok=True)
     plot(curves, args.out / "curves.png")

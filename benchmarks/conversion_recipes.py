@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 
 # shown where a run set them
-OPTIONAL_KEYS = ("hidden_fade_minutes", "decay_minutes", "teacher_cache", "compile", "open_prompts", "short_prompts")
+OPTIONAL_KEYS = ("hidden_fade_minutes", "decay_minutes", "teacher_cache", "compile", "open_prompts", "short_prompts",
+                 "student_answers")
 FIGURES = (("gap_t1", "t1 NLL gap (nats)"), ("gap_t2", "t2 NLL gap (nats)"), ("agree_t1", "t1 top-1 = teacher"),
            ("open_gap_t1", "open requests: t1 NLL gap"))
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import itertools
 import json
 import math
@@ -58,7 +59,7 @@ from dualend.train import conversion, draft_head
 from dualend.train.data import FAMILIES, examples, stdlib_chunks
 from dualend.train.open_prompts import open_prompts
 from dualend.train.short_questions import short_questions
-from dualend.train.parallel import Replicas
+from dualend.train.parallel import Replicas, state_digest
 from dualend.train.evaluation import evaluate_pass1
 from dualend.train.training import (
     AUGMENTATIONS,
@@ -83,11 +84,13 @@ DEFAULTS = dict(
 # --decay-minutes: the same over that many minutes of this run's training (a GPU run with a time budget,
 # whose tokens per second are not known ahead).
 STARTED_FROM = "started_from.json"  # in a run folder: the adapters it started from (--init-adapters)
+STUDENT_ANSWERS = "student_answers.json"  # in a run folder: --student-answers, made at an invocation's start
 CONVERT_DEFAULTS = dict(
     lora_rank=16, lora_alpha=32.0, frozen_layers=0, batch_size=4, seq_tokens=256, lr=5e-4, warmup=10, steps=0,
     time_limit_minutes=5.0, eval_every=10, eval_rows=4, chat_prompts=32, open_prompts=0, short_prompts=0,
     chat_fraction=0.25, chat_tokens=96, hidden_weight=1.0, confidence_weight=1.0, autocast="auto", seed=0, threads=2,
     device="cpu", compressor_init="mean", decay_tokens=0, decay_minutes=0.0, hidden_fade_minutes=0.0, teacher_cache=0,
+    student_answers=0.0,
 )
 CONVERT_HELP = {
     "open_prompts": "beside the --chat-prompts task questions, the teacher's answers to this many open-ended requests "
@@ -105,6 +108,10 @@ CONVERT_HELP = {
                      "drawn at random from one kind, as --chat-fraction says), the teacher's hidden states for them "
                      "made once and kept in the run folder, so that its blocks never run again (0: fresh samples, "
                      "the teacher reads each batch)",
+    "student_answers": "this share of the chat rows (spread evenly over them) answered by the student itself, greedy "
+                       "with drafting off as it serves, in place of the teacher's answers: the teacher still labels "
+                       "every position, so the student learns the teacher's next token after its own words (on-policy "
+                       "distillation); made at the start of each invocation by the student as it then is (0: none)",
 }
 # `draft-head`: per invocation, --time-limit-minutes of training and/or up to --steps in all (neither: none).
 DRAFT_HEAD_DEFAULTS = dict(
@@ -408,6 +415,31 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
     return tuple([Sample(p, c) for p, c in cached[split]] for split in ("train", "calibration", "open_held_out"))
 
 
+def student_answered(args, run: Path, student: LanguageModel, eos_id: int, chat: list[Sample],
+                     replicas: Replicas) -> list[Sample]:
+    """--student-answers: the chat rows with that share of them (spread evenly) answered by the student as it
+    starts this invocation (`conversion.greedy_answers`) in place of the teacher's. The main replica makes them
+    into the run folder's student_answers.json, kept while the student's weights, the rows and the share are
+    the same: resumed, a run that trained meanwhile answers again as the student it has become."""
+    share = args.student_answers
+    picked = [i for i in range(len(chat)) if math.floor((i + 1) * share) > math.floor(i * share)]
+    path = run / STUDENT_ANSWERS
+    if replicas.main:
+        made_for = {"student": state_digest(conversion.trainable_state(student)), "share": share,
+                    "tokens": args.chat_tokens,
+                    "rows": hashlib.sha256(json.dumps([s.prompt for s in chat]).encode()).hexdigest()}
+        cached = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        if cached.get("made_for") != made_for:
+            started = time.time()
+            answers = conversion.greedy_answers(student.eval(), [chat[i].prompt for i in picked], args.chat_tokens,
+                                                eos_id)
+            path.write_text(json.dumps({"made_for": made_for, "answers": answers}) + "\n", encoding="utf-8")
+            print(f"student answers: {len(answers)} of {len(chat)} chat rows in {time.time() - started:.0f} s")
+    replicas.wait_for_main()
+    answers = dict(zip(picked, json.loads(path.read_text(encoding="utf-8"))["answers"]))
+    return [Sample(s.prompt, answers[i]) if answers.get(i) else s for i, s in enumerate(chat)]
+
+
 def answered(teacher: LanguageModel, tokenizer: TextTokenizer, questions: list[str], known: dict,
              max_tokens: int, rows: int) -> list[tuple[Sample, bool]]:
     """The teacher's answers to `questions`, in their order, each with whether it was in `known` (encoded
@@ -468,6 +500,11 @@ def cmd_convert(args) -> None:
         sys.exit("--mtp-layer-full: with --lora-rank 0 every block trains its own weights already")
     if args.compressor_init not in conversion.COMPRESSOR_STARTS:
         sys.exit(f"--compressor-init {args.compressor_init}: expected one of {', '.join(conversion.COMPRESSOR_STARTS)}")
+    if not 0 <= args.student_answers <= 1:
+        sys.exit(f"--student-answers {args.student_answers}: a share of the chat rows, from 0 to 1")
+    if args.student_answers and args.teacher_cache:
+        sys.exit("--student-answers with --teacher-cache: the cache keeps one set of answers, the student answers "
+                 "afresh each invocation; give one")
     if args.teacher_cache and args.teacher_cache < args.batch_size:
         sys.exit(f"--teacher-cache {args.teacher_cache}: a batch draws --batch-size {args.batch_size} cached samples, "
                  "so cache at least that many (or 0: no cache)")
@@ -511,6 +548,10 @@ def cmd_convert(args) -> None:
             (run / STARTED_FROM).write_text(json.dumps(started_from) + "\n", encoding="utf-8")
             print(f"started from {args.init_adapters} ({tokens} tokens of training)")
     chat_train, chat_eval, open_eval = chat_data(args, run, teacher, tokenizer, base_ref["checkpoint_id"], replicas)
+    if args.student_answers:
+        if not chat_train:
+            sys.exit("--student-answers: the run has no chat rows (--chat-prompts, --open-prompts, --short-prompts)")
+        chat_train = student_answered(args, run, student, tokenizer.eos_id, chat_train, replicas)
     references = {}
     if replicas.main:
         references[""] = conversion.held_out(teacher, conversion.held_out_samples(tokenizer, args.eval_rows,
@@ -530,7 +571,7 @@ def cmd_convert(args) -> None:
                                            args.chat_fraction, args.batch_size))
     keys = ("batch_size", "seq_tokens", "lr", "warmup", "decay_tokens", "decay_minutes", "chat_prompts",
             "open_prompts", "short_prompts", "chat_fraction", "chat_tokens", "hidden_weight", "hidden_fade_minutes",
-            "confidence_weight", "autocast", "seed", "teacher_cache", "compile")
+            "confidence_weight", "autocast", "seed", "teacher_cache", "compile", "student_answers")
     recipe = {"kind": "dualend-conversion", "base": base_ref, "torch": torch.__version__,
               **{k: getattr(args, k) for k in keys}, "replicas": replicas.world, "batches": "one kind"}
     if (run / STARTED_FROM).exists():  # the tokens count on from these; steps and minutes are this run's

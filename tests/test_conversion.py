@@ -292,6 +292,58 @@ def test_short_questions_join_the_chat_rows_and_answers_already_made_are_kept(ba
     assert len(asked) == len(chat["train"]) + len(chat["calibration"]) + len(chat["open_held_out"]) == 11
 
 
+def test_student_answers_replace_that_share_of_the_chat_rows_made_again_once_the_student_has_trained(
+        base, tmp_path, monkeypatch):
+    """--student-answers 0.5: every second chat row is answered by the student as it starts the invocation (its
+    greedy answer, drafting off), the others keep the teacher's; kept while the student is the same, made again
+    by a resumed run whose student has trained since."""
+    tokenizer = saved_with_chat_template(base, tmp_path / "base")
+    args = ["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank", "4",
+            "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--chat-prompts", "4", "--chat-tokens", "5",
+            "--chat-fraction", "1.0", "--autocast", "none", "--lr", "1e-2", "--warmup", "1", "--student-answers", "0.5"]
+    trained_on, batch_stream = [], conversion.batch_stream
+    monkeypatch.setattr(conversion, "batch_stream",
+                        lambda tok, seed, tokens, chat, *a: trained_on.append(chat) or batch_stream(tok, seed, tokens,
+                                                                                                    chat, *a))
+    made, greedy_answers = [], conversion.greedy_answers
+
+    def answering(model, *rest):
+        if conversion.trainable_state(model):  # the student's (the teacher's chat.json answers: no trainable state)
+            made.append({k: v.clone() for k, v in conversion.trainable_state(model).items()})
+        return greedy_answers(model, *rest)
+    monkeypatch.setattr(conversion, "greedy_answers", answering)
+    train.main(args + ["--steps", "2"])
+    teacher_rows = [Sample(p, c) for p, c in json.loads((tmp_path / "run" / "chat.json").read_text())["train"]]
+    torch.manual_seed(0)
+    student = conversion.build_student(base.model, SPEC)  # the run's start: LoRA's B is zero, the scale no matter
+    answers = greedy_answers(student, [s.prompt for s in teacher_rows[1::2]], 5, tokenizer.eos_id)
+    assert trained_on[0][0::2] == teacher_rows[0::2]
+    assert [s.completion for s in trained_on[0][1::2]] == answers
+    assert answers != [s.completion for s in teacher_rows[1::2]]  # the pair model does not answer as its teacher
+    assert all(1 <= len(a) <= 6 for a in answers)
+    assert len(made) == 1
+    train.main(args + ["--steps", "2"])  # resumed at step 2: the student trained since its answers were made
+    assert len(made) == 2 and any(not torch.equal(made[0][k], made[1][k]) for k in made[0])
+    train.main(args + ["--steps", "2"])  # nothing trained since: the same answers
+    assert len(made) == 2 and trained_on[-1] == trained_on[-2]
+    log = json.loads((tmp_path / "run" / "adapters" / "adapters.json").read_text())
+    assert log["recipe"]["student_answers"] == 0.5
+
+
+@pytest.mark.parametrize("options, refused", [
+    (["--student-answers", "1.5", "--chat-prompts", "2"], "a share of the chat rows"),
+    (["--student-answers", "0.5", "--chat-prompts", "2", "--teacher-cache", "4"], "give one"),
+    (["--student-answers", "0.5", "--chat-prompts", "0"], "no chat rows"),
+])
+def test_student_answers_outside_a_share_with_a_teacher_cache_or_without_chat_rows_are_refused(
+        base, tmp_path, options, refused):
+    saved_with_chat_template(base, tmp_path / "base")
+    with pytest.raises(SystemExit, match=refused):
+        train.main(["convert", "--baseline", str(tmp_path / "base"), "--run", str(tmp_path / "run"), "--lora-rank",
+                    "4", "--batch-size", "2", "--seq-tokens", "32", "--eval-rows", "2", "--chat-tokens", "4",
+                    "--steps", "1", "--autocast", "none", *options])
+
+
 def test_short_questions_are_distinct_and_never_a_task_check_question_nor_its_subject():
     """The task check stays held out: no short question is one of its questions or asks its sum in other
     words, and no subject (a unit's container), without its article, stands as a word in one of them,

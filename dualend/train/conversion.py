@@ -272,16 +272,22 @@ def teacher_chat_samples(teacher: LanguageModel, tokenizer: TextTokenizer, promp
     """Each prompt as a user turn under the chat template, answered by the teacher's greedy
     decoding (ended by EOS when it stopped there): the token-level model's own outputs."""
     encoded = [tokenizer.encode_prompt(tokenizer.user_turn(p)) for p in prompts]
-    samples = []
-    for start in range(0, len(encoded), rows):
-        chunk = encoded[start:start + rows]
-        batch = TorchBatch(teacher, chunk, max_tokens)
-        for prompt, generation in zip(chunk, generate_batch(batch, [SamplingParams(max_tokens=max_tokens)] * len(chunk),
-                                                            threshold=1.0)):
-            eos = [tokenizer.eos_id] if generation.finish_reason == "eos" else []
-            if generation.tokens or eos:
-                samples.append(Sample(prompt, [int(t) for t in generation.tokens] + eos))
-    return samples
+    answers = greedy_answers(teacher, encoded, max_tokens, tokenizer.eos_id, rows)
+    return [Sample(prompt, answer) for prompt, answer in zip(encoded, answers) if answer]
+
+
+def greedy_answers(model: LanguageModel, prompts: list[list[int]], max_tokens: int, eos_id: int,
+                   rows: int = 16) -> list[list[int]]:
+    """`model`'s greedy continuation of each encoded prompt (a dual-end model's drafting off, as it
+    serves), ended by EOS where it stopped there; `rows` prompts at a time."""
+    answers = []
+    for start in range(0, len(prompts), rows):
+        chunk = prompts[start:start + rows]
+        with torch.no_grad():
+            generations = generate_batch(TorchBatch(model, chunk, max_tokens),
+                                         [SamplingParams(max_tokens=max_tokens)] * len(chunk), threshold=1.0)
+        answers += [[int(t) for t in g.tokens] + ([eos_id] if g.finish_reason == "eos" else []) for g in generations]
+    return answers
 
 
 def conversion_batch(samples: list[Sample], pad_id: int, rng: random.Random) -> dict[str, torch.Tensor]:

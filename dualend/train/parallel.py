@@ -73,12 +73,8 @@ class Replicas:
 
     def digests(self, state: dict[str, torch.Tensor]) -> list[str]:
         """Each replica's sha256 of `state` (tensors by name), gathered: equal while they are in step."""
-        digest = hashlib.sha256()
-        for name in sorted(state):
-            digest.update(name.encode())
-            digest.update(state[name].detach().float().cpu().numpy().tobytes())
         gathered = [None] * self.world
-        dist.all_gather_object(gathered, digest.hexdigest())
+        dist.all_gather_object(gathered, state_digest(state))
         return gathered
 
     def wait_for_main(self) -> None:
@@ -98,3 +94,12 @@ class Replicas:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 of tensors by name: the same for the same weights, whatever their device."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        digest.update(name.encode())
+        digest.update(state[name].detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()

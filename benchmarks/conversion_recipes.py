@@ -33,7 +33,8 @@ def curve(run: Path, from_step: int = 0) -> list[dict]:
     if not records:
         raise SystemExit(f"{run}: log.jsonl holds no record" + (f" from step {from_step}" if from_step else ""))
     start = records[0]["minutes"]
-    return [record | {"minutes": round(record["minutes"] - start, 2), "gap_t1": record["nll_t1"] - record["teacher_nll_t1"],
+    return [record | {"minutes": round(record["minutes"] - start, 2),
+                      "gap_t1": record["nll_t1"] - record["teacher_nll_t1"],
                       "gap_t2": record["nll_t2"] - record["teacher_nll_t2"]}
             | ({"open_gap_t1": record["open_nll_t1"] - record["open_teacher_nll_t1"]}
                if "open_nll_t1" in record else {})

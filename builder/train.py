@@ -401,8 +401,7 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
             known = {tuple(p): c for split in prompts for p, c in cached.get(split, [])}
         else:
             known = {}
-        rows = 16 if replicas.device.type == "cpu" else 64
-        made = {split: answered(teacher, tokenizer, questions, known, args.chat_tokens, rows)
+        made = {split: answered(teacher, tokenizer, questions, known, args.chat_tokens)
                 for split, questions in prompts.items()}
         cached = {"teacher": teacher_id, "prompts": made_for,
                   **{split: [[s.prompt, s.completion] for s, _ in samples] for split, samples in made.items()}}
@@ -441,7 +440,7 @@ def student_answered(args, run: Path, student: LanguageModel, eos_id: int, chat:
 
 
 def answered(teacher: LanguageModel, tokenizer: TextTokenizer, questions: list[str], known: dict,
-             max_tokens: int, rows: int) -> list[tuple[Sample, bool]]:
+             max_tokens: int) -> list[tuple[Sample, bool]]:
     """The teacher's answers to `questions`, in their order, each with whether it was in `known` (encoded
     prompt -> answer) already; the others are made (on the CPU, where the reference decoder runs)."""
     encoded = [tuple(tokenizer.encode_prompt(tokenizer.user_turn(q))) for q in questions]
@@ -449,7 +448,7 @@ def answered(teacher: LanguageModel, tokenizer: TextTokenizer, questions: list[s
     missing = [q for q, k in zip(questions, was_known) if not k]
     if missing:
         with torch.device("cpu"):
-            for sample in conversion.teacher_chat_samples(on_cpu(teacher), tokenizer, missing, max_tokens, rows):
+            for sample in conversion.teacher_chat_samples(on_cpu(teacher), tokenizer, missing, max_tokens):
                 known[tuple(sample.prompt)] = sample.completion
     return [(Sample(list(e), known[e]), k) for e, k in zip(encoded, was_known) if e in known]
 

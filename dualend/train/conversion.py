@@ -268,18 +268,19 @@ def chat_prompts(split: str, count: int, seed: int) -> list[str]:
 
 @torch.no_grad()
 def teacher_chat_samples(teacher: LanguageModel, tokenizer: TextTokenizer, prompts: list[str],
-                         max_tokens: int, rows: int = 16) -> list[Sample]:
+                         max_tokens: int) -> list[Sample]:
     """Each prompt as a user turn under the chat template, answered by the teacher's greedy
     decoding (ended by EOS when it stopped there): the token-level model's own outputs."""
     encoded = [tokenizer.encode_prompt(tokenizer.user_turn(p)) for p in prompts]
-    answers = greedy_answers(teacher, encoded, max_tokens, tokenizer.eos_id, rows)
+    answers = greedy_answers(teacher, encoded, max_tokens, tokenizer.eos_id)
     return [Sample(prompt, answer) for prompt, answer in zip(encoded, answers) if answer]
 
 
 def greedy_answers(model: LanguageModel, prompts: list[list[int]], max_tokens: int, eos_id: int,
-                   rows: int = 16) -> list[list[int]]:
+                   rows: int = 64) -> list[list[int]]:
     """`model`'s greedy continuation of each encoded prompt (a dual-end model's drafting off, as it
-    serves), ended by EOS where it stopped there; `rows` prompts at a time."""
+    serves), ended by EOS where it stopped there; `rows` prompts at a time (on two CPU cores 64 rows
+    answered SmolLM2's 64 open requests in 18.9 s against 35.9 s 16 at a time, the same answers)."""
     answers = []
     for start in range(0, len(prompts), rows):
         chunk = prompts[start:start + rows]

@@ -326,8 +326,8 @@ def test_student_answers_replace_that_share_of_the_chat_rows_made_again_once_the
     assert len(made) == 2 and any(not torch.equal(made[0][k], made[1][k]) for k in made[0])
     train.main(args + ["--steps", "2"])  # nothing trained since: the same answers
     assert len(made) == 2 and trained_on[-1] == trained_on[-2]
-    log = json.loads((tmp_path / "run" / "adapters" / "adapters.json").read_text())
-    assert log["recipe"]["student_answers"] == 0.5
+    meta = json.loads((tmp_path / "run" / "adapters" / "adapters.json").read_text())
+    assert meta["recipe"]["student_answers"] == 0.5
 
 
 @pytest.mark.parametrize("options, refused", [

@@ -417,7 +417,8 @@ def chat_data(args, run: Path, teacher: LanguageModel, tokenizer: TextTokenizer,
 def student_answered(args, run: Path, student: LanguageModel, eos_id: int, chat: list[Sample],
                      replicas: Replicas) -> list[Sample]:
     """--student-answers: the chat rows with that share of them (spread evenly) answered by the student as it
-    starts this invocation (`conversion.greedy_answers`) in place of the teacher's. The main replica makes them
+    starts this invocation (`conversion.greedy_answers`) in place of the teacher's (a row it answers with nothing,
+    not even EOS, keeps the teacher's). The main replica makes them
     into the run folder's student_answers.json, kept while the student's weights, the rows and the share are
     the same: resumed, a run that trained meanwhile answers again as the student it has become."""
     share = args.student_answers

@@ -56,12 +56,12 @@ def test_a_run_evaluated_on_open_requests_shows_their_gap_and_one_without_a_dash
 
 
 def test_runs_resumed_from_one_state_are_compared_from_a_step_with_minutes_counted_from_there(tmp_path):
-    common = [record(0, 0, 0.0, 6.0, 9.0, 0.2), record(10, 10240, 50.0, 4.0, 6.5, 0.4, 34.0)]
+    common = [record(0, 0, 0.0, 6.0, 9.0, 0.2), record(10, 10240, 50.0, 4.0, 6.5, 0.4)]  # speeds: each run its own
     slow = run_folder(tmp_path, "slow", common + [record(20, 20480, 80.0, 3.0, 6.0, 0.5, 30.0)])
     fast = run_folder(tmp_path, "fast", common + [record(20, 20480, 60.0, 3.5, 6.2, 0.45, 60.0)])
     main([str(slow), str(fast), "--out", str(tmp_path / "report"), "--from-step", "10"])
     report = (tmp_path / "report" / "report.md").read_text()
-    assert "| 20 | 20480 | 30.0 | 34 | 1.000 (from 2.000) |" in report
+    assert "| 20 | 20480 | 30.0 | 30 | 1.000 (from 2.000) |" in report
     assert "| 20 | 20480 | 10.0 | 60 | 1.500 (from 2.000) |" in report
     curves = json.loads((tmp_path / "report" / "curves.json").read_text())
     assert [r["minutes"] for r in curves["slow"]] == [0.0, 30.0] and [r["step"] for r in curves["fast"]] == [10, 20]

@@ -266,7 +266,6 @@ def chat_prompts(split: str, count: int, seed: int) -> list[str]:
     return [next(streams[i % len(streams)]).prompt for i in range(count)]
 
 
-@torch.no_grad()
 def teacher_chat_samples(teacher: LanguageModel, tokenizer: TextTokenizer, prompts: list[str],
                          max_tokens: int) -> list[Sample]:
     """Each prompt as a user turn under the chat template, answered by the teacher's greedy
@@ -276,6 +275,7 @@ def teacher_chat_samples(teacher: LanguageModel, tokenizer: TextTokenizer, promp
     return [Sample(prompt, answer) for prompt, answer in zip(encoded, answers) if answer]
 
 
+@torch.no_grad()
 def greedy_answers(model: LanguageModel, prompts: list[list[int]], max_tokens: int, eos_id: int,
                    rows: int = 64) -> list[list[int]]:
     """`model`'s greedy continuation of each encoded prompt (a dual-end model's drafting off, as it
@@ -284,9 +284,8 @@ def greedy_answers(model: LanguageModel, prompts: list[list[int]], max_tokens: i
     answers = []
     for start in range(0, len(prompts), rows):
         chunk = prompts[start:start + rows]
-        with torch.no_grad():
-            generations = generate_batch(TorchBatch(model, chunk, max_tokens),
-                                         [SamplingParams(max_tokens=max_tokens)] * len(chunk), threshold=1.0)
+        generations = generate_batch(TorchBatch(model, chunk, max_tokens),
+                                     [SamplingParams(max_tokens=max_tokens)] * len(chunk), threshold=1.0)
         answers += [[int(t) for t in g.tokens] + ([eos_id] if g.finish_reason == "eos" else []) for g in generations]
     return answers
 
